@@ -1,0 +1,155 @@
+"""Argument checking shared by every entry point (trace time, shapes and dtypes only).
+
+Every malformed call raises ``ValueError`` (wrong shape/value) or ``TypeError`` (wrong
+dtype/type) naming the argument, what it got and what was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BACKENDS = ("auto", "xla", "cutedsl")
+INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+STATE_DTYPES = (jnp.float32, jnp.float64)
+# The xla backend has no tile limits; this bound only keeps the [K, V] state and the
+# per-chunk K x K transition of context parallelism a sensible size.
+MAX_HEAD_DIM = {"xla": 1024, "cutedsl": 256}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """Static facts about one call, derived from the shapes."""
+    B: int
+    T: int
+    n: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int                      # number of sequences: B, or len(cu_seqlens) - 1
+    scale: float
+    compute_dtype: object       # float32, or float64 when q is float64
+    has_gate: bool
+    packed: bool
+
+    @property
+    def state_dtype(self):
+        return self.compute_dtype
+
+
+def _shape(x):
+    return tuple(getattr(x, "shape", ()))
+
+
+def _dtype_name(x):
+    return jnp.dtype(x.dtype).name
+
+
+def _require_array(name, x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+
+
+def _require_float(name, x, allowed):
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in allowed]:
+        names = ", ".join(jnp.dtype(d).name for d in allowed)
+        raise TypeError(f"{name} has dtype {_dtype_name(x)}; expected one of {names}")
+
+
+def _require_shape(name, x, expected, what):
+    if _shape(x) != tuple(expected):
+        raise ValueError(f"{name} has shape {_shape(x)}; expected {tuple(expected)} ({what})")
+
+
+def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                 backend="xla") -> OpSpec:
+    """Validate the op's arguments (API.md) and return the derived :class:`OpSpec`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        _require_array(name, x)
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {_shape(q)}; expected rank 4 [B, T, H, K]")
+    B, T, H, K = q.shape
+    if k.ndim != 5:
+        raise ValueError(f"k has shape {_shape(k)}; expected rank 5 [B, T, n, H, K]")
+    n = k.shape[2]
+    _require_shape("k", k, (B, T, n, H, K), "[B, T, n, H, K] matching q [B, T, H, K]")
+    if v.ndim != 5:
+        raise ValueError(f"v has shape {_shape(v)}; expected rank 5 [B, T, n, HV, V]")
+    if v.shape[:3] != (B, T, n):
+        raise ValueError(f"v has shape {_shape(v)}; expected [B, T, n, HV, V] with "
+                         f"B, T, n = {(B, T, n)} from q and k")
+    HV, V = v.shape[3], v.shape[4]
+    if T < 1 or n < 1 or H < 1 or HV < 1 or K < 1 or V < 1:
+        raise ValueError(f"empty dimension: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if HV % H:
+        raise ValueError(f"v has {HV} value heads (shape {_shape(v)}); expected a multiple "
+                         f"of the {H} key heads of q")
+    _require_shape("beta", beta, (B, T, n, HV), "[B, T, n, HV]")
+    max_dim = MAX_HEAD_DIM["cutedsl" if backend == "cutedsl" else "xla"]
+    if K > max_dim or V > max_dim:
+        raise ValueError(f"head dims K={K}, V={V} exceed the {backend} backend's maximum "
+                         f"of {max_dim}")
+    allowed = INPUT_DTYPES if backend != "cutedsl" else INPUT_DTYPES[:3]
+    _require_float("q", q, allowed)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {_dtype_name(x)}; expected q's dtype "
+                            f"{_dtype_name(q)}")
+    _require_float("beta", beta, allowed)
+    if g is not None:
+        _require_array("g", g)
+        _require_shape("g", g, (B, T, HV), "[B, T, HV]: one log-decay per token and value head")
+        _require_float("g", g, STATE_DTYPES)
+
+    packed = cu_seqlens is not None
+    if packed:
+        _require_array("cu_seqlens", cu_seqlens)
+        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise TypeError(f"cu_seqlens has dtype {_dtype_name(cu_seqlens)}; expected int32")
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens has shape {_shape(cu_seqlens)}; expected [N + 1] "
+                             "with N >= 1 sequences")
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), but q has shape "
+                             f"{_shape(q)}")
+        N = cu_seqlens.shape[0] - 1
+        _check_concrete_offsets(cu_seqlens, T)
+    else:
+        N = B
+    if initial_state is not None:
+        _require_array("initial_state", initial_state)
+        _require_shape("initial_state", initial_state, (N, HV, K, V),
+                       "[N, HV, K, V], N = B or the number of packed sequences")
+        _require_float("initial_state", initial_state, STATE_DTYPES)
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, (jax.Array, np.ndarray)) or not np.isscalar(scale):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    elif not np.isfinite(scale):
+        raise ValueError(f"scale={scale}; expected a finite float")
+    cdt = jnp.float64 if jnp.dtype(q.dtype) == jnp.float64 else jnp.float32
+    return OpSpec(B=B, T=T, n=n, H=H, HV=HV, K=K, V=V, N=N, scale=float(scale),
+                  compute_dtype=cdt, has_gate=g is not None, packed=packed)
+
+
+def _check_concrete_offsets(cu_seqlens, T):
+    """Check cu_seqlens values when they are known at trace time (not a tracer)."""
+    try:
+        cu = np.asarray(cu_seqlens)
+    except Exception:        # a tracer: values are only known on device
+        return
+    if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
+        raise ValueError(f"cu_seqlens={cu.tolist()}; expected nondecreasing offsets from 0 "
+                         f"to T={T}")
+
+
+def check_backend_name(backend: Optional[str]):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")

@@ -1,0 +1,340 @@
+"""Chunkwise (WY) Gated DeltaProduct in plain jax.numpy: the ``xla`` backend's engine.
+
+GDP with n Householder steps is the gated delta rule (GDN) on the interleaved sequence of
+L = n*T steps (ALGORITHMS.md 1.3): step r = t*n + j carries key k[t, j], value v[t, j],
+step size beta[t, j]; the gate g[t] sits on sub-step j = 0 and the query q[t] on j = n-1.
+
+That sequence is cut into chunks of C = 64 steps on a static grid. Packed sequences are
+laid out so that every chunk belongs to ONE sequence (each sequence starts a new chunk and
+its tail chunk is padded with identity steps k = v = beta = g = 0); a chunk flagged
+``reset`` starts from its sequence's initial state instead of the previous chunk's end
+state. No -inf arithmetic is involved. Per chunk, with G the chunk-local cumsum of the
+gate, gam_i = exp(G_i), Gam_ij = exp(G_i - G_j) (i >= j) and S0 the chunk's start state:
+
+    (I + A) W = diag(beta gam) K,  (I + A) U = diag(beta) V,  A = tril(diag(beta) K K^T * Gam, -1)
+    Delta = U - W S0                                    # the pseudo-values beta (v - S^T k)
+    S_end = exp(G_last) S0 + (exp(G_last - G) K)^T Delta
+    o     = scale * (diag(gam) Q S0 + tril(Q K^T * Gam) Delta)
+
+Only the state recursion is sequential (a ``lax.scan`` over chunks); everything else runs
+on all chunks at once. Shapes inside: chunk tensors are [B, NC, HV, C, X].
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gdp_jax.reference import l2_normalize
+
+CHUNK = 64
+
+
+class ChunkLayout(NamedTuple):
+    """Where each chunk row comes from and how chunks chain (all int32/bool arrays).
+
+    src:          [B, NC*C] index into the interleaved step axis, -1 for padding rows.
+    reset:        [B, NC] chunk starts a sequence (start from its initial state).
+    seq_of_chunk: [B, NC] sequence (index into initial/final states) of each chunk.
+    is_last:      [B, NC] chunk is the last one of its sequence.
+    first_chunk:  [N] flat chunk index (b*NC + c) of each sequence's first chunk.
+    last_chunk:   [N] flat chunk index of each sequence's last chunk.
+    seq_len:      [N] tokens per sequence (0 allowed).
+    out_slot:     [B, T] flat row (c*C + i) holding token t's readout (sub-step n-1).
+    """
+    src: jax.Array
+    reset: jax.Array
+    seq_of_chunk: jax.Array
+    is_last: jax.Array
+    first_chunk: jax.Array
+    last_chunk: jax.Array
+    seq_len: jax.Array
+    out_slot: jax.Array
+
+
+class ChunkInputs(NamedTuple):
+    """Per-chunk operands in the compute dtype, [B, NC, HV, C, X]; g and beta [B, NC, HV, C]."""
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+
+
+def num_chunks(L: int, N: int, packed: bool, C: int = CHUNK) -> int:
+    """Static chunk count: ceil(L/C) per row, plus at most one partial chunk per sequence."""
+    if not packed:
+        return -(-L // C)
+    return (L + N * (C - 1)) // C
+
+
+def make_layout(B, T, n, cu_seqlens: Optional[jax.Array], C: int = CHUNK) -> ChunkLayout:
+    """Chunk grid for B rows of T tokens (or one row of packed sequences at ``cu_seqlens``)."""
+    L = n * T
+    if cu_seqlens is None:
+        NC = num_chunks(L, B, False, C)
+        rows = jnp.arange(NC * C, dtype=jnp.int32)
+        src = jnp.broadcast_to(jnp.where(rows < L, rows, -1), (B, NC * C))
+        c = jnp.arange(NC)
+        reset = jnp.broadcast_to(c == 0, (B, NC))
+        seq_of_chunk = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC))
+        is_last = jnp.broadcast_to(c == NC - 1, (B, NC))
+        b = jnp.arange(B, dtype=jnp.int32)
+        out_slot = jnp.broadcast_to(n * jnp.arange(T, dtype=jnp.int32) + n - 1, (B, T))
+        return ChunkLayout(src, reset, seq_of_chunk, is_last, b * NC, b * NC + NC - 1,
+                           jnp.full((B,), T, jnp.int32), out_slot)
+
+    cu = cu_seqlens.astype(jnp.int32)
+    N = cu.shape[0] - 1
+    NC = num_chunks(L, N, True, C)
+    seq_len = cu[1:] - cu[:-1]                                   # [N] tokens
+    steps = n * seq_len                                          # [N] interleaved steps
+    nchunks = (steps + C - 1) // C
+    chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nchunks)[:-1]])
+    c = jnp.arange(NC, dtype=jnp.int32)
+    # Ties (zero-length sequences share a start) resolve to the later, non-empty one.
+    s = jnp.clip(jnp.searchsorted(chunk_start, c, side="right") - 1, 0, N - 1).astype(jnp.int32)
+    reset = (c == chunk_start[s]) & (steps[s] > 0)
+    is_last = (c == chunk_start[s] + nchunks[s] - 1) & (steps[s] > 0)
+    rows = jnp.arange(NC * C, dtype=jnp.int32)
+    rs = s[rows // C]
+    pos = (rows // C - chunk_start[rs]) * C + rows % C           # step within the sequence
+    src = jnp.where(pos < steps[rs], n * cu[rs] + pos, -1)
+    t = jnp.arange(T, dtype=jnp.int32)
+    ts = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, N - 1)
+    out_slot = chunk_start[ts] * C + n * (t - cu[ts]) + n - 1
+    last_chunk = jnp.maximum(chunk_start + nchunks - 1, 0)
+    return ChunkLayout(src[None], reset[None], s[None], is_last[None], chunk_start,
+                       last_chunk, seq_len, out_slot[None])
+
+
+def to_chunks(layout: ChunkLayout, x: jax.Array, C: int = CHUNK) -> jax.Array:
+    """[B, L, HV, ...] interleaved steps -> [B, NC, HV, C, ...] (padding rows are zero)."""
+    B = x.shape[0]
+    src = layout.src
+    idx = jnp.clip(src, 0, x.shape[1] - 1)
+    y = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+    y = jnp.where((src >= 0).reshape(src.shape + (1,) * (x.ndim - 2)), y, 0)
+    NC = src.shape[1] // C
+    y = y.reshape((B, NC, C) + x.shape[2:])
+    return jnp.moveaxis(y, 2, 3)                                  # rows after the head axis
+
+
+def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
+    """Readout rows: [B, NC, HV, C, V] -> [B, T, HV, V] at each token's last sub-step."""
+    B, NC, HV, C, V = y.shape
+    flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * C, HV, V)
+    return jnp.take_along_axis(flat, layout.out_slot[:, :, None, None], axis=1)
+
+
+def interleave(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
+    """API tensors -> interleaved step tensors [B, L, HV, ...] in the compute dtype.
+
+    q: [B, T, H, K] (placed on sub-step n-1, zero elsewhere); k: [B, T, n, H, K];
+    v: [B, T, n, HV, V]; g: [B, T, HV] or None (placed on sub-step 0); beta: [B, T, n, HV].
+    Key heads are repeated to the HV value heads (GVA); autodiff sums them back.
+    """
+    B, T, n = k.shape[:3]
+    cdt = compute_dtype
+    qf, kf = q.astype(cdt), k.astype(cdt)
+    if use_qk_l2norm:
+        qf, kf = l2_normalize(qf), l2_normalize(kf)
+    group = HV // H
+    qf = jnp.repeat(qf, group, axis=2)
+    kf = jnp.repeat(kf, group, axis=3)
+    zeros_q = jnp.zeros((B, T, n - 1) + qf.shape[2:], cdt)
+    q_il = jnp.concatenate([zeros_q, qf[:, :, None]], axis=2)
+    gf = jnp.zeros((B, T, HV), cdt) if g is None else g.astype(cdt)
+    zeros_g = jnp.zeros((B, T, n - 1, HV), cdt)
+    g_il = jnp.concatenate([gf[:, :, None], zeros_g], axis=2)
+    L = n * T
+    flat = lambda x: x.reshape((B, L) + x.shape[3:])
+    return (flat(q_il), flat(kf), flat(v.astype(cdt)), flat(g_il), flat(beta.astype(cdt)))
+
+
+def chunk_inputs(layout, q, k, v, g, beta, **kw) -> ChunkInputs:
+    """API tensors -> :class:`ChunkInputs` on the layout's chunk grid."""
+    q_il, k_il, v_il, g_il, b_il = interleave(q, k, v, g, beta, **kw)
+    tc = lambda x: to_chunks(layout, x)
+    return ChunkInputs(tc(q_il), tc(k_il), tc(v_il), tc(g_il[..., None])[..., 0],
+                       tc(b_il[..., None])[..., 0])
+
+
+# ---------------------------------------------------------------------------------------
+# Per-chunk math (all chunks at once)
+# ---------------------------------------------------------------------------------------
+
+class Intra(NamedTuple):
+    """Chunk-local quantities: shapes [B, NC, HV, C, X]."""
+    G_last: jax.Array     # [..., ] total log-decay of the chunk
+    Gam: jax.Array        # [..., C, C] exp(G_i - G_j) for i >= j, else 0
+    gam: jax.Array        # [..., C] exp(G_i)
+    w: jax.Array          # [..., C, K]
+    u: jax.Array          # [..., C, V]
+    Kt: jax.Array         # [..., C, K] exp(G_last - G_i) k_i
+
+
+def intra_chunk(ch: ChunkInputs) -> Intra:
+    C = ch.k.shape[-2]
+    G = jnp.cumsum(ch.g, axis=-1)
+    G_last = G[..., -1]
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    diff = G[..., :, None] - G[..., None, :]
+    # Mask the exponent, not just the result: exp of an upper-triangle difference can overflow.
+    Gam = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+    kk = jnp.einsum("...ik,...jk->...ij", ch.k, ch.k)
+    A = jnp.where(strict, ch.beta[..., :, None] * kk * Gam, 0.0)
+    IA = A + jnp.eye(C, dtype=A.dtype)
+    gam = jnp.exp(G)
+    rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
+    # Forward substitution with the unit lower-triangular (I + A): no explicit inverse.
+    wu = lax.linalg.triangular_solve(IA, rhs, left_side=True, lower=True, unit_diagonal=True)
+    K = ch.k.shape[-1]
+    Kt = jnp.exp(G_last[..., None] - G)[..., None] * ch.k
+    return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt)
+
+
+def chunk_map(ch: ChunkInputs, it: Intra, S0, scale):
+    """Output rows and end state of every chunk given its start state S0 [B, NC, HV, K, V]."""
+    delta = it.u - it.w @ S0
+    S_end = jnp.exp(it.G_last)[..., None, None] * S0 + jnp.swapaxes(it.Kt, -1, -2) @ delta
+    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
+    o = scale * ((it.gam[..., None] * ch.q) @ S0 + qk @ delta)
+    return o, S_end
+
+
+def _local(ch: ChunkInputs, S0, scale):
+    return chunk_map(ch, intra_chunk(ch), S0, scale)
+
+
+# ---------------------------------------------------------------------------------------
+# The sequential parts: forward state scan, reverse state-gradient scan
+# ---------------------------------------------------------------------------------------
+
+def _flat_chunks(x):
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def state_scan(it: Intra, layout: ChunkLayout, h0):
+    """Start state of every chunk, [B, NC, HV, K, V], from initial states h0 [N, HV, K, V]."""
+    def step(S, xs):
+        w, u, Kt, G_last, reset, sid = xs
+        S = jnp.where(reset[:, None, None, None], h0[sid], S)
+        delta = u - w @ S
+        S_next = jnp.exp(G_last)[..., None, None] * S + jnp.swapaxes(Kt, -1, -2) @ delta
+        return S_next, S
+
+    B, NC, HV = it.w.shape[:3]
+    K, V = it.w.shape[-1], it.u.shape[-1]
+    xs = (it.w, it.u, it.Kt, it.G_last, layout.reset, layout.seq_of_chunk)
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in xs)
+    _, S0 = lax.scan(step, jnp.zeros((B, HV, K, V), h0.dtype), xs)
+    return jnp.moveaxis(S0, 0, 1)
+
+
+def transition_scan(it: Intra, layout: ChunkLayout):
+    """The affine map's linear part per sequence: M [N, HV, K, K] with S_end = M S_in + E.
+
+    Chains m_c = exp(G_last) I - Kt_c^T w_c over the chunks of each sequence, in float32
+    (or float64); a sequence without tokens has M = I.
+    """
+    K = it.w.shape[-1]
+    eye = jnp.eye(K, dtype=it.w.dtype)
+
+    def m_of(w, Kt, G_last):
+        return jnp.exp(G_last)[..., None, None] * eye - jnp.swapaxes(Kt, -1, -2) @ w
+
+    def step(M, xs):
+        w, Kt, G_last, reset = xs
+        M = jnp.where(reset[:, None, None, None], eye, M)
+        return m_of(w, Kt, G_last) @ M, M
+
+    B, NC, HV = it.w.shape[:3]
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (it.w, it.Kt, it.G_last, layout.reset))
+    _, M0 = lax.scan(step, jnp.broadcast_to(eye, (B, HV, K, K)), xs)
+    M0 = jnp.moveaxis(M0, 0, 1)
+    lc = layout.last_chunk
+    M_end = m_of(_flat_chunks(it.w)[lc], _flat_chunks(it.Kt)[lc],
+                 _flat_chunks(it.G_last)[lc]) @ _flat_chunks(M0)[lc]
+    return jnp.where((layout.seq_len > 0)[:, None, None, None], M_end, eye)
+
+
+def final_states(ch, it, layout, S0, h0):
+    """End state of each sequence [N, HV, K, V] (its initial state if it has no tokens)."""
+    lc = layout.last_chunk
+    pick = lambda x: _flat_chunks(x)[lc]
+    delta = pick(it.u) - pick(it.w) @ pick(S0)
+    S_end = (jnp.exp(pick(it.G_last))[..., None, None] * pick(S0)
+             + jnp.swapaxes(pick(it.Kt), -1, -2) @ delta)
+    return jnp.where((layout.seq_len > 0)[:, None, None, None], S_end, h0)
+
+
+def reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale):
+    """Gradient w.r.t. each chunk's END state, [B, NC, HV, K, V] (reverse recursion).
+
+    doc: [B, NC, HV, C, V] output-row cotangents; dfinal: [N, HV, K, V] final-state
+    cotangents. Per chunk (reverse order), dS_end = (dS_start of the next chunk unless it
+    resets) + (dfinal if the chunk ends its sequence), and
+        dDelta   = scale * tril(Q K^T * Gam)^T dO + Kt dS_end
+        dS_start = scale * (gam Q)^T dO + exp(G_last) dS_end - W^T dDelta.
+    """
+    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
+    ddelta_out = scale * jnp.swapaxes(qk, -1, -2) @ doc                  # [.., C, V]
+    dS_out = scale * jnp.swapaxes(it.gam[..., None] * ch.q, -1, -2) @ doc  # [.., K, V]
+
+    def step(carry, xs):
+        ddo, dso, w, Kt, G_last, reset, is_last, sid = xs
+        dS_end = carry + jnp.where(is_last[:, None, None, None], dfinal[sid], 0.0)
+        ddelta = ddo + Kt @ dS_end
+        dS_start = dso + jnp.exp(G_last)[..., None, None] * dS_end - jnp.swapaxes(w, -1, -2) @ ddelta
+        return jnp.where(reset[:, None, None, None], 0.0, dS_start), (dS_end, dS_start)
+
+    xs = (ddelta_out, dS_out, it.w, it.Kt, it.G_last, layout.reset, layout.is_last,
+          layout.seq_of_chunk)
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in xs)
+    init = jnp.zeros(dS_out.shape[:1] + dS_out.shape[2:], dS_out.dtype)
+    _, (dS_end, dS_start) = lax.scan(step, init, xs, reverse=True)
+    return jnp.moveaxis(dS_end, 0, 1), jnp.moveaxis(dS_start, 0, 1)
+
+
+def initial_state_grads(layout, dS_start, dfinal):
+    """d loss / d initial state of each sequence [N, HV, K, V]."""
+    first = _flat_chunks(dS_start)[layout.first_chunk]
+    return jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
+
+
+# ---------------------------------------------------------------------------------------
+# Local forward / backward on the chunk grid
+# ---------------------------------------------------------------------------------------
+
+def chunk_forward(ch: ChunkInputs, layout: ChunkLayout, h0, scale, with_output=True):
+    """Returns (output rows [B, NC, HV, C, V] or None, final states [N, HV, K, V], S0)."""
+    it = intra_chunk(ch)
+    S0 = state_scan(it, layout, h0)
+    final = final_states(ch, it, layout, S0, h0)
+    o = chunk_map(ch, it, S0, scale)[0] if with_output else None
+    return o, final, S0
+
+
+def chunk_backward(ch: ChunkInputs, layout: ChunkLayout, h0, doc, dfinal, scale):
+    """Gradients of (output rows, final states) w.r.t. (chunk inputs, initial states).
+
+    Recomputes the chunk start states, runs the reverse state-gradient recursion, then
+    differentiates the chunk-local map (no sequential dependency) for all chunks at once.
+    """
+    it = intra_chunk(ch)
+    S0 = state_scan(it, layout, h0)
+    dS_end, dS_start = reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)
+    _, pullback = jax.vjp(lambda c, s: _local(c, s, scale), ch, S0)
+    dch, _ = pullback((doc, dS_end))
+    return dch, initial_state_grads(layout, dS_start, dfinal)
+
+
+def leading_gamma(ch, layout, h0, doc, dfinal, scale):
+    """Gradient w.r.t. the start state of each sequence (no output of the local vjp)."""
+    it = intra_chunk(ch)
+    _, dS_start = reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)
+    return initial_state_grads(layout, dS_start, dfinal)

@@ -1,0 +1,129 @@
+"""``gated_delta_product``: argument checks, backend dispatch and the custom_vjp glue."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gdp_jax import _checks, backends, chunked
+
+
+@dataclasses.dataclass(frozen=True)
+class OpConfig:
+    """Static (hashable) part of one call: what the backward needs besides the tensors."""
+    B: int
+    T: int
+    n: int
+    H: int
+    HV: int
+    scale: float
+    use_qk_l2norm: bool
+    compute_dtype: str      # dtype name, so the dataclass stays hashable
+
+    @classmethod
+    def from_spec(cls, spec: _checks.OpSpec, use_qk_l2norm: bool) -> "OpConfig":
+        return cls(spec.B, spec.T, spec.n, spec.H, spec.HV, spec.scale, bool(use_qk_l2norm),
+                   jnp.dtype(spec.compute_dtype).name)
+
+    @property
+    def cdt(self):
+        return jnp.dtype(self.compute_dtype)
+
+    def chunk_inputs(self, layout, q, k, v, g, beta):
+        return chunked.chunk_inputs(layout, q, k, v, g, beta, H=self.H, HV=self.HV,
+                                    compute_dtype=self.cdt, use_qk_l2norm=self.use_qk_l2norm)
+
+    def layout(self, cu_seqlens):
+        return chunked.make_layout(self.B, self.T, self.n, cu_seqlens)
+
+
+def readout_cotangent(layout, do, chunk_shape):
+    """Transpose of :func:`chunked.from_chunks`: [B, T, HV, V] -> [B, NC, HV, C, V]."""
+    zeros = jnp.zeros(chunk_shape, do.dtype)
+    _, pull = jax.vjp(lambda y: chunked.from_chunks(layout, y), zeros)
+    return pull(do)[0]
+
+
+def chunk_shape(cfg: OpConfig, layout, V):
+    NC = layout.reset.shape[1]
+    return (layout.reset.shape[0], NC, cfg.HV, chunked.CHUNK, V)
+
+
+# --- the single-device xla op -----------------------------------------------------------
+# Residuals are the op's own inputs (q, k, v, g, beta, initial_state, cu_seqlens): nothing
+# is kept beyond what the caller already holds. The backward recomputes the chunk-local
+# WY factors and the chunk start states, then runs the reverse state-gradient recursion.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _xla_op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
+    return _xla_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens)[0]
+
+
+def _xla_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
+    layout = cfg.layout(cu_seqlens)
+    ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
+    oc, final, _ = chunked.chunk_forward(ch, layout, h0.astype(cfg.cdt), cfg.scale)
+    o = chunked.from_chunks(layout, oc).astype(q.dtype)
+    return (o, final), (q, k, v, g, beta, h0, cu_seqlens)
+
+
+def _xla_bwd(cfg, res, cts):
+    q, k, v, g, beta, h0, cu_seqlens = res
+    do, dfinal = cts
+    layout = cfg.layout(cu_seqlens)
+    ch, pull_inputs = jax.vjp(lambda *a: cfg.chunk_inputs(layout, *a), q, k, v, g, beta)
+    doc = readout_cotangent(layout, do.astype(cfg.cdt), chunk_shape(cfg, layout, v.shape[-1]))
+    dch, dh0 = chunked.chunk_backward(ch, layout, h0.astype(cfg.cdt), doc,
+                                      dfinal.astype(cfg.cdt), cfg.scale)
+    dq, dk, dv, dg, dbeta = pull_inputs(dch)
+    return dq, dk, dv, dg, dbeta, dh0.astype(h0.dtype), None
+
+
+_xla_op.defvjp(_xla_fwd, _xla_bwd)
+
+
+def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
+                        output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
+                        cp_axis=None, backend="auto"):
+    """Gated DeltaProduct linear attention (chunkwise), forward and backward.
+
+    Args:
+      q: [B, T, H, K] queries (bfloat16, float16, float32; float64 on the xla backend).
+      k: [B, T, n, H, K] keys, n = number of Householder steps per token.
+      v: [B, T, n, HV, V] values; HV a multiple of H (value head h reads key head
+        h // (HV // H)).
+      g: [B, T, HV] float32 log-decay (<= 0), applied once per token before its n
+        updates, or None for no decay.
+      beta: [B, T, n, HV] step sizes (beta in (0, 2) keeps eigenvalues in (-1, 1)).
+      scale: readout scale, default K ** -0.5.
+      initial_state: [N, HV, K, V] float32 start state per sequence, or None (zeros).
+      output_final_state: also return the final states [N, HV, K, V] (float32).
+      cu_seqlens: [N + 1] int32 offsets of packed sequences in the single row (B == 1).
+      use_qk_l2norm: L2-normalise q and every key along K inside the op (eps 1e-6).
+      cp_axis: name of a ``jax.shard_map`` mesh axis over which T is split contiguously:
+        run context-parallel over it (see :mod:`gdp_jax.cp`).
+      backend: "xla", "cutedsl" or "auto".
+
+    Returns:
+      o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
+    """
+    spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                cu_seqlens=cu_seqlens, backend=backend)
+    backend = backends.resolve(backend)
+    cfg = OpConfig.from_spec(spec, use_qk_l2norm)
+    if cu_seqlens is not None:
+        cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    if cp_axis is not None:
+        from gdp_jax.cp import driver
+        o, final = driver.cp_gated_delta_product(
+            cfg, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
+            backend=backend)
+    else:
+        h0 = (jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.state_dtype)
+              if initial_state is None else initial_state)
+        o, final = _xla_op(cfg, q, k, v, g, beta, h0, cu_seqlens)
+    if output_final_state:
+        return o, final.astype(spec.state_dtype)
+    return o
