@@ -6,6 +6,7 @@ dtype/type) naming the argument, what it got and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import jax
@@ -66,8 +67,12 @@ def _require_shape(name, x, expected, what):
 
 
 def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
-                 backend="xla") -> OpSpec:
-    """Validate the op's arguments (API.md) and return the derived :class:`OpSpec`."""
+                 backend="xla", cp_size: int = 1) -> OpSpec:
+    """Validate the op's arguments (API.md) and return the derived :class:`OpSpec`.
+
+    Under context parallelism the shapes are the LOCAL shard's (T = T_global / cp_size)
+    while ``cu_seqlens`` holds GLOBAL offsets (ending at T * cp_size).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
@@ -93,8 +98,8 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
     _require_shape("beta", beta, (B, T, n, HV), "[B, T, n, HV]")
     max_dim = MAX_HEAD_DIM["cutedsl" if backend == "cutedsl" else "xla"]
     if K > max_dim or V > max_dim:
-        raise ValueError(f"head dims K={K}, V={V} exceed the {backend} backend's maximum "
-                         f"of {max_dim}")
+        raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
+                         f"{_shape(v)}) exceed the {backend} backend's maximum of {max_dim}")
     allowed = INPUT_DTYPES if backend != "cutedsl" else INPUT_DTYPES[:3]
     _require_float("q", q, allowed)
     for name, x in (("k", k), ("v", v)):
@@ -119,7 +124,7 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
             raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), but q has shape "
                              f"{_shape(q)}")
         N = cu_seqlens.shape[0] - 1
-        _check_concrete_offsets(cu_seqlens, T)
+        _check_concrete_offsets(cu_seqlens, T * cp_size)
     else:
         N = B
     if initial_state is not None:
@@ -130,7 +135,8 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
 
     if scale is None:
         scale = K ** -0.5
-    elif isinstance(scale, (jax.Array, np.ndarray)) or not np.isscalar(scale):
+    elif (isinstance(scale, (jax.Array, np.ndarray, bool, np.bool_))
+          or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
     elif not np.isfinite(scale):
         raise ValueError(f"scale={scale}; expected a finite float")

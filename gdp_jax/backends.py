@@ -9,8 +9,8 @@ import jax
 log = logging.getLogger("gdp_jax")
 
 
-def cutedsl_available() -> tuple[bool, str]:
-    """(ok, reason): can the cutedsl backend run in this process?"""
+@functools.lru_cache(maxsize=None)
+def _device_reason() -> tuple[bool, str]:
     try:
         devs = jax.devices()
     except RuntimeError as e:  # pragma: no cover - no backend at all
@@ -20,7 +20,26 @@ def cutedsl_available() -> tuple[bool, str]:
     cc = getattr(devs[0], "compute_capability", "")
     if str(cc) != "9.0":
         return False, f"GPU compute capability {cc} is not sm_90"
-    return False, "the cutedsl kernels are not part of this build yet"
+    # Only now (an sm_90 GPU is present) pay for importing the CuTe DSL.
+    from gdp_jax.kernels import fwd
+    return fwd.cutlass_importable()
+
+
+def cutedsl_available(spec=None, dtype=None) -> tuple[bool, str]:
+    """(ok, reason): can the cutedsl backend run in this process (for this call)?
+
+    ``spec`` (a ``_checks.OpSpec``) and ``dtype`` (the inputs' dtype), when given, also
+    check the kernels' limits (16-bit inputs, K and V in {64, 128}).
+    """
+    ok, reason = _device_reason()
+    if not ok or spec is None:
+        return ok, reason
+    from gdp_jax import chunked
+    from gdp_jax.kernels import fwd
+    NC = chunked.num_chunks(spec.n * spec.T, spec.N, spec.packed)
+    why = fwd.unsupported_reason(K=spec.K, V=spec.V, dtype=dtype if dtype is not None
+                                 else spec.compute_dtype, B=spec.B, NC=NC, HV=spec.HV)
+    return (False, why) if why else (True, "ok")
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,15 +47,21 @@ def _log_choice(choice: str, reason: str):
     log.info("gdp_jax backend=auto picked %s (%s)", choice, reason)
 
 
-def resolve(backend: str) -> str:
-    """Map "auto" to a concrete backend; raise where "cutedsl" cannot run."""
+def resolve(backend: str, spec=None, dtype=None, cp: bool = False) -> str:
+    """Map "auto" to a concrete backend; raise ValueError where "cutedsl" cannot run.
+
+    ``cp``: the call is context-parallel; "auto" then stays on xla (the cutedsl kernels
+    are single-device forward kernels for now).
+    """
     if backend == "xla":
         return "xla"
-    ok, reason = cutedsl_available()
+    ok, reason = cutedsl_available(spec, dtype)
     if backend == "cutedsl":
         if not ok:
             raise ValueError(f"backend='cutedsl' cannot run here: {reason}")
         return "cutedsl"
+    if ok and cp:
+        ok, reason = False, "context parallelism runs on the xla backend"
     choice = "cutedsl" if ok else "xla"
     _log_choice(choice, reason if not ok else "sm_90 GPU with CuTe DSL")
     return choice

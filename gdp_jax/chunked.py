@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gdp_jax import _vma
 from gdp_jax.reference import l2_normalize
 
 CHUNK = 64
@@ -231,7 +232,8 @@ def state_scan(it: Intra, layout: ChunkLayout, h0):
     K, V = it.w.shape[-1], it.u.shape[-1]
     xs = (it.w, it.u, it.Kt, it.G_last, layout.reset, layout.seq_of_chunk)
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in xs)
-    _, S0 = lax.scan(step, jnp.zeros((B, HV, K, V), h0.dtype), xs)
+    init = _vma.like(jnp.zeros((B, HV, K, V), h0.dtype), xs, h0)
+    _, S0 = lax.scan(step, init, xs)
     return jnp.moveaxis(S0, 0, 1)
 
 
@@ -254,7 +256,7 @@ def transition_scan(it: Intra, layout: ChunkLayout):
 
     B, NC, HV = it.w.shape[:3]
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (it.w, it.Kt, it.G_last, layout.reset))
-    _, M0 = lax.scan(step, jnp.broadcast_to(eye, (B, HV, K, K)), xs)
+    _, M0 = lax.scan(step, _vma.like(jnp.broadcast_to(eye, (B, HV, K, K)), xs), xs)
     M0 = jnp.moveaxis(M0, 0, 1)
     lc = layout.last_chunk
     M_end = m_of(_flat_chunks(it.w)[lc], _flat_chunks(it.Kt)[lc],
@@ -296,7 +298,7 @@ def reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale):
           layout.seq_of_chunk)
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in xs)
     init = jnp.zeros(dS_out.shape[:1] + dS_out.shape[2:], dS_out.dtype)
-    _, (dS_end, dS_start) = lax.scan(step, init, xs, reverse=True)
+    _, (dS_end, dS_start) = lax.scan(step, _vma.like(init, xs, dfinal), xs, reverse=True)
     return jnp.moveaxis(dS_end, 0, 1), jnp.moveaxis(dS_start, 0, 1)
 
 
@@ -333,7 +335,7 @@ def chunk_backward(ch: ChunkInputs, layout: ChunkLayout, h0, doc, dfinal, scale)
     return dch, initial_state_grads(layout, dS_start, dfinal)
 
 
-def leading_gamma(ch, layout, h0, doc, dfinal, scale):
+def leading_gamma(ch, layout, doc, dfinal, scale):
     """Gradient w.r.t. the start state of each sequence (no output of the local vjp)."""
     it = intra_chunk(ch)
     _, dS_start = reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import _checks, backends, chunked
+from gdp_jax import _checks, _vma, backends, chunked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class OpConfig:
 
 def readout_cotangent(layout, do, chunk_shape):
     """Transpose of :func:`chunked.from_chunks`: [B, T, HV, V] -> [B, NC, HV, C, V]."""
-    zeros = jnp.zeros(chunk_shape, do.dtype)
+    zeros = _vma.like(jnp.zeros(chunk_shape, do.dtype), do, layout)
     _, pull = jax.vjp(lambda y: chunked.from_chunks(layout, y), zeros)
     return pull(do)[0]
 
@@ -109,21 +109,50 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     Returns:
       o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
     """
+    cp_size = 1
+    if cp_axis is not None:
+        from gdp_jax.cp import driver
+        cp_size = driver.axis_size(cp_axis)
     spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                cu_seqlens=cu_seqlens, backend=backend)
-    backend = backends.resolve(backend)
+                                cu_seqlens=cu_seqlens, backend=backend, cp_size=cp_size)
+    backend = backends.resolve(backend, spec, q.dtype, cp=cp_axis is not None)
     cfg = OpConfig.from_spec(spec, use_qk_l2norm)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     if cp_axis is not None:
-        from gdp_jax.cp import driver
         o, final = driver.cp_gated_delta_product(
             cfg, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
             backend=backend)
     else:
         h0 = (jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.state_dtype)
               if initial_state is None else initial_state)
-        o, final = _xla_op(cfg, q, k, v, g, beta, h0, cu_seqlens)
+        o, final = _single_device_op(backend)(cfg, q, k, v, g, beta, h0, cu_seqlens)
     if output_final_state:
         return o, final.astype(spec.state_dtype)
     return o
+
+
+# --- the cutedsl forward hook (kernel engineer; gdp_jax/kernels) -------------------------
+# Forward: XLA intra-chunk factors + the fused CuTe DSL chunk kernel (state recursion,
+# output, final states). Backward: the xla backward (same residuals as _xla_op).
+
+def _single_device_op(backend: str):
+    """The custom_vjp op that runs a resolved backend on one device."""
+    return _cutedsl_op if backend == "cutedsl" else _xla_op
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cutedsl_op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
+    return _cutedsl_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens)[0]
+
+
+def _cutedsl_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
+    from gdp_jax.kernels import fwd as kernel_fwd
+    layout = cfg.layout(cu_seqlens)
+    ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
+    oc, final = kernel_fwd.chunk_forward(ch, layout, h0.astype(cfg.cdt), cfg.scale, q.dtype)
+    o = chunked.from_chunks(layout, oc).astype(q.dtype)
+    return (o, final.astype(cfg.cdt)), (q, k, v, g, beta, h0, cu_seqlens)
+
+
+_cutedsl_op.defvjp(_cutedsl_fwd, _xla_bwd)

@@ -1,0 +1,38 @@
+"""Varying-manual-axes bookkeeping for scans inside ``jax.shard_map``.
+
+Under ``shard_map(check_vma=True)`` a scan's initial carry must carry the same set of
+varying mesh axes as the values the body produces. Fresh ``jnp.zeros`` are invariant, so
+initial carries are cast to the union of the axes their inputs vary over.
+"""
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def vma_of(x) -> frozenset:
+    try:
+        aval = jax.typeof(x)
+    except Exception:  # pragma: no cover - non-array leaves
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)     # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def like(init, *refs):
+    """``init`` cast to vary over every mesh axis that any leaf of ``refs`` varies over."""
+    axes = frozenset()
+    for leaf in jax.tree_util.tree_leaves(refs):
+        axes |= vma_of(leaf)
+
+    def cast(x):
+        missing = tuple(sorted(axes - vma_of(x)))
+        if not missing:
+            return x
+        if hasattr(lax, "pcast"):
+            return lax.pcast(x, missing, to="varying")
+        return lax.pvary(x, missing)  # pragma: no cover - older jax
+
+    return jax.tree_util.tree_map(cast, init)

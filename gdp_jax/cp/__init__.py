@@ -1,0 +1,30 @@
+"""Chunkwise context parallelism (CP): Megatron's four-function protocol in JAX.
+
+Inside ``jax.shard_map`` over a mesh axis, pass ``cp_axis="<axis>"`` to
+:func:`gdp_jax.gated_delta_product`; the driver (:mod:`gdp_jax.cp.driver`) runs
+prepare -> one ``all_gather`` of float32 summaries -> fold -> apply, and the mirror image
+in the backward.
+"""
+from gdp_jax.cp.protocol import (
+    CuTeDSLGatedDeltaProductCPBackend,
+    GDPInputs,
+    GDPSavedMetadata,
+    SavedContext,
+    SummarySlice,
+    XlaGatedDeltaProductCPBackend,
+    fold_backward,
+    fold_forward,
+    pack_backward_summary,
+    pack_forward_summary,
+    restore_saved_context,
+    unpack_summary,
+    validate_summary,
+)
+from gdp_jax.cp.driver import CPRankMetadata, rank_metadata
+
+__all__ = [
+    "CPRankMetadata", "CuTeDSLGatedDeltaProductCPBackend", "GDPInputs", "GDPSavedMetadata",
+    "SavedContext", "SummarySlice", "XlaGatedDeltaProductCPBackend", "fold_backward",
+    "fold_forward", "pack_backward_summary", "pack_forward_summary", "rank_metadata",
+    "restore_saved_context", "unpack_summary", "validate_summary",
+]

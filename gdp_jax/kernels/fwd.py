@@ -1,0 +1,147 @@
+"""The ``cutedsl`` forward: XLA intra-chunk factors + the fused CuTe DSL chunk kernel.
+
+Hybrid pipeline (one ``jax.jit``-able function, no host syncs):
+
+1. XLA, all chunks at once (batched matmuls, float32): chunk-local cumsum, the WY factors
+   w, u (triangular solve), Kt = exp(G_last - G) k, and the readout operands
+   qg = scale * exp(G) q and P = scale * tril(q k^T * Gam). Cast to the 16-bit input dtype.
+2. CuTe DSL kernel (:mod:`gdp_jax.kernels.chunk_fwd_sm90`): the sequential state
+   recursion over chunks with the state in registers, fused with the chunk output
+   o = qg S0 + P Delta, and the final state of each sequence. The per-chunk start states
+   are never written to HBM.
+
+The kernel is compiled at JAX lowering time through ``cutlass.jax.cutlass_call`` (static
+shapes, stable compile key). It needs ``nvidia-cutlass-dsl`` (4.8.1 tested) and, to run,
+an sm_90 GPU; compiling works on any x86-64 host with ``CUTE_DSL_ARCH=sm_90a``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from gdp_jax import chunked
+
+SUPPORTED_DTYPES = ("bfloat16", "float16")
+SUPPORTED_HEAD_DIMS = (64, 128)
+_MAX_ELEMS = 2 ** 31 - 1      # the kernel indexes with 32-bit offsets (static layouts)
+
+
+def unsupported_reason(*, K: int, V: int, dtype, B: int, NC: int, HV: int):
+    """None if the kernel supports this call, else a sentence saying why not."""
+    name = jnp.dtype(dtype).name
+    if name not in SUPPORTED_DTYPES:
+        return (f"the cutedsl kernels take bfloat16/float16 inputs (16-bit tensor-core "
+                f"operands); got {name}")
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
+        return f"the cutedsl kernels support K, V in {SUPPORTED_HEAD_DIMS}; got K={K}, V={V}"
+    if B * NC * chunked.CHUNK * HV * max(K, V, chunked.CHUNK) > _MAX_ELEMS:
+        return "the problem is too large for the kernel's 32-bit offsets"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def import_cutlass():
+    """Import the CuTe DSL (once). Without a GPU, compile for sm_90a (the only target)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass  # noqa: F401
+    import cutlass.cute  # noqa: F401
+    import cutlass.jax  # noqa: F401
+    from gdp_jax.kernels import chunk_fwd_sm90
+    return chunk_fwd_sm90
+
+
+def cutlass_importable() -> tuple[bool, str]:
+    try:
+        import_cutlass()
+    except Exception as e:  # ImportError, or the DSL's own load errors
+        return False, f"nvidia-cutlass-dsl cannot be imported ({type(e).__name__}: {e})"
+    return True, "ok"
+
+
+def pick_bv(B: int, HV: int, V: int) -> int:
+    """Value-tile width (columns of the state per CTA).
+
+    32 is the configuration verified on the H200 (tests and benchmarks, 2026-11-29). BV = 64
+    compiles (tests/test_kernels_compile.py) but has not run on a GPU yet; it halves the
+    re-reads of w/Kt/qg/P when B*HV fills the GPU on its own.
+    """
+    del B, HV, V
+    return 32
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher():
+    mod = import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.jit
+    def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, *,
+               K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split)(stream, w, kt, qg, p, u, decay, reset, seq, last,
+                                          h0, o, final)
+
+    return launch
+
+
+def default_split(dtype) -> bool:
+    """Split the recurrent operands into hi+lo parts for bfloat16 (8-bit mantissa); float16
+    (11-bit) is accurate enough without (relative RMS ~6e-4 measured on the H200)."""
+    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+
+
+def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
+                      split: bool | None = None):
+    """The raw kernel: per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V]).
+
+    w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
+    [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC] int32; h0:
+    [N, HV, K, V] float32. Final rows of sequences without a last chunk are left unwritten.
+    """
+    mod = import_cutlass()
+    import cutlass.jax as cjax
+
+    B, NC, HV, C, K = w.shape
+    V = u.shape[-1]
+    ab_name = jnp.dtype(w.dtype).name
+    split = default_split(w.dtype) if split is None else bool(split)
+    call = cjax.cutlass_call(
+        _launcher(),
+        output_shape_dtype=(jax.ShapeDtypeStruct((B, NC, HV, C, V), w.dtype),
+                            jax.ShapeDtypeStruct(h0.shape, jnp.float32)),
+        use_static_tensors=True,
+        compile_key=("gdp_chunk_fwd_sm90", mod.KERNEL_VERSION, B, NC, HV, K, V, BV,
+                     h0.shape[0], ab_name, split),
+        K=K, V=V, BV=BV, ab_name=ab_name, split=split,
+    )
+    return call(w, kt, qg, p, u, decay, reset, seq, last, h0)
+
+
+def chunk_operands(ch: chunked.ChunkInputs, scale: float, ab_dtype):
+    """XLA part: per-chunk kernel operands in the 16-bit dtype (u and decay float32)."""
+    it = chunked.intra_chunk(ch)
+    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam      # Gam is 0 above the diagonal
+    p = (scale * qk).astype(ab_dtype)
+    qg = (scale * it.gam[..., None] * ch.q).astype(ab_dtype)
+    return (it.w.astype(ab_dtype), it.Kt.astype(ab_dtype), qg, p, it.u.astype(jnp.float32),
+            jnp.exp(it.G_last).astype(jnp.float32))
+
+
+def chunk_forward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, scale, ab_dtype):
+    """Same contract as ``chunked.chunk_forward(..)[:2]``: (o rows, final states)."""
+    B, NC, HV, C, K = ch.k.shape
+    V = ch.v.shape[-1]
+    why = unsupported_reason(K=K, V=V, dtype=ab_dtype, B=B, NC=NC, HV=HV)
+    if why is not None:
+        raise ValueError(f"backend='cutedsl' cannot run this call: {why}")
+    w, kt, qg, p, u, decay = chunk_operands(ch, scale, ab_dtype)
+    i32 = lambda x: x.astype(jnp.int32)
+    oc, final = chunk_kernel_call(w, kt, qg, p, u, decay, i32(layout.reset),
+                                  i32(layout.seq_of_chunk), i32(layout.is_last),
+                                  h0.astype(jnp.float32), BV=pick_bv(B, HV, V))
+    final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0.astype(jnp.float32))
+    return oc, final

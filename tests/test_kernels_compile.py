@@ -1,0 +1,95 @@
+"""Compile every CuTe DSL kernel for sm_90a on a host without a GPU (CPU CI).
+
+Lowering for "cuda" runs the whole CuTe DSL pipeline (trace -> MLIR -> PTX -> sm_90a
+cubin -> host launcher object) and embeds the object in the HLO; nothing executes.
+Needs ``nvidia-cutlass-dsl[cu13]==4.8.1`` (Python >= 3.11, x86-64); the module is skipped
+only when that package cannot be imported.
+"""
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")   # must precede `import cutlass`
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+from gdp_jax import _checks, chunked, ops  # noqa: E402
+from gdp_jax.kernels import fwd  # noqa: E402
+
+S = jax.ShapeDtypeStruct
+CUDA = ("cuda",)
+
+
+def _lower(fn, *avals):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=CUDA).as_text()
+
+
+def test_arch_is_sm90a():
+    # A CPU-only host silently builds for sm_100a unless CUTE_DSL_ARCH is set first.
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+    assert CuTeDSL._get_dsl().envar.arch == "sm_90a"
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("K,V,BV", [(128, 128, 64), (64, 64, 32), (64, 128, 32), (128, 64, 64)])
+def test_chunk_kernel_compiles(dtype, K, V, BV, split):
+    B, NC, HV, C, N = 2, 3, 4, chunked.CHUNK, 2
+    avals = (S((B, NC, HV, C, K), dtype), S((B, NC, HV, C, K), dtype),
+             S((B, NC, HV, C, K), dtype), S((B, NC, HV, C, C), dtype),
+             S((B, NC, HV, C, V), jnp.float32), S((B, NC, HV), jnp.float32),
+             S((B, NC), jnp.int32), S((B, NC), jnp.int32), S((B, NC), jnp.int32),
+             S((N, HV, K, V), jnp.float32))
+    txt = _lower(lambda *a: fwd.chunk_kernel_call(*a, BV=BV, split=split), *avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in txt
+
+
+def _op_avals(B, T, n, H, HV, K, V, dtype):
+    return (S((B, T, H, K), dtype), S((B, T, n, H, K), dtype), S((B, T, n, HV, V), dtype),
+            S((B, T, HV), jnp.float32), S((B, T, n, HV), dtype), S((B, HV, K, V), jnp.float32))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_cutedsl_op_forward_and_grad_lower(n):
+    """The whole cutedsl op (XLA parts + kernel) and its xla backward lower for cuda."""
+    B, T, H, HV, K, V = 1, 100, 1, 2, 64, 64
+    dtype = jnp.bfloat16
+    avals = _op_avals(B, T, n, H, HV, K, V, dtype)
+    spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in avals[:5]])
+    cfg = ops.OpConfig.from_spec(spec, True)
+
+    def f(q, k, v, g, beta, h0):
+        o, final = ops._cutedsl_op(cfg, q, k, v, g, beta, h0, None)
+        return o, final
+
+    txt = _lower(f, *avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in txt
+
+    def loss(q, k, v, g, beta, h0):
+        o, final = f(q, k, v, g, beta, h0)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    txt = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), *avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in txt
+
+
+def test_cutedsl_op_packed_lowers():
+    B, T, n, H, HV, K, V = 1, 200, 2, 2, 4, 128, 128
+    avals = _op_avals(B, T, n, H, HV, K, V, jnp.bfloat16)[:5] + (
+        S((3, HV, K, V), jnp.float32), S((4,), jnp.int32))
+    spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in avals[:5]],
+                                cu_seqlens=jnp.array([0, 50, 50, 200], jnp.int32))
+    cfg = ops.OpConfig.from_spec(spec, True)
+    txt = _lower(lambda *a: ops._cutedsl_op(cfg, *a), *avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in txt
+
+
+def test_unsupported_reasons():
+    assert fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=1, NC=4, HV=2) is None
+    assert "bfloat16/float16" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.float32,
+                                                        B=1, NC=4, HV=2)
+    assert "K, V" in fwd.unsupported_reason(K=256, V=128, dtype=jnp.bfloat16, B=1, NC=4, HV=2)
+    assert "32-bit" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=64,
+                                              NC=8192, HV=64)
