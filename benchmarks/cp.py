@@ -1,0 +1,273 @@
+"""Context-parallel benchmark: the op under shard_map(cp_axis) vs one device.
+
+For each global length T (B=1, H=HV=16, K=V=128, n_h=2, bf16 by default) it times, with
+medians after warm-up and block_until_ready:
+  * the single-device op on T (where it fits) and on T/P,
+  * the CP op on a mesh of P devices (forward, and forward+backward),
+and reports per-rank time, scaling efficiency t_1(T) / (P * t_P(T)), the all-gather's
+bytes and its time measured in isolation on the same mesh, its share of the step, and
+XLA's compiled memory footprint per device (arguments + outputs + temporaries).
+It also checks CP outputs and gradients against the single-device op (relative RMS).
+
+    python benchmarks/cp.py --P 2 --T 32768 131072 524288 --packed --out results/
+    python benchmarks/cp.py --tiny          # a CPU smoke run with 8 simulated devices
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--P", type=int, nargs="+", default=[2], help="mesh sizes")
+    p.add_argument("--T", type=int, nargs="+", default=[32768, 131072, 524288])
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--K", type=int, default=128)
+    p.add_argument("--V", type=int, default=128)
+    p.add_argument("--nh", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--packed", action="store_true", help="also run 7 packed sequences")
+    p.add_argument("--backend", default="xla")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--check-T", type=int, default=32768, help="T of the CP == 1-device check")
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--tag", default="", help="suffix of the result files")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test (8 host devices)")
+    return p.parse_args()
+
+
+ARGS = parse()
+if ARGS.tiny:
+    os.environ.setdefault("PJRT_NPROC", "32")
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    ARGS.T, ARGS.H, ARGS.K, ARGS.V, ARGS.check_T = [512], 2, 16, 16, 512
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import gdp_jax  # noqa: E402
+
+PACKED_FRACTIONS = np.array([0.05, 0.3, 0.02, 0.18, 0.25, 0.12, 0.08])   # 7 sequences
+
+
+def packed_offsets(T):
+    lens = np.floor(PACKED_FRACTIONS * T).astype(np.int64)
+    lens[-1] += T - lens.sum()
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+
+def make_inputs(T, key):
+    H, K, V, n = ARGS.H, ARGS.K, ARGS.V, ARGS.nh
+    dt = jnp.dtype(ARGS.dtype)
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (1, T, H, K), dt)
+    k = jax.random.normal(ks[1], (1, T, n, H, K), jnp.float32)
+    k = (k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True))).astype(dt)
+    v = jax.random.normal(ks[2], (1, T, n, H, V), dt)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, T, H), jnp.float32)) * 0.1
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, n, H), jnp.float32)).astype(dt)
+    return q, k, v, g, beta
+
+
+def op_fn(cu, cp_axis=None):
+    def f(q, k, v, g, beta):
+        return gdp_jax.gated_delta_product(q, k, v, g, beta, cu_seqlens=cu, cp_axis=cp_axis,
+                                           backend=ARGS.backend)
+    return f
+
+
+def loss_grad(f):
+    def L(q, k, v, g, beta):
+        o = f(q, k, v, g, beta)
+        return jnp.sum(o.astype(jnp.float32) * jnp.cos(o.astype(jnp.float32)))
+    return jax.grad(L, argnums=(0, 1, 2, 3, 4))
+
+
+def sharded(f, mesh, cu):
+    spec = P(None, "cp")
+    if cu is None:
+        return jax.shard_map(lambda *a: f(None)(*a), mesh=mesh, in_specs=(spec,) * 5,
+                             out_specs=spec)
+    return jax.shard_map(lambda cu_, *a: f(cu_)(*a), mesh=mesh,
+                         in_specs=(P(),) + (spec,) * 5, out_specs=spec)
+
+
+def timed(fn, args):
+    """Compile, warm up, then the median of ARGS.iters timed calls (ms) and memory (bytes)."""
+    jf = jax.jit(fn)
+    t0 = time.perf_counter()
+    compiled = jf.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    mem = None
+    try:
+        ma = compiled.memory_analysis()
+        mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                  - ma.alias_size_in_bytes)
+    except Exception:
+        pass
+    for _ in range(ARGS.warmup):
+        jax.block_until_ready(compiled(*args))
+    ts = []
+    for _ in range(ARGS.iters):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        ts.append((time.perf_counter() - t) * 1e3)
+    return {"ms": statistics.median(ts), "compile_s": compile_s, "mem_bytes": mem}
+
+
+def run_case(label, T, Pn, mesh, packed, devices):
+    """One (T, P, layout) case: 1-device on T and T/P, CP on P devices; fwd and fwd+bwd."""
+    key = jax.random.key(T)
+    x = make_inputs(T, key)
+    cu = packed_offsets(T) if packed else None
+    rows = {}
+    for mode in ("fwd", "fwd+bwd"):
+        wrap = (lambda f: f) if mode == "fwd" else loss_grad
+        r = {}
+        one = jax.device_put(x, devices[0])
+        cu1 = None if cu is None else jax.device_put(cu, devices[0])
+        try:
+            r["t1_T"] = timed(wrap(op_fn(cu1)), one)
+        except Exception as e:  # out of memory on one device is a result, not a crash
+            r["t1_T"] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+        Tp = T // Pn
+        part = jax.device_put(tuple(a[:, :Tp] for a in x), devices[0])
+        cup = None if cu is None else jax.device_put(packed_offsets(Tp), devices[0])
+        r["t1_Tp"] = timed(wrap(op_fn(cup)), part)
+        if mode == "fwd":
+            fn = sharded(lambda c: op_fn(c, "cp"), mesh, cu)
+        else:
+            fn = sharded(lambda c: lambda *a: loss_grad(op_fn(c, "cp"))(*a), mesh, cu)
+            if cu is None:
+                fn = jax.shard_map(lambda *a: loss_grad(op_fn(None, "cp"))(*a), mesh=mesh,
+                                   in_specs=(P(None, "cp"),) * 5, out_specs=(P(None, "cp"),) * 5)
+            else:
+                fn = jax.shard_map(lambda cu_, *a: loss_grad(op_fn(cu_, "cp"))(*a), mesh=mesh,
+                                   in_specs=(P(),) + (P(None, "cp"),) * 5,
+                                   out_specs=(P(None, "cp"),) * 5)
+        args = x if cu is None else (cu,) + tuple(x)
+        r["tP_T"] = timed(fn, args)
+        t1 = r["t1_T"].get("ms")
+        r["efficiency"] = None if t1 is None else t1 / (Pn * r["tP_T"]["ms"])
+        rows[mode] = r
+    return {"label": label, "T": T, "P": Pn, "packed": packed, **rows}
+
+
+def allgather_cost(mesh, Pn):
+    """The CP summary all-gather alone: [HV, K, V + K] float32 per rank."""
+    H, K, V = ARGS.H, ARGS.K, ARGS.V
+    x = jnp.ones((Pn, H, K, V + K), jnp.float32)
+    fn = jax.shard_map(lambda s: jax.lax.all_gather(s[0], "cp")[None], mesh=mesh,
+                       in_specs=P("cp"), out_specs=P("cp"))
+    r = timed(fn, (x,))
+    r["bytes_sent_per_rank"] = H * K * (V + K) * 4
+    r["bytes_received_per_rank"] = Pn * H * K * (V + K) * 4
+    return r
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
+
+
+def check(mesh, Pn, devices, packed):
+    """CP outputs and gradients vs the single-device op, per rank slice (relative RMS)."""
+    T = ARGS.check_T
+    x = make_inputs(T, jax.random.key(7))
+    cu = packed_offsets(T) if packed else None
+    one = jax.device_put(x, devices[0])
+    o1 = jax.jit(op_fn(None if cu is None else jax.device_put(cu, devices[0])))(*one)
+    g1 = jax.jit(loss_grad(op_fn(None if cu is None else jax.device_put(cu, devices[0]))))(*one)
+    spec = P(None, "cp")
+    if cu is None:
+        fo = jax.shard_map(lambda *a: op_fn(None, "cp")(*a), mesh=mesh, in_specs=(spec,) * 5,
+                           out_specs=spec)
+        fg = jax.shard_map(lambda *a: loss_grad(op_fn(None, "cp"))(*a), mesh=mesh,
+                           in_specs=(spec,) * 5, out_specs=(spec,) * 5)
+        args = x
+    else:
+        fo = jax.shard_map(lambda c, *a: op_fn(c, "cp")(*a), mesh=mesh,
+                           in_specs=(P(),) + (spec,) * 5, out_specs=spec)
+        fg = jax.shard_map(lambda c, *a: loss_grad(op_fn(c, "cp"))(*a), mesh=mesh,
+                           in_specs=(P(),) + (spec,) * 5, out_specs=(spec,) * 5)
+        args = (cu,) + tuple(x)
+    oP = jax.jit(fo)(*args)
+    gP = jax.jit(fg)(*args)
+    Tl = T // Pn
+    out = {"o": [rel_rms(oP[:, r * Tl:(r + 1) * Tl], o1[:, r * Tl:(r + 1) * Tl]) for r in range(Pn)]}
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), gP, g1):
+        out[name] = [rel_rms(a[:, r * Tl:(r + 1) * Tl], b[:, r * Tl:(r + 1) * Tl])
+                     for r in range(Pn)]
+    return out
+
+
+def main():
+    devices = jax.devices()
+    date = datetime.date.today().isoformat()
+    results = {"date": date, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+               "device": str(devices[0].device_kind), "num_devices": len(devices),
+               "jax": jax.__version__, "config": {k: v for k, v in vars(ARGS).items()},
+               "cases": [], "allgather": {}, "checks": {}}
+    for Pn in ARGS.P:
+        if Pn > len(devices):
+            print(f"skip P={Pn}: only {len(devices)} devices", flush=True)
+            continue
+        mesh = Mesh(np.array(devices[:Pn]), ("cp",))
+        for packed in ((False, True) if ARGS.packed else (False,)) if ARGS.check_T else ():
+            results["checks"][f"P{Pn}_{'packed' if packed else 'batched'}"] = check(
+                mesh, Pn, devices, packed)
+            print("check", Pn, packed, json.dumps(results["checks"]), flush=True)
+        results["allgather"][str(Pn)] = allgather_cost(mesh, Pn)
+        for T in ARGS.T:
+            for packed in ((False, True) if ARGS.packed else (False,)):
+                label = f"T={T} P={Pn} {'packed7' if packed else 'single'}"
+                res = run_case(label, T, Pn, mesh, packed, devices)
+                results["cases"].append(res)
+                print(json.dumps(res), flush=True)
+    os.makedirs(ARGS.out, exist_ok=True)
+    stem = os.path.join(ARGS.out, f"cp_{date}{ARGS.tag}" + ("_tiny" if ARGS.tiny else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table(results))
+    print(table(results))
+
+
+def table(res):
+    lines = [f"# CP benchmark, {res['date']} on {res['num_devices']} x {res['device']}",
+             "", f"Command: `{res['command']}`  (jax {res['jax']})", "",
+             "| case | mode | 1 dev on T (ms) | 1 dev on T/P (ms) | CP per rank (ms) | "
+             "efficiency t1(T)/(P tP) | all-gather share | mem/rank CP (GB) | mem 1 dev T (GB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in res["cases"]:
+        ag = res["allgather"][str(c["P"])]["ms"]
+        for mode in ("fwd", "fwd+bwd"):
+            r = c[mode]
+            t1 = r["t1_T"].get("ms", float("nan"))
+            nag = 1 if mode == "fwd" else 2
+            gb = lambda m: "-" if not m else f"{m / 1e9:.2f}"
+            eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+            lines.append(
+                f"| {c['label']} | {mode} | {t1:.2f} | {r['t1_Tp']['ms']:.2f} | "
+                f"{r['tP_T']['ms']:.2f} | {eff} | {100 * nag * ag / r['tP_T']['ms']:.2f}% | "
+                f"{gb(r['tP_T']['mem_bytes'])} | {gb(r['t1_T'].get('mem_bytes'))} |")
+    lines += ["", "All-gather alone (per call): " + ", ".join(
+        f"P={p}: {v['ms']:.3f} ms, {v['bytes_received_per_rank'] / 1e6:.2f} MB received per rank"
+        for p, v in res["allgather"].items()), "",
+        "CP vs 1 device (relative RMS per rank slice): "]
+    for k, v in res["checks"].items():
+        lines.append(f"- {k}: " + ", ".join(f"{n} max {max(x):.2e}" for n, x in v.items()))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
