@@ -124,6 +124,14 @@ def timed(fn, args):
     return {"ms": statistics.median(ts), "compile_s": compile_s, "mem_bytes": mem}
 
 
+def guarded(f, *a):
+    """Out of memory on a device is a result to report, not a crash."""
+    try:
+        return f(*a)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
 def run_case(label, T, Pn, mesh, packed, devices):
     """One (T, P, layout) case: 1-device on T and T/P, CP on P devices; fwd and fwd+bwd."""
     key = jax.random.key(T)
@@ -135,14 +143,12 @@ def run_case(label, T, Pn, mesh, packed, devices):
         r = {}
         one = jax.device_put(x, devices[0])
         cu1 = None if cu is None else jax.device_put(cu, devices[0])
-        try:
-            r["t1_T"] = timed(wrap(op_fn(cu1)), one)
-        except Exception as e:  # out of memory on one device is a result, not a crash
-            r["t1_T"] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+        r["t1_T"] = guarded(timed, wrap(op_fn(cu1)), one)
         Tp = T // Pn
         part = jax.device_put(tuple(a[:, :Tp] for a in x), devices[0])
         cup = None if cu is None else jax.device_put(packed_offsets(Tp), devices[0])
-        r["t1_Tp"] = timed(wrap(op_fn(cup)), part)
+        r["t1_Tp"] = guarded(timed, wrap(op_fn(cup)), part)
+        del one, part
         if mode == "fwd":
             fn = sharded(lambda c: op_fn(c, "cp"), mesh, cu)
         else:
@@ -155,9 +161,9 @@ def run_case(label, T, Pn, mesh, packed, devices):
                                    in_specs=(P(),) + (P(None, "cp"),) * 5,
                                    out_specs=(P(None, "cp"),) * 5)
         args = x if cu is None else (cu,) + tuple(x)
-        r["tP_T"] = timed(fn, args)
-        t1 = r["t1_T"].get("ms")
-        r["efficiency"] = None if t1 is None else t1 / (Pn * r["tP_T"]["ms"])
+        r["tP_T"] = guarded(timed, fn, args)
+        t1, tP = r["t1_T"].get("ms"), r["tP_T"].get("ms")
+        r["efficiency"] = None if t1 is None or tP is None else t1 / (Pn * tP)
         rows[mode] = r
     return {"label": label, "T": T, "P": Pn, "packed": packed, **rows}
 
@@ -252,14 +258,15 @@ def table(res):
         ag = res["allgather"][str(c["P"])]["ms"]
         for mode in ("fwd", "fwd+bwd"):
             r = c[mode]
-            t1 = r["t1_T"].get("ms", float("nan"))
+            ms = lambda x: f"{x['ms']:.2f}" if "ms" in x else "OOM/err"
             nag = 1 if mode == "fwd" else 2
             gb = lambda m: "-" if not m else f"{m / 1e9:.2f}"
             eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+            share = (f"{100 * nag * ag / r['tP_T']['ms']:.2f}%" if "ms" in r["tP_T"] else "-")
             lines.append(
-                f"| {c['label']} | {mode} | {t1:.2f} | {r['t1_Tp']['ms']:.2f} | "
-                f"{r['tP_T']['ms']:.2f} | {eff} | {100 * nag * ag / r['tP_T']['ms']:.2f}% | "
-                f"{gb(r['tP_T']['mem_bytes'])} | {gb(r['t1_T'].get('mem_bytes'))} |")
+                f"| {c['label']} | {mode} | {ms(r['t1_T'])} | {ms(r['t1_Tp'])} | "
+                f"{ms(r['tP_T'])} | {eff} | {share} | "
+                f"{gb(r['tP_T'].get('mem_bytes'))} | {gb(r['t1_T'].get('mem_bytes'))} |")
     lines += ["", "All-gather alone (per call): " + ", ".join(
         f"P={p}: {v['ms']:.3f} ms, {v['bytes_received_per_rank'] / 1e6:.2f} MB received per rank"
         for p, v in res["allgather"].items()), "",

@@ -256,33 +256,6 @@ def state_scan(it: Intra, layout: ChunkLayout, h0):
     return jnp.moveaxis(S0, 0, 1)
 
 
-def transition_scan(it: Intra, layout: ChunkLayout):
-    """The affine map's linear part per sequence: M [N, HV, K, K] with S_end = M S_in + E.
-
-    Chains m_c = exp(G_last) I - Kt_c^T w_c over the chunks of each sequence, in float32
-    (or float64); a sequence without tokens has M = I.
-    """
-    K = it.w.shape[-1]
-    eye = jnp.eye(K, dtype=it.w.dtype)
-
-    def m_of(w, Kt, G_last):
-        return jnp.exp(G_last)[..., None, None] * eye - jnp.swapaxes(Kt, -1, -2) @ w
-
-    def step(M, xs):
-        w, Kt, G_last, reset = xs
-        M = jnp.where(reset[:, None, None, None], eye, M)
-        return m_of(w, Kt, G_last) @ M, M
-
-    B, NC, HV = it.w.shape[:3]
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (it.w, it.Kt, it.G_last, layout.reset))
-    _, M0 = lax.scan(step, _vma.like(jnp.broadcast_to(eye, (B, HV, K, K)), xs), xs)
-    M0 = jnp.moveaxis(M0, 0, 1)
-    lc = layout.last_chunk
-    M_end = m_of(_flat_chunks(it.w)[lc], _flat_chunks(it.Kt)[lc],
-                 _flat_chunks(it.G_last)[lc]) @ _flat_chunks(M0)[lc]
-    return jnp.where((layout.seq_len > 0)[:, None, None, None], M_end, eye)
-
-
 def final_states(ch, it, layout, S0, h0):
     """End state of each sequence [N, HV, K, V] (its initial state if it has no tokens)."""
     lc = layout.last_chunk
@@ -350,12 +323,77 @@ def chunk_backward(ch: ChunkInputs, layout: ChunkLayout, h0, doc, dfinal, scale)
     S0 = state_scan(it, layout, h0)
     dS_end, dS_start = reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)
     _, pullback = jax.vjp(lambda c, s: _local(c, s, scale), ch, S0)
-    dch, _ = pullback((doc, dS_end))
+    # Under shard_map the cotangents must vary over the same mesh axes as the outputs.
+    dch, _ = pullback(_vma.like((doc, dS_end), ch, S0))
     return dch, initial_state_grads(layout, dS_start, dfinal)
 
 
-def leading_gamma(ch, layout, doc, dfinal, scale):
-    """Gradient w.r.t. the start state of each sequence (no output of the local vjp)."""
+# ---------------------------------------------------------------------------------------
+# Fragment summaries for context parallelism: parallel (log-depth) composition of the
+# per-chunk affine maps, restarting at sequence boundaries. No sequential scan.
+# ---------------------------------------------------------------------------------------
+
+def _segmented_compose(m, e, brk):
+    """Inclusive prefix composition along the chunk axis (1) of affine maps x -> m x + e.
+
+    brk[b, c]: element c does not chain onto the elements before it (a restart).
+    Returns (M, E) with M[c] = m_c ... m_{c0}, E[c] the image of 0, c0 the last restart.
+    """
+    def combine(a, b):
+        ma, ea, ra = a
+        mb, eb, rb = b
+        r = rb[..., None, None, None]
+        return (jnp.where(r, mb, mb @ ma), jnp.where(r, eb, mb @ ea + eb), ra | rb)
+
+    M, E, _ = lax.associative_scan(combine, (m, e, brk), axis=1)
+    return M, E
+
+
+def _chunk_transitions(it: Intra):
+    """m_c = exp(G_last) I - Kt_c^T w_c: the linear part of chunk c's map on its start state."""
+    K = it.w.shape[-1]
+    eye = jnp.eye(K, dtype=it.w.dtype)
+    return jnp.exp(it.G_last)[..., None, None] * eye - jnp.swapaxes(it.Kt, -1, -2) @ it.w
+
+
+def forward_summaries(ch: ChunkInputs, layout: ChunkLayout):
+    """(E, M) of every sequence, [N, HV, K, V] and [N, HV, K, K]: S_end = M S_start + E.
+
+    A sequence without tokens has E = 0, M = I.
+    """
     it = intra_chunk(ch)
-    _, dS_start = reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)
-    return initial_state_grads(layout, dS_start, dfinal)
+    m = _chunk_transitions(it)
+    e = jnp.swapaxes(it.Kt, -1, -2) @ it.u
+    M, E = _segmented_compose(m, e, layout.reset)
+    lc, has = layout.last_chunk, (layout.seq_len > 0)[:, None, None, None]
+    eye = jnp.eye(m.shape[-1], dtype=m.dtype)
+    return (jnp.where(has, _flat_chunks(E)[lc], 0.0),
+            jnp.where(has, _flat_chunks(M)[lc], eye))
+
+
+def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale):
+    """(gamma, M^T) of every sequence: dS_start = M^T dS_end + gamma.
+
+    gamma is the gradient w.r.t. the sequence's start state from the output cotangents
+    ``doc`` [B, NC, HV, C, V] and final-state cotangents ``dfinal`` [N, HV, K, V], with no
+    gradient arriving from beyond the sequence's end. Per chunk (see
+    :func:`reverse_state_grad_scan`): dS_start = m^T dS_end + b, b = scale (gam Q)^T dO -
+    W^T scale tril(Q K^T Gam)^T dO (+ m^T dfinal on the sequence's last chunk).
+    """
+    it = intra_chunk(ch)
+    mt = jnp.swapaxes(_chunk_transitions(it), -1, -2)
+    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
+    ddelta_out = scale * jnp.swapaxes(qk, -1, -2) @ doc
+    b = (scale * jnp.swapaxes(it.gam[..., None] * ch.q, -1, -2) @ doc
+         - jnp.swapaxes(it.w, -1, -2) @ ddelta_out)
+    df = jnp.where(layout.is_last[:, :, None, None, None], dfinal[layout.seq_of_chunk], 0.0)
+    b = b + mt @ df
+    # Chunk c does not chain onto chunk c + 1 when c + 1 starts a sequence (or c is last).
+    brk = jnp.concatenate([layout.reset[:, 1:], jnp.ones_like(layout.reset[:, :1])], axis=1)
+    rev = lambda x: jnp.flip(x, axis=1)
+    Mt, G = _segmented_compose(rev(mt), rev(b), rev(brk))
+    Mt, G = rev(Mt), rev(G)
+    fc, has = layout.first_chunk, (layout.seq_len > 0)[:, None, None, None]
+    eye = jnp.eye(mt.shape[-1], dtype=mt.dtype)
+    return (jnp.where(has, _flat_chunks(G)[fc], dfinal),
+            jnp.where(has, _flat_chunks(Mt)[fc], eye))

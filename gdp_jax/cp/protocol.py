@@ -254,11 +254,9 @@ class XlaGatedDeltaProductCPBackend:
         cfg = self.config
         layout = cfg.layout(inputs.cu_seqlens)
         ch = self._chunks(inputs, layout)
-        it = chunked.intra_chunk(ch)
-        zeros = jnp.zeros_like(inputs.initial_state, dtype=cfg.cdt)
-        S0 = chunked.state_scan(it, layout, zeros)
-        E = chunked.final_states(ch, it, layout, S0, zeros)[inputs.last_seq]
-        M = chunked.transition_scan(it, layout)[inputs.last_seq]
+        # Parallel composition of the chunk maps: no extra sequential pass over chunks.
+        E, M = chunked.forward_summaries(ch, layout)
+        E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
         return summary, _LocalForward(inputs, layout, ch)
 
@@ -297,9 +295,8 @@ class XlaGatedDeltaProductCPBackend:
         doc = readout_cotangent(layout, do.astype(cfg.cdt),
                                 chunk_shape(cfg, layout, inputs.v.shape[-1]))
         dfinal = dfinal.astype(cfg.cdt)
-        gamma = chunked.leading_gamma(ch, layout, doc, dfinal, cfg.scale)[inputs.first_seq]
-        it = chunked.intra_chunk(ch)
-        Mt = jnp.swapaxes(chunked.transition_scan(it, layout)[inputs.first_seq], -1, -2)
+        gamma, Mt = chunked.backward_summaries(ch, layout, doc, dfinal, cfg.scale)
+        gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
         summary = self._pack_shape(pack_backward_summary(gamma, Mt),
                                    inputs.cu_seqlens is not None)
         return summary, _LocalBackward(inputs, md, layout, ch, pull, doc, dfinal)
@@ -351,4 +348,5 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
     def _local_forward(self, ch, layout, h0, q_dtype):
         from gdp_jax.kernels import fwd as kernel_fwd
         oc, final = kernel_fwd.chunk_forward(ch, layout, h0, self.config.scale, q_dtype)
-        return oc, final.astype(h0.dtype)
+        # The custom call's results carry no varying-axes type: give them the inputs'.
+        return _vma.like((oc, final.astype(h0.dtype)), ch, h0)

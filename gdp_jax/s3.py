@@ -1,0 +1,205 @@
+"""The S3 word problem: a small state-tracking task where n_h > 1 visibly matters.
+
+Tokens are the 6 elements of the symmetric group S3; the target at position t is the
+prefix product x_0 x_1 ... x_t. A one-layer Gated DeltaProduct with n_h = 1 (Gated DeltaNet)
+cannot represent the 3-cycles (rotations) with one Householder reflection per token, so it
+fails to extrapolate; n_h = 2 writes each element as a product of two reflections and
+tracks the group exactly (PERFORMANCE.md, "A small experiment where n_h > 1 visibly
+matters"). The model: embedding -> one GatedDeltaProduct layer (no gate, beta = 2 sigmoid)
+with a residual -> small MLP -> linear readout.
+
+Training runs context-parallel over a ``cp`` mesh axis when ``devices > 1``: every sequence
+is split contiguously along T over the devices and the layer runs with ``cp_axis="cp"``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from flax import nnx
+
+from gdp_jax.nn import GatedDeltaProduct
+
+# --- the group -------------------------------------------------------------------------
+
+PERMS = list(itertools.permutations(range(3)))          # 6 elements; PERMS[0] = identity
+_INDEX = {p: i for i, p in enumerate(PERMS)}
+# (a * b)(i) = a(b(i)): apply b first, then a.
+MUL = np.array([[_INDEX[tuple(a[b[i]] for i in range(3))] for b in PERMS] for a in PERMS],
+               np.int32)
+
+
+def sample_batch(rng: np.random.Generator, batch: int, seq_len: int):
+    """Random words and their prefix products: (tokens, targets), both [batch, seq_len] int32.
+
+    targets[:, t] = tokens[:, 0] * tokens[:, 1] * ... * tokens[:, t] (each new element
+    multiplied on the right).
+    """
+    x = rng.integers(0, 6, size=(batch, seq_len), dtype=np.int32)
+    y = np.empty_like(x)
+    acc = np.zeros(batch, np.int32)
+    for t in range(seq_len):
+        acc = MUL[acc, x[:, t]]
+        y[:, t] = acc
+    return x, y
+
+
+# --- the model -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class S3Config:
+    num_householder: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    head_dim: int = 16
+    mlp_ratio: int = 2
+    conv_size: int = 4
+
+
+def _rms(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class S3Model(nnx.Module):
+    """Embedding -> GatedDeltaProduct (residual) -> MLP (residual) -> readout [.., 6]."""
+
+    def __init__(self, cfg: S3Config, *, cp_axis: Optional[str] = None, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(6, cfg.d_model, rngs=rngs)
+        self.mixer = GatedDeltaProduct(
+            cfg.d_model, cfg.num_heads, head_k_dim=cfg.head_dim, head_v_dim=cfg.head_dim,
+            num_householder=cfg.num_householder, conv_size=cfg.conv_size, use_gate=False,
+            allow_neg_eigval=True, cp_axis=cp_axis, backend="xla", rngs=rngs)
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.fc1 = nnx.Linear(cfg.d_model, hidden, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, cfg.d_model, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, 6, rngs=rngs)
+
+    def __call__(self, tokens):
+        """tokens [B, T] int32 -> logits [B, T, 6] float32."""
+        h = self.embed(tokens)
+        h = h + self.mixer(_rms(h))
+        h = h + self.fc2(jax.nn.gelu(self.fc1(_rms(h))))
+        return self.head(_rms(h))
+
+
+# --- training --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TrainResult:
+    num_householder: int
+    losses: list
+    train_len: int
+    eval_len: int
+    acc_per_position: np.ndarray          # [eval_len] accuracy at each position
+    acc_train_len: float                  # mean accuracy over positions < train_len
+    acc_eval_len: float                   # mean accuracy over all eval_len positions
+    seconds: float
+
+
+def make_mesh(devices: int) -> Optional[Mesh]:
+    """A 1-D ``cp`` mesh over the first ``devices`` devices, or None for one device."""
+    if devices <= 1:
+        return None
+    devs = jax.devices()
+    if len(devs) < devices:
+        raise ValueError(f"{devices} devices requested, but JAX sees {len(devs)} "
+                         f"({devs[0].platform}); on CPU set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={devices} before importing jax")
+    return Mesh(np.array(devs[:devices]), ("cp",))
+
+
+def _loss_fn(model, tokens, targets, cp_axis):
+    logits = model(tokens).astype(jnp.float32)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    total, hits, count = nll.sum(), correct.sum(), jnp.float32(nll.size)
+    if cp_axis is not None:                                   # local shard -> global mean
+        total, hits, count = (jax.lax.psum(a, cp_axis) for a in (total, hits, count))
+    return total / count, hits / count
+
+
+def build_steps(cfg: S3Config, mesh: Optional[Mesh], lr: float, steps: int, seed: int):
+    """Create the model + optimizer and jitted (train_step, eval_fn) closures.
+
+    train_step(state, tokens, targets) -> (state, loss, acc)
+    eval_fn(state, tokens, targets) -> correct [B, T] float32
+    Under a mesh, tokens/targets [B, T] are split along T over ``cp`` and the
+    parameters are replicated.
+    """
+    import optax
+
+    cp_axis = "cp" if mesh is not None else None
+    model = S3Model(cfg, cp_axis=cp_axis, rngs=nnx.Rngs(seed))
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(2, steps),
+                                               lr * 0.05)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = tx.init(params)
+
+    def grad_fn(params, tokens, targets):
+        def f(p):
+            return _loss_fn(nnx.merge(graphdef, p), tokens, targets, cp_axis)
+        (loss, acc), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, acc, grads
+
+    def correct_fn(params, tokens, targets):
+        logits = nnx.merge(graphdef, params)(tokens)
+        return (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+
+    if mesh is not None:
+        grad_fn = jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P(None, "cp"), P(None, "cp")),
+                                out_specs=(P(), P(), P()))
+        correct_fn = jax.shard_map(correct_fn, mesh=mesh,
+                                   in_specs=(P(), P(None, "cp"), P(None, "cp")),
+                                   out_specs=P(None, "cp"))
+
+    @jax.jit
+    def train_step(state, tokens, targets):
+        params, opt_state = state
+        loss, acc, grads = grad_fn(params, tokens, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, opt_state), loss, acc
+
+    eval_fn = jax.jit(correct_fn)
+    return (params, opt_state), train_step, eval_fn
+
+
+def train_s3(num_householder: int, *, steps: int = 300, seq_len: int = 64, batch: int = 32,
+             eval_factor: int = 4, eval_batch: int = 64, devices: int = 1, lr: float = 3e-3,
+             seed: int = 0, cfg: Optional[S3Config] = None,
+             progress: Optional[Callable[[int, float, float], None]] = None) -> TrainResult:
+    """Train one model on S3 words of length ``seq_len`` and evaluate at ``eval_factor`` x.
+
+    ``progress(step, loss, acc)`` is called after every step.
+    """
+    cfg = dataclasses.replace(cfg or S3Config(), num_householder=num_householder)
+    mesh = make_mesh(devices)
+    for L in (seq_len, eval_factor * seq_len):
+        if mesh is not None and L % devices:
+            raise ValueError(f"sequence length {L} must be divisible by devices={devices}")
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    state, train_step, eval_fn = build_steps(cfg, mesh, lr, steps, seed)
+    losses = []
+    for step in range(steps):
+        x, y = sample_batch(rng, batch, seq_len)
+        state, loss, acc = train_step(state, x, y)
+        loss, acc = float(loss), float(acc)
+        losses.append(loss)
+        if progress is not None:
+            progress(step, loss, acc)
+    eval_len = eval_factor * seq_len
+    x, y = sample_batch(np.random.default_rng(seed + 12345), eval_batch, eval_len)
+    correct = np.asarray(eval_fn(state[0], x, y))
+    per_pos = correct.mean(0)
+    return TrainResult(num_householder, losses, seq_len, eval_len, per_pos,
+                       float(per_pos[:seq_len].mean()), float(per_pos.mean()),
+                       time.perf_counter() - t0)
