@@ -92,13 +92,15 @@ def loss_grad(f):
     return jax.grad(L, argnums=(0, 1, 2, 3, 4))
 
 
-def sharded(f, mesh, cu):
+def sharded(f, mesh, cu, n_out=1):
+    """shard_map of f(cu)(q, k, v, g, beta) with T split over "cp" (cu replicated)."""
     spec = P(None, "cp")
+    out = spec if n_out == 1 else (spec,) * n_out
     if cu is None:
         return jax.shard_map(lambda *a: f(None)(*a), mesh=mesh, in_specs=(spec,) * 5,
-                             out_specs=spec)
+                             out_specs=out)
     return jax.shard_map(lambda cu_, *a: f(cu_)(*a), mesh=mesh,
-                         in_specs=(P(),) + (spec,) * 5, out_specs=spec)
+                         in_specs=(P(),) + (spec,) * 5, out_specs=out)
 
 
 def timed(fn, args):
@@ -149,17 +151,7 @@ def run_case(label, T, Pn, mesh, packed, devices):
         cup = None if cu is None else jax.device_put(packed_offsets(Tp), devices[0])
         r["t1_Tp"] = guarded(timed, wrap(op_fn(cup)), part)
         del one, part
-        if mode == "fwd":
-            fn = sharded(lambda c: op_fn(c, "cp"), mesh, cu)
-        else:
-            fn = sharded(lambda c: lambda *a: loss_grad(op_fn(c, "cp"))(*a), mesh, cu)
-            if cu is None:
-                fn = jax.shard_map(lambda *a: loss_grad(op_fn(None, "cp"))(*a), mesh=mesh,
-                                   in_specs=(P(None, "cp"),) * 5, out_specs=(P(None, "cp"),) * 5)
-            else:
-                fn = jax.shard_map(lambda cu_, *a: loss_grad(op_fn(cu_, "cp"))(*a), mesh=mesh,
-                                   in_specs=(P(),) + (P(None, "cp"),) * 5,
-                                   out_specs=(P(None, "cp"),) * 5)
+        fn = sharded(lambda c: wrap(op_fn(c, "cp")), mesh, cu, n_out=1 if mode == "fwd" else 5)
         args = x if cu is None else (cu,) + tuple(x)
         r["tP_T"] = guarded(timed, fn, args)
         t1, tP = r["t1_T"].get("ms"), r["tP_T"].get("ms")
@@ -193,19 +185,9 @@ def check(mesh, Pn, devices, packed):
     one = jax.device_put(x, devices[0])
     o1 = jax.jit(op_fn(None if cu is None else jax.device_put(cu, devices[0])))(*one)
     g1 = jax.jit(loss_grad(op_fn(None if cu is None else jax.device_put(cu, devices[0]))))(*one)
-    spec = P(None, "cp")
-    if cu is None:
-        fo = jax.shard_map(lambda *a: op_fn(None, "cp")(*a), mesh=mesh, in_specs=(spec,) * 5,
-                           out_specs=spec)
-        fg = jax.shard_map(lambda *a: loss_grad(op_fn(None, "cp"))(*a), mesh=mesh,
-                           in_specs=(spec,) * 5, out_specs=(spec,) * 5)
-        args = x
-    else:
-        fo = jax.shard_map(lambda c, *a: op_fn(c, "cp")(*a), mesh=mesh,
-                           in_specs=(P(),) + (spec,) * 5, out_specs=spec)
-        fg = jax.shard_map(lambda c, *a: loss_grad(op_fn(c, "cp"))(*a), mesh=mesh,
-                           in_specs=(P(),) + (spec,) * 5, out_specs=(spec,) * 5)
-        args = (cu,) + tuple(x)
+    fo = sharded(lambda c: op_fn(c, "cp"), mesh, cu)
+    fg = sharded(lambda c: loss_grad(op_fn(c, "cp")), mesh, cu, n_out=5)
+    args = x if cu is None else (cu,) + tuple(x)
     oP = jax.jit(fo)(*args)
     gP = jax.jit(fg)(*args)
     Tl = T // Pn
