@@ -56,17 +56,28 @@ def chunk_shape(cfg: OpConfig, layout, V):
 # is kept beyond what the caller already holds. The backward recomputes the chunk-local
 # WY factors and the chunk start states, then runs the reverse state-gradient recursion.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _xla_op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
-    return _xla_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens)[0]
+def _xla_local_forward(cfg, ch, layout, h0, q_dtype):
+    oc, final, _ = chunked.chunk_forward(ch, layout, h0, cfg.scale)
+    return oc, final
 
 
-def _xla_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
-    layout = cfg.layout(cu_seqlens)
-    ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
-    oc, final, _ = chunked.chunk_forward(ch, layout, h0.astype(cfg.cdt), cfg.scale)
-    o = chunked.from_chunks(layout, oc).astype(q.dtype)
-    return (o, final), (q, k, v, g, beta, h0, cu_seqlens)
+def _make_single_device_op(local_forward):
+    """custom_vjp op whose forward runs ``local_forward`` on the chunk grid and whose
+    backward is :func:`_xla_bwd` (residuals: the op's inputs only)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
+        return fwd(cfg, q, k, v, g, beta, h0, cu_seqlens)[0]
+
+    def fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
+        layout = cfg.layout(cu_seqlens)
+        ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
+        oc, final = local_forward(cfg, ch, layout, h0.astype(cfg.cdt), q.dtype)
+        o = chunked.from_chunks(layout, oc).astype(q.dtype)
+        return (o, final.astype(cfg.cdt)), (q, k, v, g, beta, h0, cu_seqlens)
+
+    op.defvjp(fwd, _xla_bwd)
+    return op
 
 
 def _xla_bwd(cfg, res, cts):
@@ -81,7 +92,7 @@ def _xla_bwd(cfg, res, cts):
     return dq, dk, dv, dg, dbeta, dh0.astype(h0.dtype), None
 
 
-_xla_op.defvjp(_xla_fwd, _xla_bwd)
+_xla_op = _make_single_device_op(_xla_local_forward)
 
 
 def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -141,18 +152,9 @@ def _single_device_op(backend: str):
     return _cutedsl_op if backend == "cutedsl" else _xla_op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cutedsl_op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
-    return _cutedsl_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens)[0]
-
-
-def _cutedsl_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
+def _cutedsl_local_forward(cfg, ch, layout, h0, q_dtype):
     from gdp_jax.kernels import fwd as kernel_fwd
-    layout = cfg.layout(cu_seqlens)
-    ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
-    oc, final = kernel_fwd.chunk_forward(ch, layout, h0.astype(cfg.cdt), cfg.scale, q.dtype)
-    o = chunked.from_chunks(layout, oc).astype(q.dtype)
-    return (o, final.astype(cfg.cdt)), (q, k, v, g, beta, h0, cu_seqlens)
+    return kernel_fwd.chunk_forward(ch, layout, h0, cfg.scale, q_dtype)
 
 
-_cutedsl_op.defvjp(_cutedsl_fwd, _xla_bwd)
+_cutedsl_op = _make_single_device_op(_cutedsl_local_forward)
