@@ -266,6 +266,15 @@ def final_states(ch, it, layout, S0, h0):
     return jnp.where((layout.seq_len > 0)[:, None, None, None], S_end, h0)
 
 
+def _readout_grads(ch, it, doc, scale):
+    """What the output rows' cotangents doc [.., C, V] send to Delta [.., C, V] and to the
+    chunk start state [.., K, V] (o = scale (gam Q S0 + tril(Q K^T Gam) Delta))."""
+    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
+    ddelta = scale * jnp.swapaxes(qk, -1, -2) @ doc
+    dS0 = scale * jnp.swapaxes(it.gam[..., None] * ch.q, -1, -2) @ doc
+    return ddelta, dS0
+
+
 def reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale):
     """Gradient w.r.t. each chunk's END state, [B, NC, HV, K, V] (reverse recursion).
 
@@ -275,9 +284,7 @@ def reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale):
         dDelta   = scale * tril(Q K^T * Gam)^T dO + Kt dS_end
         dS_start = scale * (gam Q)^T dO + exp(G_last) dS_end - W^T dDelta.
     """
-    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
-    ddelta_out = scale * jnp.swapaxes(qk, -1, -2) @ doc                  # [.., C, V]
-    dS_out = scale * jnp.swapaxes(it.gam[..., None] * ch.q, -1, -2) @ doc  # [.., K, V]
+    ddelta_out, dS_out = _readout_grads(ch, it, doc, scale)
 
     def step(carry, xs):
         ddo, dso, w, Kt, G_last, reset, is_last, sid = xs
@@ -382,10 +389,8 @@ def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale)
     """
     it = intra_chunk(ch)
     mt = jnp.swapaxes(_chunk_transitions(it), -1, -2)
-    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
-    ddelta_out = scale * jnp.swapaxes(qk, -1, -2) @ doc
-    b = (scale * jnp.swapaxes(it.gam[..., None] * ch.q, -1, -2) @ doc
-         - jnp.swapaxes(it.w, -1, -2) @ ddelta_out)
+    ddelta_out, dS_out = _readout_grads(ch, it, doc, scale)
+    b = dS_out - jnp.swapaxes(it.w, -1, -2) @ ddelta_out
     df = jnp.where(layout.is_last[:, :, None, None, None], dfinal[layout.seq_of_chunk], 0.0)
     b = b + mt @ df
     # Chunk c does not chain onto chunk c + 1 when c + 1 starts a sequence (or c is last).
