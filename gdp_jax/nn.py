@@ -155,6 +155,9 @@ class GatedDeltaProduct(nnx.Module):
       use_gate: True: g = -exp(A_log) * softplus(a + dt_bias) (float32); False: no decay.
       allow_neg_eigval: beta = 2 * sigmoid(b) in (0, 2) (eigenvalues in (-1, 1), needed
         for state tracking) instead of sigmoid(b) in (0, 1).
+      qkv_activation: apply SiLU to q, k, v after the short convolution (FLA's default).
+      learn_initial_state: learn one start state [HV, K, V] shared by every sequence
+        (zeros at init) instead of starting from zero.
       norm_eps: epsilon of the gated RMSNorm.
       cp_axis: shard_map mesh axis name for context parallelism, or None.
       backend: op backend, "auto" | "xla" | "cutedsl".
@@ -169,7 +172,8 @@ class GatedDeltaProduct(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  head_k_dim: int = 64, head_v_dim: Optional[int] = None,
                  num_householder: int = 2, conv_size: int = 4, use_gate: bool = True,
-                 allow_neg_eigval: bool = True, norm_eps: float = 1e-5,
+                 allow_neg_eigval: bool = True, qkv_activation: bool = True,
+                 learn_initial_state: bool = False, norm_eps: float = 1e-5,
                  cp_axis: Optional[str] = None, backend: str = "auto", dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -188,6 +192,7 @@ class GatedDeltaProduct(nnx.Module):
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.num_householder, self.conv_size = num_householder, conv_size
         self.use_gate, self.allow_neg_eigval = use_gate, allow_neg_eigval
+        self.qkv_activation, self.learn_initial_state = qkv_activation, learn_initial_state
         self.norm_eps, self.cp_axis, self.backend = norm_eps, cp_axis, backend
         self.dtype = dtype
 
@@ -209,6 +214,9 @@ class GatedDeltaProduct(nnx.Module):
             self.A_log = nnx.Param(jnp.log(_uniform(1.0, 16.0)(rngs.params(), (HV,))))
             dt = jnp.exp(_uniform(math.log(1e-3), math.log(1e-1))(rngs.params(), (HV,)))
             self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))   # inverse softplus
+        if learn_initial_state:
+            self.initial_state = nnx.Param(jnp.zeros((HV, K, V), jnp.promote_types(
+                param_dtype, jnp.float32)))
         self.norm_weight = nnx.Param(jnp.ones((V,), param_dtype))
         self.out_proj = nnx.Linear(HV * V, d_model, use_bias=False, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
@@ -228,8 +236,9 @@ class GatedDeltaProduct(nnx.Module):
         qkv = jnp.concatenate([q, k, v], axis=-1)
         if self.conv_size > 1:
             qkv = causal_conv1d(qkv, self.conv_weight[...], self.conv_bias[...],
-                                cu_seqlens=cu_seqlens, cp_axis=self.cp_axis)
-        else:
+                                cu_seqlens=cu_seqlens, cp_axis=self.cp_axis,
+                                activation=self.qkv_activation)
+        elif self.qkv_activation:
             qkv = jax.nn.silu(qkv)
         q, k, v = jnp.split(qkv, [H * K, H * K + n * H * K], axis=-1)
         fdt = jnp.promote_types(b.dtype, jnp.float32)      # float32, or float64 for f64 inputs
@@ -252,7 +261,11 @@ class GatedDeltaProduct(nnx.Module):
         if cu_seqlens is not None:
             cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
         p = self.project(x, cu_seqlens)
-        o = gated_delta_product(p["q"], p["k"], p["v"], p["g"], p["beta"],
+        h0 = None
+        if self.learn_initial_state:
+            N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            h0 = jnp.broadcast_to(self.initial_state[...], (N,) + self.initial_state.shape)
+        o = gated_delta_product(p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=h0,
                                 cu_seqlens=cu_seqlens, use_qk_l2norm=True,
                                 cp_axis=self.cp_axis, backend=self.backend)
         o = gated_rms_norm(o, p["z"], self.norm_weight[...], self.norm_eps)

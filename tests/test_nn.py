@@ -1,0 +1,185 @@
+"""The Flax NNX GatedDeltaProduct layer: shapes, packing, GVA, gradients, CP == one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+nnx = pytest.importorskip("flax.nnx", reason="install the 'nn' extra (flax)")
+
+import gdp_jax  # noqa: E402
+from gdp_jax.nn import GatedDeltaProduct, causal_conv1d  # noqa: E402
+
+F64 = jnp.float64
+D = 16
+
+
+def make(cp_axis=None, **kw):
+    args = dict(num_kv_heads=1, head_k_dim=8, head_v_dim=8, num_householder=2,
+                param_dtype=F64, backend="xla")
+    args.update(kw)
+    return GatedDeltaProduct(D, args.pop("num_heads", 2), cp_axis=cp_axis, rngs=nnx.Rngs(0),
+                             **args)
+
+
+def rand_x(B, T, seed=1):
+    return jax.random.normal(jax.random.key(seed), (B, T, D), F64)
+
+
+def rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-300))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(use_gate=False, allow_neg_eigval=False),
+                                dict(conv_size=0, num_householder=3),
+                                dict(learn_initial_state=True, qkv_activation=False)])
+def test_shapes_and_projection(kw):
+    layer = make(num_heads=4, num_kv_heads=2, **kw)
+    x = rand_x(2, 23)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    n = layer.num_householder
+    p = layer.project(x)
+    assert p["q"].shape == (2, 23, 2, 8)
+    assert p["k"].shape == (2, 23, n, 2, 8)
+    assert p["v"].shape == (2, 23, n, 4, 8)
+    assert p["beta"].shape == (2, 23, n, 4)
+    assert p["z"].shape == (2, 23, 4, 8)
+    hi = 2.0 if layer.allow_neg_eigval else 1.0
+    assert 0 < float(p["beta"].min()) and float(p["beta"].max()) < hi
+    if layer.use_gate:
+        assert p["g"].shape == (2, 23, 4) and float(p["g"].max()) <= 0
+    else:
+        assert p["g"] is None
+
+
+def test_bfloat16_compute():
+    layer = GatedDeltaProduct(D, 2, head_k_dim=8, dtype=jnp.bfloat16, backend="xla",
+                              rngs=nnx.Rngs(0))
+    y = layer(rand_x(1, 17).astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+
+
+def test_matches_the_reference_pipeline_with_gva():
+    """Layer == its own projections fed to the token-recurrence reference (GVA: H < HV)."""
+    from gdp_jax.nn import gated_rms_norm
+    layer = make(num_heads=4, num_kv_heads=2)
+    x = rand_x(2, 19)
+    p = layer.project(x)
+    o = gdp_jax.gated_delta_product_reference(p["q"], p["k"], p["v"], p["g"], p["beta"],
+                                              use_qk_l2norm=True)
+    o = gated_rms_norm(o, p["z"], layer.norm_weight[...], layer.norm_eps)
+    want = layer.out_proj(o.reshape(2, 19, -1))
+    assert rel(layer(x), want) < 1e-10
+
+
+def test_packed_equals_separate_sequences():
+    layer = make(learn_initial_state=True)
+    # a non-zero learned start state must be used by every packed sequence
+    layer.initial_state[...] = 0.1 * jax.random.normal(jax.random.key(5),
+                                                       layer.initial_state.shape, F64)
+    cu = np.array([0, 5, 17, 17, 30, 41])
+    x = rand_x(1, 41)
+    packed = layer(x, cu_seqlens=jnp.asarray(cu, jnp.int32))
+    parts = [layer(x[:, a:b]) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    assert rel(packed, jnp.concatenate(parts, axis=1)) < 1e-10
+
+
+def test_causal():
+    layer = make()
+    x = rand_x(1, 30)
+    y = layer(x)
+    y2 = layer(x.at[:, 20].add(1.0))
+    assert rel(y2[:, :20], y[:, :20]) == 0.0
+    assert rel(y2[:, 20:], y[:, 20:]) > 1e-3
+
+
+@pytest.mark.parametrize("use_gate", [True, False])
+def test_grads_finite(use_gate):
+    layer = make(use_gate=use_gate, num_heads=4, num_kv_heads=2)
+    graphdef, params = nnx.split(layer, nnx.Param)
+    x = rand_x(1, 33)
+    cu = jnp.array([0, 12, 33], jnp.int32)
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params)(x, cu) ** 2)
+
+    gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    leaves = jax.tree.leaves(gp) + [gx]
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+    assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
+
+
+def test_conv_restarts_and_halo_check():
+    x = jax.random.normal(jax.random.key(0), (1, 12, 3), F64)
+    w = jax.random.normal(jax.random.key(1), (4, 3), F64)
+    cu = jnp.array([0, 5, 12], jnp.int32)
+    y = causal_conv1d(x, w, None, cu_seqlens=cu, activation=False)
+    y0 = causal_conv1d(x[:, :5], w, None, activation=False)
+    y1 = causal_conv1d(x[:, 5:], w, None, activation=False)
+    assert rel(y, jnp.concatenate([y0, y1], 1)) < 1e-12
+    # tap W-1 multiplies the current token
+    assert rel(y[:, 0], x[:, 0] * w[3]) < 1e-12
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        GatedDeltaProduct(D, 3, num_kv_heads=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="expected"):
+        make()(jnp.zeros((1, 4, D + 1), F64))
+
+
+# --- context parallelism -----------------------------------------------------------------
+
+def _mesh(n=8):
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices")
+    return Mesh(np.array(jax.devices()[:n]), ("cp",))
+
+
+@pytest.mark.parametrize("case", ["packed", "batched"])
+def test_layer_under_cp_equals_one_device(case):
+    """8 ranks of 8 tokens; packed sequences cross (several) rank boundaries."""
+    mesh = _mesh()
+    kw = dict(num_heads=4, num_kv_heads=2, learn_initial_state=True)
+    one, cp = make(**kw), make(cp_axis="cp", **kw)
+    graphdef1, params = nnx.split(one, nnx.Param)
+    graphdef_cp, _ = nnx.split(cp, nnx.Param)
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(
+        jax.random.key(3), a.shape, a.dtype), params)          # non-zero start state too
+    if case == "packed":
+        B, cu = 1, jnp.array([0, 3, 21, 22, 23, 50, 64], jnp.int32)
+    else:
+        B, cu = 2, None
+    x = rand_x(B, 64)
+    w = rand_x(B, 64, seed=7)                                  # random output weights
+
+    def loss1(params, x):
+        return jnp.sum(w * nnx.merge(graphdef1, params)(x, cu))
+
+    def loss_cp(params, x, w):
+        y = nnx.merge(graphdef_cp, params)(x, cu)
+        return jax.lax.psum(jnp.sum(w * y), "cp")
+
+    sp = P(None, "cp")
+    fwd_cp = jax.jit(jax.shard_map(lambda p, x: nnx.merge(graphdef_cp, p)(x, cu), mesh=mesh,
+                                   in_specs=(P(), sp), out_specs=sp))
+    grad_cp = jax.jit(jax.shard_map(jax.grad(loss_cp, argnums=(0, 1)), mesh=mesh,
+                                    in_specs=(P(), sp, sp), out_specs=(P(), sp)))
+    y1 = jax.jit(lambda p, x: nnx.merge(graphdef1, p)(x, cu))(params, x)
+    assert rel(fwd_cp(params, x), y1) < 1e-10
+    g1 = jax.jit(jax.grad(loss1, argnums=(0, 1)))(params, x)
+    gc = grad_cp(params, x, w)
+    errs = jax.tree.map(rel, gc, g1)
+    assert max(jax.tree.leaves(errs)) < 1e-9, errs
+
+
+def test_cp_needs_conv_halo_tokens_per_rank():
+    mesh = _mesh()
+    layer = make(cp_axis="cp", conv_size=4)
+    graphdef, params = nnx.split(layer, nnx.Param)
+    f = jax.shard_map(lambda p, x: nnx.merge(graphdef, p)(x), mesh=mesh,
+                      in_specs=(P(), P(None, "cp")), out_specs=P(None, "cp"))
+    with pytest.raises(ValueError, match="conv_size - 1"):
+        jax.jit(f)(params, rand_x(1, 16))                      # 2 tokens per rank < 3
