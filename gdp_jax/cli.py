@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-SELF_CHECK_HINT = "Self-check of this installation: gdp-jax check   (about a minute on CPU)"
+SELF_CHECK_HINT = ("Self-check of this installation: gdp-jax check   (about a minute on CPU)\n"
+                   "S3 state-tracking demo:          gdp-jax demo    (a few minutes on CPU)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -35,19 +36,18 @@ def _backends_started() -> bool:
 def setup_cpu_devices(n: int) -> None:
     """Make JAX's CPU platform expose ``n`` devices (sets XLA_FLAGS, PJRT_NPROC).
 
-    Besides the device count this switches off XLA:CPU's concurrency-optimised thunk
-    scheduler and sizes the CPU client's thread pools to at least 2n threads: with
-    fewer threads than simulated devices, collectives of a multi-device program can
-    wait forever for ranks whose work sits in the same exhausted pool.
+    Besides the device count this sizes the CPU client's thread pool (PJRT_NPROC, unless
+    set): XLA sizes it by the core count, and with fewer threads than simulated devices
+    the collectives of a multi-device program wait forever for ranks whose work sits in
+    the same exhausted pool.
     """
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={n}")
-    if n > 1:
-        if not any(f.startswith("--xla_cpu_enable_concurrency_optimized_scheduler")
-                   for f in flags):
-            flags.append("--xla_cpu_enable_concurrency_optimized_scheduler=false")
-        os.environ.setdefault("PJRT_NPROC", str(max(2 * n, os.cpu_count() or 1)))
+    # At least 32 threads even for one device: jaxlib's batched LAPACK kernels (the
+    # chunk-local triangular solves) wait inside pool threads for work they queue on the
+    # same pool; with a pool of 2 (a 2-core machine) two such solves deadlock.
+    os.environ.setdefault("PJRT_NPROC", str(max(4 * n, 32, os.cpu_count() or 1)))
     os.environ["XLA_FLAGS"] = " ".join(flags)
     if _backends_started():
         print("warning: JAX's backends were already initialised; the device count "
@@ -124,7 +124,6 @@ def run_check(args) -> int:
     import jax
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
-    import numpy as np
     import gdp_jax
     from gdp_jax import backends
 
@@ -300,7 +299,7 @@ def plot_results(results, path: str) -> None:
     ax.set_ylabel("accuracy of the prefix product")
     ax.set_ylim(0, 1.02)
     ax.set_title("S3 word problem, one Gated DeltaProduct layer")
-    ax.legend(loc="lower left")
+    ax.legend(loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -365,7 +364,7 @@ def _nh_list(s: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gdp-jax", description="Gated DeltaProduct linear attention for JAX.",
-        epilog=SELF_CHECK_HINT)
+        epilog=SELF_CHECK_HINT, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     c = sub.add_parser("check", help="check the op against the reference on this machine",
@@ -405,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DEMO_DEFAULTS = dict(steps=400, seq_len=32, batch=16, lr=1e-2)
+DEMO_DEFAULTS = dict(steps=400, seq_len=16, batch=16, lr=1e-2)
 
 
 def main(argv=None) -> int:
@@ -413,7 +412,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        print(f"\n{SELF_CHECK_HINT}\nS3 state-tracking demo:          gdp-jax demo")
         return 0
     if getattr(args, "seq_len", None) and args.devices > 1 and args.seq_len % args.devices:
         parser.error(f"--seq-len {args.seq_len} must be a multiple of --devices {args.devices}")

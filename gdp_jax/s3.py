@@ -187,8 +187,8 @@ def build_steps(cfg: S3Config, mesh: Optional[Mesh], lr: float, steps: int, seed
     return (params, opt_state), train_step, eval_fn
 
 
-def train_s3(num_householder: int, *, steps: int = 300, seq_len: int = 32, batch: int = 32,
-             eval_factor: int = 4, eval_batch: int = 64, devices: int = 1, lr: float = 1e-2,
+def train_s3(num_householder: int, *, steps: int = 400, seq_len: int = 16, batch: int = 16,
+             eval_factor: int = 4, eval_batch: int = 256, devices: int = 1, lr: float = 1e-2,
              seed: int = 0, cfg: Optional[S3Config] = None,
              progress: Optional[Callable[[int, float, float], None]] = None) -> TrainResult:
     """Train one model on S3 words of length ``seq_len`` and evaluate at ``eval_factor`` x.
