@@ -15,6 +15,7 @@ import numpy as np
 
 BACKENDS = ("auto", "xla", "cutedsl")
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+CUTEDSL_INPUT_DTYPES = INPUT_DTYPES[:3]     # no float64 tensor cores
 STATE_DTYPES = (jnp.float32, jnp.float64)
 # The xla backend has no tile limits; this bound only keeps the [K, V] state and the
 # per-chunk K x K transition of context parallelism a sensible size.
@@ -100,7 +101,7 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
     if K > max_dim or V > max_dim:
         raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
                          f"{_shape(v)}) exceed the {backend} backend's maximum of {max_dim}")
-    allowed = INPUT_DTYPES if backend != "cutedsl" else INPUT_DTYPES[:3]
+    allowed = INPUT_DTYPES if backend != "cutedsl" else CUTEDSL_INPUT_DTYPES
     _require_float("q", q, allowed)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:

@@ -256,6 +256,42 @@ def state_scan(it: Intra, layout: ChunkLayout, h0):
     return jnp.moveaxis(S0, 0, 1)
 
 
+def states_from_checkpoints(it: Intra, layout: ChunkLayout, h0, ckpts, stride: int):
+    """Start state of every chunk [B, NC, HV, K, V] from checkpoints kept by the forward.
+
+    ckpts: [B, NG, HV, K, V], NG = ceil(NC / stride): the start state of chunks 0, stride,
+    2 stride, ... (after any reset). The stride - 1 states after each checkpoint are
+    recomputed by a scan of stride - 1 steps that runs all groups at once (the
+    ``recompute_chunk_num`` trade: N = stride - 1).
+    """
+    B, NC = it.w.shape[:2]
+    NG = ckpts.shape[1]
+    if stride == 1:
+        return ckpts[:, :NC]
+    pad = NG * stride - NC
+
+    def groups(x):  # [B, NC, ...] -> [stride, B, NG, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((B, NG, stride) + x.shape[2:]), 2, 0)
+
+    w, u, Kt, G_last = (groups(x) for x in (it.w, it.u, it.Kt, it.G_last))
+    reset, sid = groups(layout.reset), groups(layout.seq_of_chunk)
+
+    def step(S, xs):
+        # advance over chunk j - 1, then restart if chunk j begins a sequence
+        w, u, Kt, G_last, reset, sid = xs
+        S = jnp.exp(G_last)[..., None, None] * S + jnp.swapaxes(Kt, -1, -2) @ (u - w @ S)
+        S = jnp.where(reset[..., None, None, None], h0[sid].astype(S.dtype), S)
+        return S, S
+
+    xs = (w[:-1], u[:-1], Kt[:-1], G_last[:-1], reset[1:], sid[1:])
+    S0 = ckpts.astype(it.w.dtype)
+    _, rest = lax.scan(step, _vma.like(S0, xs, h0), xs)
+    S = jnp.concatenate([S0[None], rest], axis=0)              # [stride, B, NG, HV, K, V]
+    S = jnp.moveaxis(S, 0, 2).reshape((B, NG * stride) + S.shape[3:])
+    return S[:, :NC]
+
+
 def final_states(ch, it, layout, S0, h0):
     """End state of each sequence [N, HV, K, V] (its initial state if it has no tokens)."""
     lc = layout.last_chunk

@@ -21,11 +21,13 @@ class OpConfig:
     scale: float
     use_qk_l2norm: bool
     compute_dtype: str      # dtype name, so the dataclass stays hashable
+    recompute_chunk_num: int = 0   # cutedsl: keep one chunk-state checkpoint per N + 1
 
     @classmethod
-    def from_spec(cls, spec: _checks.OpSpec, use_qk_l2norm: bool) -> "OpConfig":
+    def from_spec(cls, spec: _checks.OpSpec, use_qk_l2norm: bool,
+                  recompute_chunk_num: int = 0) -> "OpConfig":
         return cls(spec.B, spec.T, spec.n, spec.H, spec.HV, spec.scale, bool(use_qk_l2norm),
-                   jnp.dtype(spec.compute_dtype).name)
+                   jnp.dtype(spec.compute_dtype).name, recompute_chunk_num)
 
     @property
     def cdt(self):
@@ -80,24 +82,41 @@ def _make_single_device_op(local_forward):
     return op
 
 
-def _xla_bwd(cfg, res, cts):
-    q, k, v, g, beta, h0, cu_seqlens = res
+def _input_grads(cfg, inputs, cts, local_backward):
+    """Cotangents of (o, final) -> gradients of (q, k, v, g, beta, h0, cu_seqlens).
+
+    ``local_backward(ch, layout, h0, doc, dfinal) -> (dch, dh0)`` works on the chunk grid.
+    """
+    q, k, v, g, beta, h0, cu_seqlens = inputs
     do, dfinal = cts
     layout = cfg.layout(cu_seqlens)
     ch, pull_inputs = jax.vjp(lambda *a: cfg.chunk_inputs(layout, *a), q, k, v, g, beta)
     doc = readout_cotangent(layout, do.astype(cfg.cdt), chunk_shape(cfg, layout, v.shape[-1]))
-    dch, dh0 = chunked.chunk_backward(ch, layout, h0.astype(cfg.cdt), doc,
-                                      dfinal.astype(cfg.cdt), cfg.scale)
+    dch, dh0 = local_backward(ch, layout, h0.astype(cfg.cdt), doc, dfinal.astype(cfg.cdt))
     dq, dk, dv, dg, dbeta = pull_inputs(dch)
     return dq, dk, dv, dg, dbeta, dh0.astype(h0.dtype), None
+
+
+def _xla_bwd(cfg, res, cts):
+    return _input_grads(cfg, res, cts, lambda ch, layout, h0, doc, dfinal: (
+        chunked.chunk_backward(ch, layout, h0, doc, dfinal, cfg.scale)))
 
 
 _xla_op = _make_single_device_op(_xla_local_forward)
 
 
+def check_recompute_chunk_num(n) -> int:
+    """``recompute_chunk_num`` must be an int in [0, 64] (None: 0)."""
+    if n is None:
+        return 0
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
+        raise ValueError(f"recompute_chunk_num={n!r}; expected an int in [0, 64]")
+    return n
+
+
 def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
-                        cp_axis=None, backend="auto"):
+                        cp_axis=None, backend="auto", recompute_chunk_num=None):
     """Gated DeltaProduct linear attention (chunkwise), forward and backward.
 
     Args:
@@ -116,6 +135,11 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
       cp_axis: name of a ``jax.shard_map`` mesh axis over which T is split contiguously:
         run context-parallel over it (see :mod:`gdp_jax.cp`).
       backend: "xla", "cutedsl" or "auto".
+      recompute_chunk_num: N in [0, 64], default 0. The cutedsl forward keeps the state
+        at the start of every (N + 1)-th chunk for the backward (N = 0: every chunk,
+        [B, NC, HV, K, V] float32) and the backward recomputes the others: 1 / (N + 1) of
+        the state memory for N extra chunk steps. The xla backend keeps no chunk states
+        at all (it recomputes every one), so N changes nothing there.
 
     Returns:
       o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
@@ -127,7 +151,7 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, backend=backend, cp_size=cp_size)
     backend = backends.resolve(backend, spec, q.dtype, cp=cp_axis is not None)
-    cfg = OpConfig.from_spec(spec, use_qk_l2norm)
+    cfg = OpConfig.from_spec(spec, use_qk_l2norm, check_recompute_chunk_num(recompute_chunk_num))
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     if cp_axis is not None:
@@ -143,18 +167,44 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     return o
 
 
-# --- the cutedsl forward hook (kernel engineer; gdp_jax/kernels) -------------------------
+# --- the cutedsl op (gdp_jax/kernels) ----------------------------------------------------
 # Forward: XLA intra-chunk factors + the fused CuTe DSL chunk kernel (state recursion,
-# output, final states). Backward: the xla backward (same residuals as _xla_op).
+# output, final states, and under differentiation the chunk-state checkpoints).
+# Backward: checkpointed states + the reverse dS kernel + XLA (gdp_jax.kernels.bwd).
+# Residuals: the op's inputs and the checkpoints [B, ceil(NC / (N + 1)), HV, K, V] float32.
 
 def _single_device_op(backend: str):
     """The custom_vjp op that runs a resolved backend on one device."""
     return _cutedsl_op if backend == "cutedsl" else _xla_op
 
 
-def _cutedsl_local_forward(cfg, ch, layout, h0, q_dtype):
+def _cutedsl_forward(cfg, q, k, v, g, beta, h0, cu_seqlens, ckpt):
     from gdp_jax.kernels import fwd as kernel_fwd
-    return kernel_fwd.chunk_forward(ch, layout, h0, cfg.scale, q_dtype)
+    layout = cfg.layout(cu_seqlens)
+    ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
+    oc, final, states = kernel_fwd.chunk_forward(ch, layout, h0.astype(cfg.cdt), cfg.scale,
+                                                 q.dtype, ckpt=ckpt)
+    o = chunked.from_chunks(layout, oc).astype(q.dtype)
+    return (o, final.astype(cfg.cdt)), states
 
 
-_cutedsl_op = _make_single_device_op(_cutedsl_local_forward)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cutedsl_op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
+    return _cutedsl_forward(cfg, q, k, v, g, beta, h0, cu_seqlens, ckpt=0)[0]
+
+
+def _cutedsl_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
+    out, states = _cutedsl_forward(cfg, q, k, v, g, beta, h0, cu_seqlens,
+                                   ckpt=cfg.recompute_chunk_num + 1)
+    return out, ((q, k, v, g, beta, h0, cu_seqlens), states)
+
+
+def _cutedsl_bwd(cfg, res, cts):
+    from gdp_jax.kernels import bwd as kernel_bwd
+    inputs, states = res
+    return _input_grads(cfg, inputs, cts, lambda ch, layout, h0, doc, dfinal: (
+        kernel_bwd.chunk_backward(ch, layout, h0, states, cfg.recompute_chunk_num + 1, doc,
+                                  dfinal, cfg.scale, inputs[0].dtype)))
+
+
+_cutedsl_op.defvjp(_cutedsl_fwd, _cutedsl_bwd)

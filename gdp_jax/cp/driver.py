@@ -96,7 +96,7 @@ def axis_size(cp_axis) -> int:
 
 def _backend_for(cfg, backend: str):
     if backend == "cutedsl":
-        return CuTeDSLGatedDeltaProductCPBackend(cfg)
+        return CuTeDSLGatedDeltaProductCPBackend(cfg, cfg.recompute_chunk_num)
     return XlaGatedDeltaProductCPBackend(cfg)
 
 

@@ -151,10 +151,12 @@ class GDPSavedMetadata:
     has_cu_seqlens: bool
     has_gate: bool
     config: Any                  # gdp_jax.ops.OpConfig (frozen, hashable)
+    has_chunk_states: bool = False   # the forward kernel's chunk-state checkpoints saved
 
     @property
     def num_tensors(self) -> int:
-        return 9 + int(self.has_gate) + int(self.has_cu_seqlens)
+        return (9 + int(self.has_gate) + int(self.has_cu_seqlens)
+                + int(self.has_chunk_states))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -172,15 +174,18 @@ class SavedContext:
         return cls(tuple(tensors), metadata)
 
 
-def save_context(inputs: GDPInputs, metadata: GDPSavedMetadata) -> SavedContext:
+def save_context(inputs: GDPInputs, metadata: GDPSavedMetadata,
+                 chunk_states=None) -> SavedContext:
     """Tensor order: q, k, v, beta, initial_state (composed), first_seq, last_seq,
-    continues_in, continues_out, [g], [cu_seqlens]."""
+    continues_in, continues_out, [g], [cu_seqlens], [chunk-state checkpoints]."""
     t = (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.initial_state, inputs.first_seq,
          inputs.last_seq, inputs.continues_in, inputs.continues_out)
     if metadata.has_gate:
         t += (inputs.g,)
     if metadata.has_cu_seqlens:
         t += (inputs.cu_seqlens,)
+    if metadata.has_chunk_states:
+        t += (chunk_states,)
     return SavedContext(t, metadata)
 
 
@@ -201,6 +206,11 @@ def restore_saved_context(saved: SavedContext, metadata_type=None):
     return GDPInputs(q, k, v, g, beta, h0, cu, first, last, cin, cout), md
 
 
+def saved_chunk_states(saved: SavedContext):
+    """The chunk-state checkpoints of a restored context (None if it keeps none)."""
+    return saved.tensors[-1] if saved.metadata.has_chunk_states else None
+
+
 # --- the xla backend ----------------------------------------------------------------------
 
 class _LocalForward(NamedTuple):
@@ -217,6 +227,7 @@ class _LocalBackward(NamedTuple):
     pull_inputs: Any
     doc: jax.Array
     dfinal: jax.Array
+    chunk_states: Optional[jax.Array]
 
 
 class XlaGatedDeltaProductCPBackend:
@@ -236,9 +247,14 @@ class XlaGatedDeltaProductCPBackend:
                 and self.recompute_chunk_num == other.recompute_chunk_num)
 
     def _local_forward(self, ch, layout, h0, q_dtype):
-        """(output rows, final states) of the local shard from start states h0."""
+        """(output rows, final states, chunk-state checkpoints or None) of the local shard
+        from start states h0."""
         oc, final, _ = chunked.chunk_forward(ch, layout, h0, self.config.scale)
-        return oc, final
+        return oc, final, None
+
+    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype):
+        """(chunk-input cotangents, start-state gradients) of the local shard."""
+        return chunked.chunk_backward(ch, layout, h0, doc, dfinal, self.config.scale)
 
     def _chunks(self, inputs: GDPInputs, layout):
         cfg = self.config
@@ -271,14 +287,14 @@ class XlaGatedDeltaProductCPBackend:
         S_in = fold_forward(preceding, h0[inputs.first_seq]).astype(cfg.cdt)
         h0 = h0.at[inputs.first_seq].set(
             jnp.where(inputs.continues_in, S_in, h0[inputs.first_seq]))
-        oc, final = self._local_forward(ch, layout, h0, inputs.q.dtype)
+        oc, final, states = self._local_forward(ch, layout, h0, inputs.q.dtype)
         o = chunked.from_chunks(layout, oc).astype(inputs.q.dtype)
         md = GDPSavedMetadata(
             scale=cfg.scale, num_householder=cfg.n, use_qk_l2norm_in_kernel=cfg.use_qk_l2norm,
             recompute_chunk_num=self.recompute_chunk_num, has_initial_states=True,
             has_cu_seqlens=inputs.cu_seqlens is not None, has_gate=inputs.g is not None,
-            config=cfg)
-        return o, final, save_context(inputs._replace(initial_state=h0), md)
+            config=cfg, has_chunk_states=states is not None)
+        return o, final, save_context(inputs._replace(initial_state=h0), md, states)
 
     def cp_backward_prepare(self, output_grad, saved_ctx: SavedContext):
         """Leading-fragment summary [gamma | M^T] (zero outgoing-state gradient).
@@ -299,7 +315,8 @@ class XlaGatedDeltaProductCPBackend:
         gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
         summary = self._pack_shape(pack_backward_summary(gamma, Mt),
                                    inputs.cu_seqlens is not None)
-        return summary, _LocalBackward(inputs, md, layout, ch, pull, doc, dfinal)
+        return summary, _LocalBackward(inputs, md, layout, ch, pull, doc, dfinal,
+                                       saved_chunk_states(saved_ctx))
 
     def cp_backward_apply(self, bwd_ctx: _LocalBackward, following: SummarySlice):
         """Fold the following maps into the outgoing-state gradient; all local gradients.
@@ -308,27 +325,27 @@ class XlaGatedDeltaProductCPBackend:
         w.r.t. the LOCAL start states (the driver keeps the entries of sequences that
         start on this rank).
         """
-        inputs, md, layout, ch, pull, doc, dfinal = bwd_ctx
+        inputs, md, layout, ch, pull, doc, dfinal, states = bwd_ctx
         cfg = md.config
         V = inputs.v.shape[-1]
         dS_out = fold_backward(following, V).astype(cfg.cdt)
         dfinal = dfinal.at[inputs.last_seq].add(
             jnp.where(inputs.continues_out, dS_out, 0.0))
-        dch, dh0 = chunked.chunk_backward(ch, layout, inputs.initial_state, doc, dfinal,
-                                          cfg.scale)
+        dch, dh0 = self._local_backward(ch, layout, inputs.initial_state, doc, dfinal, states,
+                                        inputs.q.dtype)
         dq, dk, dv, dg, dbeta = pull(dch)
         return dq, dk, dv, dg, dbeta, dh0
 
 
 class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
-    """The CP protocol with the local forward on the Hopper CuTe DSL kernel (sm_90a).
+    """The CP protocol with the local passes on the Hopper CuTe DSL kernels (sm_90a).
 
-    ``cp_forward_apply`` runs the fused chunk kernel (state recursion + output) of
-    :mod:`gdp_jax.kernels`; the summaries and the whole backward still run on the xla
-    engine. ``recompute_chunk_num`` N in [0, 64] (keep one chunk-state checkpoint per N + 1
-    chunks) is validated and recorded in the saved metadata; the kernel forward keeps no
-    chunk states (the backward recomputes them all), so every N behaves like the densest
-    recompute for now.
+    ``cp_forward_apply`` runs the fused forward chunk kernel, which also keeps the start
+    state of every (N + 1)-th chunk, N = ``recompute_chunk_num`` in [0, 64] (saved in the
+    SavedContext, float32 [B, ceil(NC / (N + 1)), HV, K, V]). ``cp_backward_apply``
+    recomputes the missing states from those checkpoints and runs the reverse dS kernel
+    (:mod:`gdp_jax.kernels.bwd`). The two prepare steps (the summaries) still run on the
+    xla engine.
     """
 
     name = "cutedsl"
@@ -347,6 +364,13 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
 
     def _local_forward(self, ch, layout, h0, q_dtype):
         from gdp_jax.kernels import fwd as kernel_fwd
-        oc, final = kernel_fwd.chunk_forward(ch, layout, h0, self.config.scale, q_dtype)
+        oc, final, states = kernel_fwd.chunk_forward(ch, layout, h0, self.config.scale,
+                                                     q_dtype, ckpt=self.recompute_chunk_num + 1)
         # The custom call's results carry no varying-axes type: give them the inputs'.
-        return _vma.like((oc, final.astype(h0.dtype)), ch, h0)
+        return _vma.like((oc, final.astype(h0.dtype), states), ch, h0)
+
+    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype):
+        from gdp_jax.kernels import bwd as kernel_bwd
+        return kernel_bwd.chunk_backward(ch, layout, h0, chunk_states,
+                                         self.recompute_chunk_num + 1, doc, dfinal,
+                                         self.config.scale, q_dtype)

@@ -10,6 +10,7 @@ tensor-core MMA). Per chunk c (operands precomputed by XLA, see ``gdp_jax.kernel
                                                                           P = scale*tril(q k^T * Gam)
     S      <- decay_c S + Kt_c^T Delta                          decay = exp(G_last)
     final[seq[c]] <- S                   if is_last[c]
+    states[c // ckpt] <- S (start of c)  if ckpt > 0 and c % ckpt == 0   (backward checkpoints)
 
 Operands enter the MMAs in the 16-bit input dtype (bf16 or fp16) with float32
 accumulation; u is read in float32. With ``split`` (the default for bfloat16), the two
@@ -36,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 # Bump on ANY change to this file: it is part of the compile key (a stale key silently
 # reuses the old binary inside one process).
-KERNEL_VERSION = 2
+KERNEL_VERSION = 3
 
 C = 64            # chunk length (steps)
 NUM_THREADS = 128  # 4 warps
@@ -61,16 +62,17 @@ def _transpose_view(t, rows: int, cols: int):
 class ChunkFwdSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype."""
 
-    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool):
-        assert K in (64, 128) and V % BV == 0 and BV in (32, 64, 128)
+    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0):
+        assert K in (64, 128) and V % BV == 0 and BV in (32, 64, 128) and ckpt >= 0
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
+        self.ckpt = ckpt      # write the start state of every ckpt-th chunk (0: none)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, stream, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0,
-                 mO, mFinal):
+                 mO, mFinal, mStates):
         K, BV, ab = self.K, self.BV, self.ab
         sK_layout = _smem_layout(C, K)        # w, Kt, qg: [C, K]
         sP_layout = _smem_layout(C, C)        # P: [C, C]
@@ -109,13 +111,13 @@ class ChunkFwdSm90:
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
         self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                    sK_layout, sP_layout, sS_layout, sD_layout, copy_K, copy_P, tiled_mma,
+                    mStates, sK_layout, sP_layout, sS_layout, sD_layout, copy_K, copy_P, tiled_mma,
                     Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-               sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               mStates, sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                sS_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
                Storage: cutlass.Constexpr):
@@ -205,6 +207,12 @@ class ChunkFwdSm90:
             if mReset[b, c] != 0:
                 gH0 = cute.local_tile(mH0[seq, hv, None, None], (K, BV), (0, vt))
                 acc_S.store(thr_mma.partition_C(gH0).load())
+            if cutlass.const_expr(self.ckpt > 0):
+                # checkpoint for the backward (recompute_chunk_num = ckpt - 1)
+                if c % self.ckpt == 0:
+                    gSt = cute.local_tile(mStates[b, c // self.ckpt, hv, None, None], (K, BV),
+                                          (0, vt))
+                    thr_mma.partition_C(gSt).store(acc_S.load())
             s_hi = acc_S.load().to(ab)
             rS16.store(s_hi)
             cute.copy(st_atom, trS16, tCsS)
@@ -264,9 +272,13 @@ class ChunkFwdSm90:
 _KERNELS = {}
 
 
-def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool) -> ChunkFwdSm90:
-    key = (K, V, BV, ab_name, split)
+def ab_type(ab_name: str):
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[ab_name]
+
+
+def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
+               ckpt: int = 0) -> ChunkFwdSm90:
+    key = (K, V, BV, ab_name, split, ckpt)
     if key not in _KERNELS:
-        ab = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[ab_name]
-        _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab, split)
+        _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt)
     return _KERNELS[key]

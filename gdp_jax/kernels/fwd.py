@@ -79,11 +79,12 @@ def _launcher():
     import cutlass.cute as cute
 
     @cute.jit
-    def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, *,
+    def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
-               ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
-        mod.get_kernel(K, V, BV, ab_name, split)(stream, w, kt, qg, p, u, decay, reset, seq, last,
-                                          h0, o, final)
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+               ckpt: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt)(
+            stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch
 
@@ -94,13 +95,21 @@ def default_split(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
 
 
+def num_checkpoints(NC: int, ckpt: int) -> int:
+    """Chunk-state checkpoints kept for ``ckpt`` = recompute_chunk_num + 1 (0: none)."""
+    return -(-NC // ckpt) if ckpt > 0 else 0
+
+
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
-                      split: bool | None = None):
-    """The raw kernel: per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V]).
+                      split: bool | None = None, ckpt: int = 0):
+    """The raw kernel: per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V],
+    states [B, ceil(NC / ckpt), HV, K, V] float32, or [1] when ckpt = 0).
 
     w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
     [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC] int32; h0:
     [N, HV, K, V] float32. Final rows of sequences without a last chunk are left unwritten.
+    ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... (the backward's
+    checkpoints).
     """
     mod = import_cutlass()
     import cutlass.jax as cjax
@@ -109,39 +118,65 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
     V = u.shape[-1]
     ab_name = jnp.dtype(w.dtype).name
     split = default_split(w.dtype) if split is None else bool(split)
+    states_shape = (B, num_checkpoints(NC, ckpt), HV, K, V) if ckpt else (1,)
     call = cjax.cutlass_call(
         _launcher(),
         output_shape_dtype=(jax.ShapeDtypeStruct((B, NC, HV, C, V), w.dtype),
-                            jax.ShapeDtypeStruct(h0.shape, jnp.float32)),
+                            jax.ShapeDtypeStruct(h0.shape, jnp.float32),
+                            jax.ShapeDtypeStruct(states_shape, jnp.float32)),
         use_static_tensors=True,
         compile_key=("gdp_chunk_fwd_sm90", mod.KERNEL_VERSION, B, NC, HV, K, V, BV,
-                     h0.shape[0], ab_name, split),
-        K=K, V=V, BV=BV, ab_name=ab_name, split=split,
+                     h0.shape[0], ab_name, split, ckpt),
+        K=K, V=V, BV=BV, ab_name=ab_name, split=split, ckpt=ckpt,
     )
     return call(w, kt, qg, p, u, decay, reset, seq, last, h0)
+
+
+def acc_dtype(ab_dtype):
+    """Accumulator / state dtype of the kernels: float32 (float64 only in emulated tests)."""
+    return jnp.promote_types(jnp.float32, ab_dtype)
+
+
+def readout_matrix(ch: chunked.ChunkInputs, it: chunked.Intra, scale: float):
+    """P = scale * tril(q k^T * Gam): [B, NC, HV, C, C] (Gam is 0 above the diagonal)."""
+    return scale * jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
 
 
 def chunk_operands(ch: chunked.ChunkInputs, scale: float, ab_dtype):
     """XLA part: per-chunk kernel operands in the 16-bit dtype (u and decay float32)."""
     it = chunked.intra_chunk(ch)
-    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam      # Gam is 0 above the diagonal
-    p = (scale * qk).astype(ab_dtype)
+    acc = acc_dtype(ab_dtype)
+    p = readout_matrix(ch, it, scale).astype(ab_dtype)
     qg = (scale * it.gam[..., None] * ch.q).astype(ab_dtype)
-    return (it.w.astype(ab_dtype), it.Kt.astype(ab_dtype), qg, p, it.u.astype(jnp.float32),
-            jnp.exp(it.G_last).astype(jnp.float32))
+    return (it.w.astype(ab_dtype), it.Kt.astype(ab_dtype), qg, p, it.u.astype(acc),
+            jnp.exp(it.G_last).astype(acc))
 
 
-def chunk_forward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, scale, ab_dtype):
-    """Same contract as ``chunked.chunk_forward(..)[:2]``: (o rows, final states)."""
+def check_supported(ch: chunked.ChunkInputs, ab_dtype):
     B, NC, HV, C, K = ch.k.shape
-    V = ch.v.shape[-1]
-    why = unsupported_reason(K=K, V=V, dtype=ab_dtype, B=B, NC=NC, HV=HV)
+    why = unsupported_reason(K=K, V=ch.v.shape[-1], dtype=ab_dtype, B=B, NC=NC, HV=HV)
     if why is not None:
         raise ValueError(f"backend='cutedsl' cannot run this call: {why}")
-    w, kt, qg, p, u, decay = chunk_operands(ch, scale, ab_dtype)
+
+
+def layout_flags(layout: chunked.ChunkLayout):
+    """(reset, seq, last) as the kernels' int32 [B, NC] flags."""
     i32 = lambda x: x.astype(jnp.int32)
-    oc, final = chunk_kernel_call(w, kt, qg, p, u, decay, i32(layout.reset),
-                                  i32(layout.seq_of_chunk), i32(layout.is_last),
-                                  h0.astype(jnp.float32), BV=pick_bv(B, HV, V))
-    final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0.astype(jnp.float32))
-    return oc, final
+    return i32(layout.reset), i32(layout.seq_of_chunk), i32(layout.is_last)
+
+
+def chunk_forward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, scale, ab_dtype,
+                  ckpt: int = 0):
+    """(o rows [B, NC, HV, C, V], final states [N, HV, K, V], checkpoints).
+
+    Same first two results as ``chunked.chunk_forward``. ``ckpt`` > 0 also keeps the start
+    state of every ckpt-th chunk (see :func:`chunk_kernel_call`) for the backward.
+    """
+    check_supported(ch, ab_dtype)
+    B, NC, HV = ch.k.shape[:3]
+    w, kt, qg, p, u, decay = chunk_operands(ch, scale, ab_dtype)
+    h0 = h0.astype(acc_dtype(ab_dtype))
+    oc, final, states = chunk_kernel_call(w, kt, qg, p, u, decay, *layout_flags(layout), h0,
+                                          BV=pick_bv(B, HV, ch.v.shape[-1]), ckpt=ckpt)
+    final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
+    return oc, final, states

@@ -1,0 +1,79 @@
+"""Pure-JAX stand-ins with the exact contracts of the CuTe DSL kernels (for CPU tests).
+
+``chunk_kernel_call`` and ``dh_kernel_call`` here take and return what
+:func:`gdp_jax.kernels.fwd.chunk_kernel_call` and :func:`gdp_jax.kernels.bwd.dh_kernel_call`
+do, computed with ``lax.scan`` in the operands' precision (no 16-bit rounding, no hi/lo
+split). Rows the kernels leave unwritten are NaN here, so a test fails if the glue ever
+reads them. Tests swap these in (monkeypatch) to run the whole ``cutedsl`` pipeline -
+checkpoints, recompute, CP wiring - on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gdp_jax import _vma
+
+
+def _scatter_rows(n_rows, rows, values, keep):
+    """[n_rows, ...] NaN array with values[i] written at rows[i] where keep[i]."""
+    out = jnp.full((n_rows,) + values.shape[1:], jnp.nan, values.dtype)
+    idx = jnp.where(keep, rows, n_rows)                      # out of range: dropped
+    return out.at[idx].set(values, mode="drop")
+
+
+def _by_chunk(*xs):
+    return tuple(jnp.moveaxis(x, 1, 0) for x in xs)
+
+
+def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0):
+    del BV, split
+    B, NC, HV, C, K = w.shape
+    V = u.shape[-1]
+    acc = u.dtype
+    f = lambda x: x.astype(acc)
+
+    def step(S, xs):
+        w, kt, qg, p, u, decay, reset, seq = xs
+        S = jnp.where(reset[:, None, None, None] != 0, h0[seq].astype(acc), S)
+        delta = u - f(w) @ S
+        o = f(qg) @ S + f(p) @ delta
+        S_end = decay[..., None, None] * S + jnp.swapaxes(f(kt), -1, -2) @ delta
+        return S_end, (o, S, S_end)
+
+    xs = _by_chunk(w, kt, qg, p, u, decay, reset, seq)
+    init = _vma.like(jnp.zeros((B, HV, K, V), acc), xs)
+    _, (o, S0, S_end) = lax.scan(step, init, xs)
+    o, S0, S_end = (jnp.moveaxis(x, 0, 1) for x in (o, S0, S_end))
+    N = h0.shape[0]
+    final = _scatter_rows(N, seq.reshape(-1), S_end.reshape((B * NC,) + S_end.shape[2:]),
+                          last.reshape(-1) != 0)
+    states = S0[:, ::ckpt] if ckpt else jnp.zeros((1,), acc)
+    return o.astype(w.dtype), final, states
+
+
+def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None):
+    del BV, split
+    B, NC, HV, C, K = kt.shape
+    V = do.shape[-1]
+    acc = ddo.dtype
+    f = lambda x: x.astype(acc)
+
+    def step(dS, xs):
+        kt, w, qg, ddo, do, decay, seq, last, reset = xs
+        dS = dS + jnp.where(last[:, None, None, None] != 0, dfinal[seq].astype(acc), 0.0)
+        ddelta = ddo + f(kt) @ dS
+        dS_start = (decay[..., None, None] * dS + jnp.swapaxes(f(qg), -1, -2) @ f(do)
+                    - jnp.swapaxes(f(w), -1, -2) @ ddelta)
+        carry = jnp.where(reset[:, None, None, None] != 0, 0.0, dS_start)
+        return carry, (dS, dS_start)
+
+    xs = _by_chunk(kt, w, qg, ddo, do, decay, seq, last, reset)
+    init = _vma.like(jnp.zeros((B, HV, K, V), acc), xs)
+    _, (ds_end, ds_start) = lax.scan(step, init, xs, reverse=True)
+    ds_end, ds_start = jnp.moveaxis(ds_end, 0, 1), jnp.moveaxis(ds_start, 0, 1)
+    dh0 = _scatter_rows(dfinal.shape[0], seq.reshape(-1),
+                        ds_start.reshape((B * NC,) + ds_start.shape[2:]),
+                        reset.reshape(-1) != 0)
+    return ds_end, dh0

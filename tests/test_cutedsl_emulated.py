@@ -1,0 +1,141 @@
+"""The whole ``cutedsl`` pipeline on CPU, with the two kernels replaced by pure-JAX stand-ins.
+
+:mod:`gdp_jax.kernels.emulate` implements the forward and reverse kernels' exact contracts
+(unwritten rows are NaN). Swapping them in tests everything around the kernels in float64:
+operand preparation, the chunk-state checkpoints of ``recompute_chunk_num`` and their
+recompute, the reverse recursion's wiring, the XLA chunk-local backward, the custom_vjp
+residuals, and the CP backend's saved context - against the reference and the xla backend.
+The kernels themselves are checked on the GPU (tests/test_cutedsl_gpu.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from gdp_jax import _checks, backends, chunked
+from gdp_jax.kernels import bwd, emulate, fwd
+from _util import loss_and_grads, make_inputs, rel_max
+import test_cp as tcp
+
+OP = gdp_jax.gated_delta_product
+REF = gdp_jax.gated_delta_product_reference
+TOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def emulated_kernels(monkeypatch):
+    monkeypatch.setattr(fwd, "chunk_kernel_call", emulate.chunk_kernel_call)
+    monkeypatch.setattr(bwd, "dh_kernel_call", emulate.dh_kernel_call)
+    monkeypatch.setattr(fwd, "unsupported_reason", lambda **kw: None)
+    monkeypatch.setattr(_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES)
+    monkeypatch.setattr(backends, "cutedsl_available", lambda *a, **k: (True, "emulated"))
+
+
+def _compare(inp, cu=None, **kw):
+    got = loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl", **kw)
+    kw.pop("recompute_chunk_num", None)
+    want = loss_and_grads(REF, inp, cu_seqlens=cu, **kw)
+    o, s, _, g = got
+    o_r, s_r, _, g_r = want
+    assert rel_max(o, o_r) < TOL
+    assert rel_max(s, s_r) < TOL
+    assert set(g) == set(g_r)
+    for name in g:
+        assert np.all(np.isfinite(np.asarray(g[name]))), name
+        assert rel_max(g[name], g_r[name]) < TOL, name
+
+
+@pytest.mark.parametrize("N", [0, 1, 2, 3, 64])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_batched_every_recompute_chunk_num(n, N):
+    # T = 70 tokens: n*T = 70/140/210 steps -> 2, 3, 4 chunks (the last one partial).
+    inp = make_inputs(10 + n, 2, 70, n, 1, 2, 8, 12, gate="normal")
+    _compare(inp, recompute_chunk_num=N)
+
+
+@pytest.mark.parametrize("N", [0, 2])
+def test_packed_gva_strong_gates(N):
+    # sequences of 0, 45, 1, 0, 84 tokens (n = 2): chunks reset inside checkpoint groups
+    inp = make_inputs(21, 1, 130, 2, 2, 4, 8, 6, N=5, gate="strong", beta_range=(0.05, 1.95))
+    _compare(inp, cu=np.array([0, 0, 45, 46, 46, 130], np.int32), recompute_chunk_num=N,
+             use_qk_l2norm=True)
+
+
+def test_no_gate_no_initial_state():
+    inp = make_inputs(3, 1, 100, 2, 1, 1, 16, 16, gate="none", initial_state=False)
+    _compare(inp, recompute_chunk_num=1)
+
+
+def test_recompute_chunk_num_checked():
+    inp = make_inputs(3, 1, 8, 1, 1, 1, 4, 4)
+    for bad in (-1, 65, 2.0, True):
+        with pytest.raises(ValueError, match="recompute_chunk_num"):
+            OP(inp.q, inp.k, inp.v, inp.g, inp.beta, backend="cutedsl",
+               recompute_chunk_num=bad)
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3, 5])
+def test_states_from_checkpoints_equals_state_scan(stride):
+    inp = make_inputs(5, 1, 150, 2, 1, 2, 4, 4, N=4, gate="normal")
+    cu = jnp.array([0, 30, 31, 31, 150], jnp.int32)
+    layout = chunked.make_layout(1, 150, 2, cu)
+    ch = chunked.chunk_inputs(layout, *inp[:5], H=1, HV=2, compute_dtype=jnp.float64,
+                              use_qk_l2norm=False)
+    it = chunked.intra_chunk(ch)
+    S0 = chunked.state_scan(it, layout, inp.initial_state)
+    got = chunked.states_from_checkpoints(it, layout, inp.initial_state, S0[:, ::stride],
+                                          stride)
+    assert got.shape == S0.shape
+    assert rel_max(got, S0) < 1e-13
+
+
+def test_checkpoints_kept_per_recompute_chunk_num():
+    """The residuals hold ceil(NC / (N + 1)) chunk states: 1 / (N + 1) of them."""
+    inp = make_inputs(4, 1, 300, 2, 1, 2, 8, 8)           # 600 steps -> NC = 10 chunks
+    for N, NG in [(0, 10), (1, 5), (2, 4), (9, 1), (64, 1)]:
+        f = lambda q: OP(q, inp.k, inp.v, inp.g, inp.beta, backend="cutedsl",
+                         recompute_chunk_num=N)
+        _, vjp = jax.vjp(f, inp.q)
+        shapes = [x.shape for x in jax.tree_util.tree_leaves(vjp)
+                  if getattr(x, "ndim", 0) == 5 and x.shape[-2:] == (8, 8)]
+        assert shapes == [(1, NG, 2, 8, 8)], (N, shapes)
+
+
+# --- CP with the CuTe DSL backend (emulated kernels) on 4 CPU devices ----------------------
+
+@pytest.mark.parametrize("N", [0, 2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp_equals_single_device(packed, N):
+    B, T, n, H, HV, K, V = (1, 24, 2, 1, 2, 4, 6) if packed else (2, 80, 2, 1, 2, 4, 6)
+    cu = tcp.CU24_A if packed else None
+    Nseq = len(cu) - 1 if packed else B
+    inp = make_inputs(31, B, T, n, H, HV, K, V, N=Nseq, gate="normal")
+    args = tcp._args(inp)
+    w = tcp._weights(2, (B, T, HV, V), (Nseq, HV, K, V))
+    kw = (("backend", "cutedsl"), ("recompute_chunk_num", N))
+    o_cp, s_cp, g_cp = tcp._run("cp", args, cu, w, True, n_dev=4, kw=kw)
+    o_1, s_1, g_1 = tcp._run("op", args, cu, w, True, kw=(("backend", "xla"),))
+    assert rel_max(o_cp, o_1) < TOL and rel_max(s_cp, s_1) < TOL
+    for name in g_1:
+        assert rel_max(g_cp[name], g_1[name]) < TOL, name
+
+
+def test_cp_saved_context_holds_checkpoints():
+    from gdp_jax import cp as gcp
+    from gdp_jax.ops import OpConfig
+    from gdp_jax import _checks
+    inp = make_inputs(8, 1, 100, 2, 1, 2, 8, 8)           # 200 steps -> 4 chunks
+    spec = _checks.check_inputs(*inp[:5])
+    be = gcp.CuTeDSLGatedDeltaProductCPBackend(OpConfig.from_spec(spec, False), 1)
+    layout_inputs = gcp.GDPInputs(*inp[:5], inp.initial_state, None,
+                                  jnp.array([0]), jnp.array([0]), jnp.array(False),
+                                  jnp.array(False))
+    _, ctx = be.cp_forward_prepare(layout_inputs)
+    none = gcp.SummarySlice(jnp.zeros((1, 1, 2, 8, 16)), jnp.zeros((1,), bool))
+    _, _, saved = be.cp_forward_apply(ctx, none)
+    assert saved.metadata.has_chunk_states and saved.metadata.recompute_chunk_num == 1
+    assert len(saved.tensors) == saved.metadata.num_tensors == 11
+    assert gcp.saved_chunk_states(saved).shape == (1, 2, 2, 8, 8)
