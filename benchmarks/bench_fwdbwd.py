@@ -71,6 +71,10 @@ def bench_jax(shape, rec, variants):
             rec[f"{name}_first_call_s"] = round(time.perf_counter() - t, 2)
             rec[f"{name}_ms"] = time_fn(lambda: f(q, k, v, g, beta), sync, iters=5)
             grads[name] = out[1]
+            if N in (0, None):          # forward alone (no checkpoints kept without grad)
+                fo = jax.jit(op)
+                sync(fo(q, k, v, g, beta))
+                rec[f"{name}_fwd_ms"] = time_fn(lambda: fo(q, k, v, g, beta), sync, iters=5)
             mem = f.lower(q, k, v, g, beta).compile().memory_analysis()
             rec[f"{name}_peak_temp_gb"] = round(mem.temp_size_in_bytes / 1e9, 3)
             res = jax.jit(lambda *a: jax.vjp(op, *a)[1])(q, k, v, g, beta)
@@ -125,6 +129,11 @@ def bench_fla(shape, rec):
     torch.cuda.synchronize()
     rec["fla_first_call_s"] = round(time.perf_counter() - t, 2)
     rec["fla_ms"] = time_fn(step, lambda _: torch.cuda.synchronize(), iters=5)
+
+    def fwd_only():
+        with torch.no_grad():
+            return fwd()
+    rec["fla_fwd_ms"] = time_fn(fwd_only, lambda _: torch.cuda.synchronize(), iters=5)
     # memory kept for the backward
     for x in inputs:
         x.grad = None
@@ -152,19 +161,21 @@ def write(out_dir, meta, rows, names):
     lines = [f"# Forward + backward benchmark {meta['date']}", "",
              f"Command: `{meta['command']}`", "",
              f"Device: {meta['device']}; jax {meta['jax']}; FLA autotune: {meta['fla_autotune']}",
-             "", "bf16, K = V = 128, use_qk_l2norm, gates on. fwd+bwd medians in ms; "
+             "", "bf16, K = V = 128, use_qk_l2norm, gates on. Medians in ms (fwd alone, then fwd+bwd); "
              "'% peak' = FLOPs (PERFORMANCE.md 2b) / 790 TFLOP/s / time. Memory in GB: "
              "'saved' = kept for the backward beyond the inputs, 'peak' = temp of fwd+bwd.", "",
-             "| B | T | H | n | " + " | ".join(names + ["FLA"]) + " | FLA / cutedsl_N0 | "
+             "| B | T | H | n | fwd cutedsl / xla / FLA | " + " | ".join(names + ["FLA"])
+             + " | FLA / cutedsl_N0 | "
              "% peak (cutedsl_N0 / FLA) | saved " + " / ".join(names + ["FLA"]) +
              " | peak " + " / ".join(names + ["FLA"]) + " | grad rel RMS vs xla |",
-             "|---|---|---|---|" + "---|" * (len(names) + 1) + "---|---|---|---|---|"]
+             "|---|---|---|---|---|" + "---|" * (len(names) + 1) + "---|---|---|---|---|"]
     for r in rows:
         ms = [r.get(f"{n}_ms") for n in names + ["fla"]]
         c0, fl = r.get("cutedsl_N0_ms"), r.get("fla_ms")
         pk = lambda t: "-" if not t else f"{100 * r['flops'] / PEAK_FLOPS / (t / 1e3):.1f}%"
         lines.append("| " + " | ".join(
-            [str(r["B"]), str(r["T"]), str(r["H"]), str(r["n"])]
+            [str(r["B"]), str(r["T"]), str(r["H"]), str(r["n"]),
+             " / ".join(fmt(r.get(f"{n}_fwd_ms")) for n in ("cutedsl_N0", "xla", "fla"))]
             + [fmt(x) for x in ms]
             + ["-" if not (c0 and fl) else f"{fl / c0:.2f}x", f"{pk(c0)} / {pk(fl)}",
                " / ".join(fmt(r.get(f"{n}_saved_gb")) for n in names + ["fla"]),

@@ -5,6 +5,8 @@ Last real result: benchmarks/results/ (fwd_*.md, "GPU tests" section).
 Tolerance: FLA-style relative RMS error ||x - ref|| / ||ref|| < 5e-3 for the output and
 the final state.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,16 +125,13 @@ def test_long_sequence_state_stays_accurate():
 GRAD_TOL = 1e-2       # relative RMS of every gradient (bf16/fp16 operands in the kernels)
 
 
-def grads(backend, args, cu=None, N=None, seed=9):
-    """(o, final, dq, dk, dv, dg, dbeta, dh0) of L = sum(o * wo) + sum(final * ws)."""
-    q, k, v, g, beta, s0 = args
-    B, T, _, _ = q.shape
-    HV, V = v.shape[3], v.shape[4]
-    wo = jax.random.normal(jax.random.PRNGKey(seed), (B, T, HV, V), jnp.float32)
-    ws = jax.random.normal(jax.random.PRNGKey(seed + 1), s0.shape, jnp.float32)
+@functools.lru_cache(maxsize=None)
+def _grad_fn(backend, N, has_gate):
+    """jit(value_and_grad) of L = sum(o * wo) + sum(final * ws); built once per config so
+    repeated calls (the determinism test) reuse one executable."""
     up = (lambda x: jnp.asarray(x, jnp.float64)) if backend == "reference" else (lambda x: x)
 
-    def loss(q, k, v, g, beta, s0):
+    def loss(q, k, v, g, beta, s0, cu, wo, ws):
         a = [up(x) if x is not None else None for x in (q, k, v, g, beta, s0)]
         if backend == "reference":
             o, s = gated_delta_product_reference(*a[:5], initial_state=a[5],
@@ -144,9 +143,19 @@ def grads(backend, args, cu=None, N=None, seed=9):
                                        recompute_chunk_num=N)
         return jnp.sum(o.astype(up(wo).dtype) * up(wo)) + jnp.sum(s * up(ws)), (o, s)
 
-    argnums = (0, 1, 2, 4, 5) if g is None else (0, 1, 2, 3, 4, 5)
-    f = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
-    (_, (o, s)), gr = f(q, k, v, g, beta, s0)
+    argnums = (0, 1, 2, 3, 4, 5) if has_gate else (0, 1, 2, 4, 5)
+    return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
+
+
+def grads(backend, args, cu=None, N=None, seed=9):
+    """(o, final, dq, dk, dv, dg, dbeta, dh0) of L = sum(o * wo) + sum(final * ws)."""
+    q, k, v, g, beta, s0 = args
+    B, T, _, _ = q.shape
+    HV, V = v.shape[3], v.shape[4]
+    wo = jax.random.normal(jax.random.PRNGKey(seed), (B, T, HV, V), jnp.float32)
+    ws = jax.random.normal(jax.random.PRNGKey(seed + 1), s0.shape, jnp.float32)
+    f = _grad_fn(backend, N, g is not None)
+    (_, (o, s)), gr = f(q, k, v, g, beta, s0, cu, wo, ws)
     gr = list(gr)
     if g is None:
         gr.insert(3, None)
@@ -186,11 +195,20 @@ def test_packed_gradients_match(dtype, n):
 
 
 def test_recompute_chunk_num_agree():
-    """N = 0, 1, 2, 3 give the same gradients up to rounding (checkpoints + recompute)."""
+    """N = 0, 1, 2, 3 give the same gradients up to rounding (checkpoints + recompute).
+
+    Outputs are bitwise equal (the forward does not depend on N). Gradients differ at the
+    bf16 rounding level: N = 0 reads every chunk state from the kernel (fp32 state, bf16
+    hi/lo operands), N > 0 recomputes N of every N + 1 of them in XLA float32 (measured
+    1.6e-3 relative RMS at N = 1 on the H200, 2026-11-29; the gradients' error vs the
+    float64 reference is 1e-3..6e-3 for either).
+    """
     args = make(7, 1, 1000, 2, 2, 2, 128, 128, jnp.bfloat16)      # 2000 steps, 32 chunks
     base = grads("cutedsl", args, N=0)
     for N in (1, 2, 3):
-        compare(f"N={N} vs N=0", grads("cutedsl", args, N=N), base, 1e-4)
+        got = grads("cutedsl", args, N=N)
+        assert np.asarray(got[0]).tobytes() == np.asarray(base[0]).tobytes()
+        compare(f"N={N} vs N=0", got, base, 5e-3)
 
 
 def test_deterministic():

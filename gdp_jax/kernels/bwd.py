@@ -94,7 +94,7 @@ def chunk_backward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, sta
     fwd.check_supported(ch, ab_dtype)
     B, NC, HV = ch.k.shape[:3]
     acc = fwd.acc_dtype(ab_dtype)
-    it = chunked.intra_chunk(ch)
+    it, it_pull = jax.vjp(chunked.intra_chunk, ch)
     S0 = chunked.states_from_checkpoints(it, layout, h0, states, stride)
     kt, w, qg, ddo, do, decay = backward_operands(ch, it, doc, scale, ab_dtype)
     ds_end, dh0 = dh_kernel_call(kt, w, qg, ddo, do, decay, *fwd.layout_flags(layout),
@@ -102,7 +102,6 @@ def chunk_backward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, sta
     # The custom call's results carry no varying-axes type under shard_map: give them one.
     ds_end, dh0 = _vma.like((ds_end.astype(ch.k.dtype), dh0.astype(dfinal.dtype)), ch, S0,
                             dfinal)
-    _, pullback = jax.vjp(lambda c, s: chunked._local(c, s, scale), ch, S0)
-    dch, _ = pullback(_vma.like((doc, ds_end), ch, S0))
+    dch = chunked.local_grads(ch, it, it_pull, S0, doc, ds_end, scale)
     dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], dh0, dfinal)
     return dch, dh0
