@@ -56,7 +56,7 @@ def main():
     ch = t("chunk_inputs (relayout, l2norm)", lambda *a: cfg.chunk_inputs(layout, *a),
            q, k, v, g, beta)
     it = t("intra_chunk (WY factors)", chunked.intra_chunk, ch)
-    t("intra_chunk without triangular solve",
+    t("intra_chunk without the WY inverse",
       lambda c: chunked.intra_chunk(c)._replace(w=None, u=None), ch)
 
     def intra_vjp(c, it_ct):

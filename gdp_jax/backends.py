@@ -50,8 +50,9 @@ def _log_choice(choice: str, reason: str):
 def resolve(backend: str, spec=None, dtype=None, cp: bool = False) -> str:
     """Map "auto" to a concrete backend; raise ValueError where "cutedsl" cannot run.
 
-    ``cp``: the call is context-parallel; "auto" then stays on xla (the cutedsl kernels
-    are single-device forward kernels for now).
+    ``cp``: the call is context-parallel; "auto" then stays on xla (cutedsl under CP passes
+    the GPU tests on 1 and 2 H200s but its summaries still run on xla and it has not been
+    benchmarked against the xla CP path); pass backend="cutedsl" to use it.
     """
     if backend == "xla":
         return "xla"

@@ -44,9 +44,9 @@ def setup_cpu_devices(n: int) -> None:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={n}")
-    # At least 32 threads even for one device: jaxlib's batched LAPACK kernels (the
-    # chunk-local triangular solves) wait inside pool threads for work they queue on the
-    # same pool; with a pool of 2 (a 2-core machine) two such solves deadlock.
+    # At least 32 threads even for one device: a generous pool costs nothing and keeps
+    # jaxlib kernels that wait on work queued to the same pool (the LAPACK triangular
+    # solves the chunked engine used before 2026-11-29 deadlocked a pool of 2) safe.
     os.environ.setdefault("PJRT_NPROC", str(max(4 * n, 32, os.cpu_count() or 1)))
     os.environ["XLA_FLAGS"] = " ".join(flags)
     if _backends_started():

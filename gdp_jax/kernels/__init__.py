@@ -4,10 +4,18 @@ Nothing here imports cutlass at package import time; :func:`gdp_jax.kernels.fwd.
 does it on first use (and sets ``CUTE_DSL_ARCH=sm_90a`` if unset, so a host without a
 GPU compiles for Hopper instead of the DSL's silent sm_100a default).
 
-What runs where (forward):
-  XLA:    interleave, chunk-local cumsum, WY factors w/u (triangular solve), Kt, and the
-          readout operands qg, P (batched matmuls, float32, then cast to 16 bit);
+What runs where (forward, :mod:`gdp_jax.kernels.fwd`):
+  XLA:    interleave, chunk-local cumsum, WY factors w/u (blocked matmul inverse), Kt, and
+          the readout operands qg, P (batched matmuls, float32, then cast to 16 bit);
   kernel: ``chunk_fwd_sm90``: sequential state recursion over chunks + chunk output +
-          final states (state kept in registers, never written per chunk).
-The backward stays on the xla backend (``chunked.chunk_backward``).
+          final states (state in registers), and under differentiation the start state of
+          every (N + 1)-th chunk (``recompute_chunk_num`` = N checkpoints).
+Backward (:mod:`gdp_jax.kernels.bwd`):
+  XLA:    chunk states from the checkpoints (N recompute steps, all groups at once), the
+          kernel operands (dv_local = P^T dO);
+  kernel: ``chunk_bwd_sm90``: reverse state-gradient recursion (FLA's dhu), writing the
+          gradient w.r.t. every chunk's end state and the initial-state gradients;
+  XLA:    vjp of the chunk-local map (WY backward, dq/dk/dw/dg) for all chunks at once.
+:mod:`gdp_jax.kernels.emulate` holds pure-JAX stand-ins with the kernels' exact contracts
+(CPU tests of everything around them).
 """

@@ -3,7 +3,7 @@
 Hybrid pipeline (one ``jax.jit``-able function, no host syncs):
 
 1. XLA, all chunks at once (batched matmuls, float32): chunk-local cumsum, the WY factors
-   w, u (triangular solve), Kt = exp(G_last - G) k, and the readout operands
+   w, u (blocked matmul inverse), Kt = exp(G_last - G) k, and the readout operands
    qg = scale * exp(G) q and P = scale * tril(q k^T * Gam). Cast to the 16-bit input dtype.
 2. CuTe DSL kernel (:mod:`gdp_jax.kernels.chunk_fwd_sm90`): the sequential state
    recursion over chunks with the state in registers, fused with the chunk output
@@ -179,4 +179,17 @@ def chunk_forward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, scal
     oc, final, states = chunk_kernel_call(w, kt, qg, p, u, decay, *layout_flags(layout), h0,
                                           BV=pick_bv(B, HV, ch.v.shape[-1]), ckpt=ckpt)
     final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
+    if ckpt:
+        states = states.astype(checkpoint_dtype(ab_dtype))
     return oc, final, states
+
+
+CHECKPOINT_DTYPE = None
+"""dtype of the chunk-state checkpoints kept for the backward: None = the inputs' 16-bit
+dtype (half the memory; what FLA and Megatron keep for h), or e.g. "float32"."""
+
+
+def checkpoint_dtype(ab_dtype):
+    if CHECKPOINT_DTYPE is not None:
+        return jnp.dtype(CHECKPOINT_DTYPE)
+    return jnp.dtype(ab_dtype)
