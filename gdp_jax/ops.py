@@ -137,9 +137,10 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
       backend: "xla", "cutedsl" or "auto".
       recompute_chunk_num: N in [0, 64], default 0. The cutedsl forward keeps the state
         at the start of every (N + 1)-th chunk for the backward (N = 0: every chunk,
-        [B, NC, HV, K, V] float32) and the backward recomputes the others: 1 / (N + 1) of
-        the state memory for N extra chunk steps. The xla backend keeps no chunk states
-        at all (it recomputes every one), so N changes nothing there.
+        [B, NC, HV, K, V], bfloat16 for bfloat16 inputs, else float32) and the backward
+        recomputes the others: 1 / (N + 1) of the state memory for N extra chunk steps.
+        The xla backend keeps no chunk states at all (it recomputes every one), so N
+        changes nothing there.
 
     Returns:
       o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
@@ -171,7 +172,8 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
 # Forward: XLA intra-chunk factors + the fused CuTe DSL chunk kernel (state recursion,
 # output, final states, and under differentiation the chunk-state checkpoints).
 # Backward: checkpointed states + the reverse dS kernel + XLA (gdp_jax.kernels.bwd).
-# Residuals: the op's inputs and the checkpoints [B, ceil(NC / (N + 1)), HV, K, V] float32.
+# Residuals: the op's inputs and the checkpoints [B, ceil(NC / (N + 1)), HV, K, V]
+# (bf16 for bf16 inputs, else float32).
 
 def _single_device_op(backend: str):
     """The custom_vjp op that runs a resolved backend on one device."""

@@ -342,10 +342,10 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
 
     ``cp_forward_apply`` runs the fused forward chunk kernel, which also keeps the start
     state of every (N + 1)-th chunk, N = ``recompute_chunk_num`` in [0, 64] (saved in the
-    SavedContext, float32 [B, ceil(NC / (N + 1)), HV, K, V]). ``cp_backward_apply``
-    recomputes the missing states from those checkpoints and runs the reverse dS kernel
-    (:mod:`gdp_jax.kernels.bwd`). The two prepare steps (the summaries) still run on the
-    xla engine.
+    SavedContext, [B, ceil(NC / (N + 1)), HV, K, V], bf16 for bf16 inputs else float32).
+    ``cp_backward_apply`` recomputes the missing states from those checkpoints and runs
+    the reverse dS kernel (:mod:`gdp_jax.kernels.bwd`). The two prepare steps (the
+    summaries) still run on the xla engine.
     """
 
     name = "cutedsl"
