@@ -27,8 +27,9 @@ TOL = 1e-10
 
 @pytest.fixture(autouse=True)
 def emulated_kernels(monkeypatch):
-    monkeypatch.setattr(fwd, "chunk_kernel_call", emulate.chunk_kernel_call)
-    monkeypatch.setattr(bwd, "dh_kernel_call", emulate.dh_kernel_call)
+    # the raw custom calls: the vmap rule around them stays in the test
+    monkeypatch.setattr(fwd, "kernel_call", emulate.chunk_kernel_call)
+    monkeypatch.setattr(bwd, "kernel_call", emulate.dh_kernel_call)
     monkeypatch.setattr(fwd, "unsupported_reason", lambda **kw: None)
     monkeypatch.setattr(_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES)
     monkeypatch.setattr(backends, "cutedsl_available", lambda *a, **k: (True, "emulated"))
@@ -152,3 +153,43 @@ def test_cp_saved_context_holds_checkpoints():
     assert saved.metadata.has_chunk_states and saved.metadata.recompute_chunk_num == 1
     assert len(saved.tensors) == saved.metadata.num_tensors == 11
     assert gcp.saved_chunk_states(saved).shape == (1, 2, 2, 8, 8)
+
+
+# --- jax.vmap: the kernels' batching rule folds the mapped axis into the batch rows ------
+
+def _stacked_inputs(M, packed):
+    B, T, N = (1, 90, 3) if packed else (2, 70, 2)
+    per = [make_inputs(50 + i, B, T, 2, 1, 2, 8, 6, N=N) for i in range(M)]
+    return [jnp.stack([getattr(p, f) for p in per]) for f in
+            ("q", "k", "v", "g", "beta", "initial_state")]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_vmap_forward_and_grad(packed):
+    M = 3
+    stacked = _stacked_inputs(M, packed)
+    cu = jnp.array([0, 40, 41, 90], jnp.int32) if packed else None
+
+    def loss(q, k, v, g, beta, h0):
+        o, s = OP(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                  backend="cutedsl", recompute_chunk_num=1)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(s * s), (o, s)
+
+    vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)
+    # h0 shared (in_axes None) for the packed case: the rule broadcasts unmapped operands
+    h_axis = None if packed else 0
+    args = stacked[:5] + [stacked[5][0] if packed else stacked[5]]
+    (_, (o, s)), grads = jax.jit(jax.vmap(vg, in_axes=(0, 0, 0, 0, 0, h_axis)))(*args)
+    for i in range(M):
+        one = [a[i] for a in stacked[:5]] + [args[5] if packed else args[5][i]]
+        (_, (o1, s1)), g1 = jax.jit(vg)(*one)
+        assert rel_max(o[i], o1) < TOL and rel_max(s[i], s1) < TOL
+        for j, (a, b) in enumerate(zip(grads, g1)):
+            got = a if (j == 5 and packed) else a[i]
+            if j == 5 and packed:
+                continue                       # summed over the map: checked below
+            assert rel_max(got, b) < TOL, j
+    if packed:
+        total = sum(jax.jit(vg)(*([a[i] for a in stacked[:5]] + [args[5]]))[1][5]
+                    for i in range(M))
+        assert rel_max(grads[5].sum(0) if grads[5].ndim == 5 else grads[5], total) < TOL

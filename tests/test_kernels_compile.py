@@ -121,3 +121,20 @@ def test_unsupported_reasons():
     assert "K, V" in fwd.unsupported_reason(K=256, V=128, dtype=jnp.bfloat16, B=1, NC=4, HV=2)
     assert "32-bit" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=64,
                                               NC=8192, HV=64)
+
+
+def test_cutedsl_op_vmap_and_grad_lower():
+    """jax.vmap of the cutedsl op and of its gradient lowers (the kernels' batching rule
+    folds the mapped axis into the batch rows; cutlass_call has no rule of its own)."""
+    B, T, n, H, HV, K, V = 1, 100, 2, 1, 2, 64, 64
+    avals = tuple(S((3,) + a.shape, a.dtype) for a in _op_avals(B, T, n, H, HV, K, V,
+                                                                 jnp.bfloat16))
+    spec = _checks.check_inputs(*[jnp.zeros(a.shape[1:], a.dtype) for a in avals[:5]])
+    cfg = ops.OpConfig.from_spec(spec, True, 1)
+
+    def loss(q, k, v, g, beta, h0):
+        o, final = ops._cutedsl_op(cfg, q, k, v, g, beta, h0, None)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    txt = _lower(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))), *avals)
+    assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2

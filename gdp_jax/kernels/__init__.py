@@ -16,6 +16,7 @@ Backward (:mod:`gdp_jax.kernels.bwd`):
   kernel: ``chunk_bwd_sm90``: reverse state-gradient recursion (FLA's dhu), writing the
           gradient w.r.t. every chunk's end state and the initial-state gradients;
   XLA:    vjp of the chunk-local map (WY backward, dq/dk/dw/dg) for all chunks at once.
-:mod:`gdp_jax.kernels.emulate` holds pure-JAX stand-ins with the kernels' exact contracts
+Both custom calls are ``jax.vmap``-able (:mod:`gdp_jax.kernels._batching` folds the
+mapped axis into the batch rows). :mod:`gdp_jax.kernels.emulate` holds pure-JAX stand-ins with the kernels' exact contracts
 (CPU tests of everything around them).
 """

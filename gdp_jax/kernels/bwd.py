@@ -44,6 +44,15 @@ def _launcher():
 
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
                    split: bool | None = None):
+    """The reverse kernel (:func:`kernel_call`), ``jax.vmap``-able."""
+    from gdp_jax.kernels._batching import fold_mapped_axis
+    call = fold_mapped_axis(lambda *a: kernel_call(*a, BV=BV, split=split), seq_arg=7,
+                            table_arg=9, out_kinds=("rows", "rows"))
+    return call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
+
+
+def kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
+                split: bool | None = None):
     """The raw reverse kernel -> (dS_end [B, NC, HV, K, V] float32, dh0 [N, HV, K, V] float32).
 
     kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, V] in one 16-bit dtype; ddo:

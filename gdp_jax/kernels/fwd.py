@@ -102,6 +102,16 @@ def num_checkpoints(NC: int, ckpt: int) -> int:
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                       split: bool | None = None, ckpt: int = 0):
+    """The forward kernel (:func:`kernel_call`), ``jax.vmap``-able."""
+    from gdp_jax.kernels._batching import fold_mapped_axis
+    call = fold_mapped_axis(
+        lambda *a: kernel_call(*a, BV=BV, split=split, ckpt=ckpt), seq_arg=7, table_arg=9,
+        out_kinds=("rows", "rows", "rows" if ckpt else "dummy"))
+    return call(w, kt, qg, p, u, decay, reset, seq, last, h0)
+
+
+def kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
+                split: bool | None = None, ckpt: int = 0):
     """The raw kernel: per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V],
     states [B, ceil(NC / ckpt), HV, K, V] float32, or [1] when ckpt = 0).
 
