@@ -17,6 +17,15 @@ BACKENDS = ("auto", "xla", "cutedsl")
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 CUTEDSL_INPUT_DTYPES = INPUT_DTYPES[:3]     # no float64 tensor cores
 STATE_DTYPES = (jnp.float32, jnp.float64)
+MAX_RECOMPUTE_CHUNK_NUM = 64
+
+
+def check_recompute_chunk_num(n) -> int:
+    """``recompute_chunk_num`` must be an int in [0, 64]."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_RECOMPUTE_CHUNK_NUM:
+        raise ValueError(f"recompute_chunk_num={n!r}; expected an int in "
+                         f"[0, {MAX_RECOMPUTE_CHUNK_NUM}]")
+    return n
 # The xla backend has no tile limits; this bound only keeps the [K, V] state and the
 # per-chunk K x K transition of context parallelism a sensible size.
 MAX_HEAD_DIM = {"xla": 1024, "cutedsl": 256}

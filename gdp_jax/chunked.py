@@ -267,17 +267,21 @@ def intra_chunk(ch: ChunkInputs) -> Intra:
     return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt)
 
 
+def advance(S, w, u, Kt, G_last):
+    """A chunk's map on its start state S [.., K, V]: (end state, Delta = u - w S).
+
+    S_end = exp(G_last) S + Kt^T Delta (shapes of :class:`Intra`, one chunk per leading
+    index)."""
+    delta = u - w @ S
+    return jnp.exp(G_last)[..., None, None] * S + jnp.swapaxes(Kt, -1, -2) @ delta, delta
+
+
 def chunk_map(ch: ChunkInputs, it: Intra, S0, scale):
     """Output rows and end state of every chunk given its start state S0 [B, NC, HV, K, V]."""
-    delta = it.u - it.w @ S0
-    S_end = jnp.exp(it.G_last)[..., None, None] * S0 + jnp.swapaxes(it.Kt, -1, -2) @ delta
+    S_end, delta = advance(S0, it.w, it.u, it.Kt, it.G_last)
     qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
     o = scale * ((it.gam[..., None] * ch.q) @ S0 + qk @ delta)
     return o, S_end
-
-
-def _local(ch: ChunkInputs, S0, scale):
-    return chunk_map(ch, intra_chunk(ch), S0, scale)
 
 
 # ---------------------------------------------------------------------------------------
@@ -293,9 +297,7 @@ def state_scan(it: Intra, layout: ChunkLayout, h0):
     def step(S, xs):
         w, u, Kt, G_last, reset, sid = xs
         S = jnp.where(reset[:, None, None, None], h0[sid], S)
-        delta = u - w @ S
-        S_next = jnp.exp(G_last)[..., None, None] * S + jnp.swapaxes(Kt, -1, -2) @ delta
-        return S_next, S
+        return advance(S, w, u, Kt, G_last)[0], S
 
     B, NC, HV = it.w.shape[:3]
     K, V = it.w.shape[-1], it.u.shape[-1]
@@ -330,7 +332,7 @@ def states_from_checkpoints(it: Intra, layout: ChunkLayout, h0, ckpts, stride: i
     def step(S, xs):
         # advance over chunk j - 1, then restart if chunk j begins a sequence
         w, u, Kt, G_last, reset, sid = xs
-        S = jnp.exp(G_last)[..., None, None] * S + jnp.swapaxes(Kt, -1, -2) @ (u - w @ S)
+        S = advance(S, w, u, Kt, G_last)[0]
         S = jnp.where(reset[..., None, None, None], h0[sid].astype(S.dtype), S)
         return S, S
 
@@ -346,9 +348,7 @@ def final_states(ch, it, layout, S0, h0):
     """End state of each sequence [N, HV, K, V] (its initial state if it has no tokens)."""
     lc = layout.last_chunk
     pick = lambda x: _flat_chunks(x)[lc]
-    delta = pick(it.u) - pick(it.w) @ pick(S0)
-    S_end = (jnp.exp(pick(it.G_last))[..., None, None] * pick(S0)
-             + jnp.swapaxes(pick(it.Kt), -1, -2) @ delta)
+    S_end, _ = advance(pick(S0), pick(it.w), pick(it.u), pick(it.Kt), pick(it.G_last))
     return jnp.where((layout.seq_len > 0)[:, None, None, None], S_end, h0)
 
 

@@ -30,6 +30,11 @@ class OpConfig:
                    jnp.dtype(spec.compute_dtype).name, recompute_chunk_num)
 
     @property
+    def checkpoint_stride(self) -> int:
+        """The cutedsl forward keeps the start state of every this-many-th chunk."""
+        return self.recompute_chunk_num + 1
+
+    @property
     def cdt(self):
         return jnp.dtype(self.compute_dtype)
 
@@ -58,28 +63,24 @@ def chunk_shape(cfg: OpConfig, layout, V):
 # is kept beyond what the caller already holds. The backward recomputes the chunk-local
 # WY factors and the chunk start states, then runs the reverse state-gradient recursion.
 
-def _xla_local_forward(cfg, ch, layout, h0, q_dtype):
-    oc, final, _ = chunked.chunk_forward(ch, layout, h0, cfg.scale)
-    return oc, final
+def _forward(cfg, local_forward, q, k, v, g, beta, h0, cu_seqlens):
+    """((o, final states), extra) of one call; ``local_forward(ch, layout, h0) -> (output
+    rows, final states, extra)`` runs on the chunk grid (extra: the cutedsl checkpoints)."""
+    layout = cfg.layout(cu_seqlens)
+    ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
+    oc, final, extra = local_forward(ch, layout, h0.astype(cfg.cdt))
+    o = chunked.from_chunks(layout, oc).astype(q.dtype)
+    return (o, final.astype(cfg.cdt)), extra
 
 
-def _make_single_device_op(local_forward):
-    """custom_vjp op whose forward runs ``local_forward`` on the chunk grid and whose
-    backward is :func:`_xla_bwd` (residuals: the op's inputs only)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _xla_op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
+    return _forward(cfg, lambda ch, layout, h0: chunked.chunk_forward(ch, layout, h0, cfg.scale),
+                    q, k, v, g, beta, h0, cu_seqlens)[0]
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
-        return fwd(cfg, q, k, v, g, beta, h0, cu_seqlens)[0]
 
-    def fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
-        layout = cfg.layout(cu_seqlens)
-        ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
-        oc, final = local_forward(cfg, ch, layout, h0.astype(cfg.cdt), q.dtype)
-        o = chunked.from_chunks(layout, oc).astype(q.dtype)
-        return (o, final.astype(cfg.cdt)), (q, k, v, g, beta, h0, cu_seqlens)
-
-    op.defvjp(fwd, _xla_bwd)
-    return op
+def _xla_fwd(cfg, *inputs):
+    return _xla_op(cfg, *inputs), inputs
 
 
 def _input_grads(cfg, inputs, cts, local_backward):
@@ -102,16 +103,7 @@ def _xla_bwd(cfg, res, cts):
         chunked.chunk_backward(ch, layout, h0, doc, dfinal, cfg.scale)))
 
 
-_xla_op = _make_single_device_op(_xla_local_forward)
-
-
-def check_recompute_chunk_num(n) -> int:
-    """``recompute_chunk_num`` must be an int in [0, 64] (None: 0)."""
-    if n is None:
-        return 0
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
-        raise ValueError(f"recompute_chunk_num={n!r}; expected an int in [0, 64]")
-    return n
+_xla_op.defvjp(_xla_fwd, _xla_bwd)
 
 
 def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -152,7 +144,9 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, backend=backend, cp_size=cp_size)
     backend = backends.resolve(backend, spec, q.dtype, cp=cp_axis is not None)
-    cfg = OpConfig.from_spec(spec, use_qk_l2norm, check_recompute_chunk_num(recompute_chunk_num))
+    N = 0 if recompute_chunk_num is None else _checks.check_recompute_chunk_num(
+        recompute_chunk_num)
+    cfg = OpConfig.from_spec(spec, use_qk_l2norm, N)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     if cp_axis is not None:
@@ -180,33 +174,29 @@ def _single_device_op(backend: str):
     return _cutedsl_op if backend == "cutedsl" else _xla_op
 
 
-def _cutedsl_forward(cfg, q, k, v, g, beta, h0, cu_seqlens, ckpt):
+def _cutedsl_forward(cfg, inputs, ckpt):
     from gdp_jax.kernels import fwd as kernel_fwd
-    layout = cfg.layout(cu_seqlens)
-    ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
-    oc, final, states = kernel_fwd.chunk_forward(ch, layout, h0.astype(cfg.cdt), cfg.scale,
-                                                 q.dtype, ckpt=ckpt)
-    o = chunked.from_chunks(layout, oc).astype(q.dtype)
-    return (o, final.astype(cfg.cdt)), states
+    q_dtype = inputs[0].dtype
+    return _forward(cfg, lambda ch, layout, h0: kernel_fwd.chunk_forward(
+        ch, layout, h0, cfg.scale, q_dtype, ckpt=ckpt), *inputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cutedsl_op(cfg: OpConfig, q, k, v, g, beta, h0, cu_seqlens):
-    return _cutedsl_forward(cfg, q, k, v, g, beta, h0, cu_seqlens, ckpt=0)[0]
+    return _cutedsl_forward(cfg, (q, k, v, g, beta, h0, cu_seqlens), ckpt=0)[0]
 
 
-def _cutedsl_fwd(cfg, q, k, v, g, beta, h0, cu_seqlens):
-    out, states = _cutedsl_forward(cfg, q, k, v, g, beta, h0, cu_seqlens,
-                                   ckpt=cfg.recompute_chunk_num + 1)
-    return out, ((q, k, v, g, beta, h0, cu_seqlens), states)
+def _cutedsl_fwd(cfg, *inputs):
+    out, states = _cutedsl_forward(cfg, inputs, ckpt=cfg.checkpoint_stride)
+    return out, (inputs, states)
 
 
 def _cutedsl_bwd(cfg, res, cts):
     from gdp_jax.kernels import bwd as kernel_bwd
     inputs, states = res
     return _input_grads(cfg, inputs, cts, lambda ch, layout, h0, doc, dfinal: (
-        kernel_bwd.chunk_backward(ch, layout, h0, states, cfg.recompute_chunk_num + 1, doc,
-                                  dfinal, cfg.scale, inputs[0].dtype)))
+        kernel_bwd.chunk_backward(ch, layout, h0, states, cfg.checkpoint_stride, doc, dfinal,
+                                  cfg.scale, inputs[0].dtype)))
 
 
 _cutedsl_op.defvjp(_cutedsl_fwd, _cutedsl_bwd)

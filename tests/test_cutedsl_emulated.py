@@ -185,11 +185,4 @@ def test_vmap_forward_and_grad(packed):
         (_, (o1, s1)), g1 = jax.jit(vg)(*one)
         assert rel_max(o[i], o1) < TOL and rel_max(s[i], s1) < TOL
         for j, (a, b) in enumerate(zip(grads, g1)):
-            got = a if (j == 5 and packed) else a[i]
-            if j == 5 and packed:
-                continue                       # summed over the map: checked below
-            assert rel_max(got, b) < TOL, j
-    if packed:
-        total = sum(jax.jit(vg)(*([a[i] for a in stacked[:5]] + [args[5]]))[1][5]
-                    for i in range(M))
-        assert rel_max(grads[5].sum(0) if grads[5].ndim == 5 else grads[5], total) < TOL
+            assert rel_max(a[i], b) < TOL, j   # a shared h0 still gets one gradient per map

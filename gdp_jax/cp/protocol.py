@@ -351,11 +351,8 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
     name = "cutedsl"
 
     def __init__(self, config=None, recompute_chunk_num: int = 0):
-        if (not isinstance(recompute_chunk_num, int) or isinstance(recompute_chunk_num, bool)
-                or not 0 <= recompute_chunk_num <= 64):
-            raise ValueError(f"recompute_chunk_num={recompute_chunk_num!r}; expected an int "
-                             "in [0, 64]")
-        from gdp_jax import backends
+        from gdp_jax import _checks, backends
+        _checks.check_recompute_chunk_num(recompute_chunk_num)
         ok, reason = backends.cutedsl_available()
         if not ok:
             raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend cannot run here: {reason}")

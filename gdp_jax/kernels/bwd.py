@@ -101,7 +101,7 @@ def chunk_backward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, sta
     checkpoints ``states`` [B, NG, HV, K, V] taken every ``stride`` chunks.
     """
     fwd.check_supported(ch, ab_dtype)
-    B, NC, HV = ch.k.shape[:3]
+    B, _, HV = ch.k.shape[:3]
     acc = fwd.acc_dtype(ab_dtype)
     it, it_pull = jax.vjp(chunked.intra_chunk, ch)
     S0 = chunked.states_from_checkpoints(it, layout, h0, states, stride)
