@@ -33,6 +33,7 @@ def main():
     spec = _checks.check_inputs(q, k, v, g, beta)
     cfg = ops.OpConfig.from_spec(spec, True)
     layout = cfg.layout(None)
+    mmd = fwd.matmul_dtype(q.dtype)
     sync = jax.block_until_ready
     res = {}
 
@@ -55,12 +56,13 @@ def main():
                               argnums=(0, 1, 2, 3, 4)), q, k, v, g, beta)
     ch = t("chunk_inputs (relayout, l2norm)", lambda *a: cfg.chunk_inputs(layout, *a),
            q, k, v, g, beta)
-    it = t("intra_chunk (WY factors)", chunked.intra_chunk, ch)
+    t("intra_chunk (WY factors, XLA inverse)", chunked.intra_chunk, ch)
+    it = t("intra_chunk (WY factors, kernel inverse)", lambda c: fwd.intra_chunk(c, mmd), ch)
     t("intra_chunk without the WY inverse",
       lambda c: chunked.intra_chunk(c)._replace(w=None, u=None), ch)
 
     def intra_vjp(c, it_ct):
-        _, pull = jax.vjp(chunked.intra_chunk, c)
+        _, pull = jax.vjp(lambda c: fwd.intra_chunk(c, mmd), c)
         return pull(it_ct)
     t("intra_chunk vjp (fwd + pull)", intra_vjp, ch, it)
     ops_f = t("fwd kernel operands (XLA)", lambda c: fwd.chunk_operands(c, cfg.scale, q.dtype), ch)
@@ -71,14 +73,19 @@ def main():
     S0 = outs[2]
     doc = jax.random.normal(jax.random.PRNGKey(2), ch.v.shape, jnp.float32)
     bops = t("bwd kernel operands (XLA)", lambda c, i, d: bwd.backward_operands(
-        c, i, d, cfg.scale, q.dtype), ch, it, doc)
+        c, i, d, cfg.scale, q.dtype, mmd), ch, it, doc)
     ds_end, _ = t("dh kernel alone", lambda *a: bwd.dh_kernel_call(
         *a, BV=fwd.pick_bv(B, H, 128)), *bops, *flags, h0)
 
     def local(c, s, d, e):
-        i, pull = jax.vjp(chunked.intra_chunk, c)
-        return chunked.local_grads(c, i, pull, s, d, e, cfg.scale)
+        i, pull = jax.vjp(lambda c: fwd.intra_chunk(c, mmd), c)
+        return chunked.local_grads(c, i, pull, s, d, e, cfg.scale, mmd)
     t("XLA chunk-local backward (local_grads)", local, ch, S0, doc, ds_end)
+
+    def local_no_intra(c, i, s, d, e):
+        _, pull = jax.vjp(lambda c, i, s: chunked.chunk_map(c, i, s, cfg.scale, mmd), c, i, s)
+        return pull((d, e))[:2]
+    t("  of which chunk_map vjp alone", local_no_intra, ch, it, S0, doc, ds_end)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,19 @@ class Intra(NamedTuple):
     Kt: jax.Array         # [..., C, K] exp(G_last - G_i) k_i
 
 
+def mm(a, b, dtype=None):
+    """a @ b (batched). With a 16-bit ``dtype`` the operands are rounded to it and the
+    product accumulates in float32 (tensor-core operands; half the memory traffic of
+    float32 operands, which is what bounds these chunk-sized matmuls on a GPU)."""
+    if dtype is None:
+        return a @ b
+    return jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _t(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
 def _reverse_cumsum(x, axis=-1):
     return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
 
@@ -199,22 +212,36 @@ def segment_sums(g):
 SUBSTITUTION_BLOCK = 16
 
 
-@jax.custom_vjp
-def unit_lower_inverse(A):
+def with_closed_form_vjp(inverse):
+    """``inverse`` (A -> (I + A)^-1 for strictly lower-triangular A [..., m, m]) as a
+    custom_vjp whose backward is the closed form dA = -tril(X^T dX X^T, -1) (residual: X
+    only): differentiating through the inverse's own steps is never needed."""
+    f = jax.custom_vjp(inverse)
+
+    def fwd(A):
+        X = inverse(A)
+        return X, X
+
+    def bwd(X, dX):
+        Xt = jnp.swapaxes(X, -1, -2)
+        m = X.shape[-1]
+        strict = jnp.tril(jnp.ones((m, m), bool), -1)
+        return (jnp.where(strict, -(Xt @ dX @ Xt), 0.0),)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _blocked_inverse(A):
     """(I + A)^-1 for strictly lower-triangular A [..., m, m] (m <= 16 or 16 * 2^j).
 
     Blocked, in batched matmuls (FLA's solve_tril scheme): the 16 x 16 diagonal blocks by
     forward substitution, then merges 16 -> 32 -> 64 with
     [[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]].
-    Its vjp is the closed form dA = -tril(X^T dX X^T, -1) (residual: X only).
     Replaces ``lax.linalg.triangular_solve``: on the H200 the forward of the cutedsl op
     went from 11.0 to 6.0 ms at (8, 4096, 16, n=2); on CPU the solve was ~100x slower than
     the rest of the chunk and its LAPACK call could deadlock XLA's thread pool.
     """
-    return _blocked_inverse(A)
-
-
-def _blocked_inverse(A):
     m = A.shape[-1]
     if m <= SUBSTITUTION_BLOCK:
         # X <- I - A X, m - 1 times from X = I: after t steps rows 0..t are final (A is
@@ -233,22 +260,19 @@ def _blocked_inverse(A):
     return jnp.concatenate([top, jnp.concatenate([X21, X22], axis=-1)], axis=-2)
 
 
-def _unit_lower_inverse_fwd(A):
-    X = _blocked_inverse(A)
-    return X, X
+unit_lower_inverse = with_closed_form_vjp(_blocked_inverse)
+"""(I + A)^-1 for strictly lower-triangular A [..., m, m] in XLA (blocked, see
+:func:`_blocked_inverse`), closed-form vjp. The cutedsl backend swaps in a kernel
+(``gdp_jax.kernels.inverse``)."""
 
 
-def _unit_lower_inverse_bwd(X, dX):
-    Xt = jnp.swapaxes(X, -1, -2)
-    m = X.shape[-1]
-    strict = jnp.tril(jnp.ones((m, m), bool), -1)
-    return (jnp.where(strict, -(Xt @ dX @ Xt), 0.0),)
+def intra_chunk(ch: ChunkInputs, inverse=None, mm_dtype=None) -> Intra:
+    """WY factors and decays of every chunk (see the module docstring).
 
-
-unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
-
-
-def intra_chunk(ch: ChunkInputs) -> Intra:
+    ``inverse``: A -> (I + A)^-1 for the strictly lower [..., C, C] A (default: the XLA
+    :data:`unit_lower_inverse`). ``mm_dtype``: operand dtype of the matmuls (:func:`mm`).
+    """
+    inverse = unit_lower_inverse if inverse is None else inverse
     C = ch.k.shape[-2]
     G = jnp.cumsum(ch.g, axis=-1)                               # log-decay from chunk start
     G_last = G[..., -1]
@@ -257,30 +281,30 @@ def intra_chunk(ch: ChunkInputs) -> Intra:
     lower = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam = jnp.where(lower, jnp.exp(segment_sums(ch.g)), 0.0)
-    kk = jnp.einsum("...ik,...jk->...ij", ch.k, ch.k)
+    kk = mm(ch.k, _t(ch.k), mm_dtype)
     A = jnp.where(strict, ch.beta[..., :, None] * kk * Gam, 0.0)
     gam = jnp.exp(G)
     rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
-    wu = unit_lower_inverse(A) @ rhs
+    wu = mm(inverse(A), rhs, mm_dtype)
     K = ch.k.shape[-1]
     Kt = jnp.exp(to_end)[..., None] * ch.k
     return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt)
 
 
-def advance(S, w, u, Kt, G_last):
+def advance(S, w, u, Kt, G_last, mm_dtype=None):
     """A chunk's map on its start state S [.., K, V]: (end state, Delta = u - w S).
 
     S_end = exp(G_last) S + Kt^T Delta (shapes of :class:`Intra`, one chunk per leading
     index)."""
-    delta = u - w @ S
-    return jnp.exp(G_last)[..., None, None] * S + jnp.swapaxes(Kt, -1, -2) @ delta, delta
+    delta = u - mm(w, S, mm_dtype)
+    return jnp.exp(G_last)[..., None, None] * S + mm(_t(Kt), delta, mm_dtype), delta
 
 
-def chunk_map(ch: ChunkInputs, it: Intra, S0, scale):
+def chunk_map(ch: ChunkInputs, it: Intra, S0, scale, mm_dtype=None):
     """Output rows and end state of every chunk given its start state S0 [B, NC, HV, K, V]."""
-    S_end, delta = advance(S0, it.w, it.u, it.Kt, it.G_last)
-    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
-    o = scale * ((it.gam[..., None] * ch.q) @ S0 + qk @ delta)
+    S_end, delta = advance(S0, it.w, it.u, it.Kt, it.G_last, mm_dtype)
+    qk = mm(ch.q, _t(ch.k), mm_dtype) * it.Gam
+    o = scale * (mm(it.gam[..., None] * ch.q, S0, mm_dtype) + mm(qk, delta, mm_dtype))
     return o, S_end
 
 
@@ -419,14 +443,15 @@ def chunk_backward(ch: ChunkInputs, layout: ChunkLayout, h0, doc, dfinal, scale)
     return dch, initial_state_grads(layout, dS_start, dfinal)
 
 
-def local_grads(ch: ChunkInputs, it: Intra, it_pull, S0, doc, dS_end, scale) -> ChunkInputs:
+def local_grads(ch: ChunkInputs, it: Intra, it_pull, S0, doc, dS_end, scale,
+                mm_dtype=None) -> ChunkInputs:
     """Cotangents of the chunk inputs from those of every chunk's output rows ``doc`` and
     end state ``dS_end``, through the chunk-local map at start states ``S0``.
 
     ``(it, it_pull) = jax.vjp(intra_chunk, ch)`` is computed once by the caller and reused
     (the intra-chunk factors are the expensive part of both passes).
     """
-    _, pull = jax.vjp(lambda c, i, s: chunk_map(c, i, s, scale), ch, it, S0)
+    _, pull = jax.vjp(lambda c, i, s: chunk_map(c, i, s, scale, mm_dtype), ch, it, S0)
     # Under shard_map the cotangents must vary over the same mesh axes as the outputs.
     dch, dit, _ = pull(_vma.like((doc, dS_end), ch, S0))
     (dch_intra,) = it_pull(dit)
@@ -461,12 +486,13 @@ def _chunk_transitions(it: Intra):
     return jnp.exp(it.G_last)[..., None, None] * eye - jnp.swapaxes(it.Kt, -1, -2) @ it.w
 
 
-def forward_summaries(ch: ChunkInputs, layout: ChunkLayout):
+def forward_summaries(ch: ChunkInputs, layout: ChunkLayout, intra=intra_chunk):
     """(E, M) of every sequence, [N, HV, K, V] and [N, HV, K, K]: S_end = M S_start + E.
 
-    A sequence without tokens has E = 0, M = I.
+    A sequence without tokens has E = 0, M = I. ``intra``: the intra-chunk function
+    (a backend may put parts of it on kernels).
     """
-    it = intra_chunk(ch)
+    it = intra(ch)
     m = _chunk_transitions(it)
     e = jnp.swapaxes(it.Kt, -1, -2) @ it.u
     M, E = _segmented_compose(m, e, layout.reset)
@@ -476,7 +502,8 @@ def forward_summaries(ch: ChunkInputs, layout: ChunkLayout):
             jnp.where(has, _flat_chunks(M)[lc], eye))
 
 
-def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale):
+def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale,
+                       intra=intra_chunk):
     """(gamma, M^T) of every sequence: dS_start = M^T dS_end + gamma.
 
     gamma is the gradient w.r.t. the sequence's start state from the output cotangents
@@ -485,7 +512,7 @@ def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale)
     :func:`reverse_state_grad_scan`): dS_start = m^T dS_end + b, b = scale (gam Q)^T dO -
     W^T scale tril(Q K^T Gam)^T dO (+ m^T dfinal on the sequence's last chunk).
     """
-    it = intra_chunk(ch)
+    it = intra(ch)
     mt = jnp.swapaxes(_chunk_transitions(it), -1, -2)
     ddelta_out, dS_out = _readout_grads(ch, it, doc, scale)
     b = dS_out - jnp.swapaxes(it.w, -1, -2) @ ddelta_out

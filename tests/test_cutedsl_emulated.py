@@ -16,7 +16,7 @@ import pytest
 
 import gdp_jax
 from gdp_jax import _checks, backends, chunked
-from gdp_jax.kernels import bwd, emulate, fwd
+from gdp_jax.kernels import bwd, emulate, fwd, inverse
 from _util import loss_and_grads, make_inputs, rel_max
 import test_cp as tcp
 
@@ -30,6 +30,7 @@ def emulated_kernels(monkeypatch):
     # the raw custom calls: the vmap rule around them stays in the test
     monkeypatch.setattr(fwd, "kernel_call", emulate.chunk_kernel_call)
     monkeypatch.setattr(bwd, "kernel_call", emulate.dh_kernel_call)
+    monkeypatch.setattr(inverse, "kernel_call", emulate.inverse_kernel_call)
     monkeypatch.setattr(fwd, "unsupported_reason", lambda **kw: None)
     monkeypatch.setattr(_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES)
     monkeypatch.setattr(backends, "cutedsl_available", lambda *a, **k: (True, "emulated"))
@@ -186,3 +187,48 @@ def test_vmap_forward_and_grad(packed):
         assert rel_max(o[i], o1) < TOL and rel_max(s[i], s1) < TOL
         for j, (a, b) in enumerate(zip(grads, g1)):
             assert rel_max(a[i], b) < TOL, j   # a shared h0 still gets one gradient per map
+
+
+def test_kernel_inverse_wrapper_matches_xla():
+    """kernels.inverse (emulated kernel): value, closed-form vjp and vmap equal the XLA
+    inverse's; junk above the diagonal is ignored."""
+    key = jax.random.PRNGKey(3)
+    A = jnp.tril(jax.random.uniform(key, (2, 3, 64, 64), jnp.float64, -1.0, 1.0), -1)
+    junk = A + jnp.triu(jnp.ones((64, 64)), 0) * 7.0
+    X = chunked.unit_lower_inverse(A)
+    np.testing.assert_allclose(inverse.unit_lower_inverse(junk), X, rtol=1e-12, atol=1e-12)
+    eye = jnp.eye(64)
+    np.testing.assert_allclose((eye + A) @ X, jnp.broadcast_to(eye, X.shape), atol=1e-9)
+    W = jax.random.normal(jax.random.PRNGKey(4), A.shape, jnp.float64)
+    loss = lambda inv: lambda a: jnp.sum(jnp.sin(inv(a)) * W)
+    np.testing.assert_allclose(jax.grad(loss(inverse.unit_lower_inverse))(A),
+                               jax.grad(loss(chunked.unit_lower_inverse))(A), rtol=1e-10,
+                               atol=1e-10)
+    vm = jax.vmap(inverse.unit_lower_inverse, in_axes=1, out_axes=1)(A)
+    np.testing.assert_allclose(vm, X, rtol=1e-12, atol=1e-12)
+    # vmap of a function where only another argument is mapped (the inverse is unbatched)
+    f = jax.vmap(lambda a, s: inverse.unit_lower_inverse(a) * s, in_axes=(None, 0))
+    np.testing.assert_allclose(f(A[0], jnp.arange(2.0)),
+                               X[0][None] * jnp.arange(2.0)[:, None, None, None], atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,mm", [(jnp.bfloat16, None), (jnp.bfloat16, "bfloat16"),
+                                      (jnp.float16, None)])
+def test_16bit_inputs_match_reference(dtype, mm, monkeypatch):
+    """bf16/fp16 inputs through the whole cutedsl pipeline (emulated kernels): bf16/float32
+    checkpoints, the kernel inverse's glue, and the optional bf16 matmul operands of the
+    XLA parts (fwd.MATMUL_DTYPE), vs the float64 reference at FLA's 16-bit tolerance."""
+    from _util import DIFF_NAMES, rel_rms, upcast
+    monkeypatch.setattr(fwd, "MATMUL_DTYPE", mm)
+    inp = make_inputs(12, 2, 150, 2, 2, 4, 32, 16, dtype, gate="normal")
+    cu = None
+    # jit=False: the module knob is read at trace time (a cached jit would ignore it)
+    got = loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl", use_qk_l2norm=True,
+                         jit=False)
+    ref = loss_and_grads(REF, upcast(inp, jnp.float64)._replace(
+        g=inp.g.astype(jnp.float64), initial_state=inp.initial_state.astype(jnp.float64)),
+        cu_seqlens=cu, use_qk_l2norm=True)
+    errs = {"o": rel_rms(got[0], ref[0]), "final": rel_rms(got[1], ref[1])}
+    errs.update({n: rel_rms(got[3][n], ref[3][n]) for n in DIFF_NAMES})
+    print(jnp.dtype(dtype).name, mm, {k: f"{e:.1e}" for k, e in errs.items()})
+    assert max(errs.values()) < 1e-2, errs

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from gdp_jax import _checks, chunked, ops  # noqa: E402
-from gdp_jax.kernels import bwd, fwd  # noqa: E402
+from gdp_jax.kernels import bwd, fwd, inverse  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 CUDA = ("cuda",)
@@ -71,6 +71,24 @@ def test_dh_kernel_compiles(dtype, K, V, BV, split):
              + (S((N, HV, K, V), jnp.float32),))
     txt = _lower(lambda *a: bwd.dh_kernel_call(*a, BV=BV, split=split), *avals)
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 64), (2, 5, 3, 64, 64)])
+def test_inverse_kernel_compiles(shape):
+    """The WY inverse kernel (odd matrix counts: a tail CTA), its vjp and a vmap of it."""
+    txt = _lower(inverse.unit_lower_inverse, S(shape, jnp.float32))
+    assert "CuteDSLRT_NvJaxCutlassCall" in txt
+    grad = lambda A: jax.grad(lambda a: jnp.sum(inverse.unit_lower_inverse(a) ** 2))(A)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(grad, S(shape, jnp.float32))
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(jax.vmap(inverse.unit_lower_inverse),
+                                                  S((4,) + shape, jnp.float32))
+
+
+def test_inverse_kernel_rejects_other_shapes():
+    with pytest.raises(ValueError, match="float32"):
+        inverse.kernel_call(jnp.zeros((2, 32, 32), jnp.float32))
+    with pytest.raises(ValueError, match="float32"):
+        inverse.kernel_call(jnp.zeros((2, 64, 64), jnp.float64))
 
 
 def _op_avals(B, T, n, H, HV, K, V, dtype):

@@ -236,6 +236,11 @@ class XlaGatedDeltaProductCPBackend:
     name = "xla"
     recompute_chunk_num = 0
 
+    @staticmethod
+    def _intra(ch):
+        """The chunk-local WY factors (:func:`gdp_jax.chunked.intra_chunk`)."""
+        return chunked.intra_chunk(ch)
+
     def __init__(self, config):
         self.config = config          # gdp_jax.ops.OpConfig of the LOCAL shard
 
@@ -271,7 +276,7 @@ class XlaGatedDeltaProductCPBackend:
         layout = cfg.layout(inputs.cu_seqlens)
         ch = self._chunks(inputs, layout)
         # Parallel composition of the chunk maps: no extra sequential pass over chunks.
-        E, M = chunked.forward_summaries(ch, layout)
+        E, M = chunked.forward_summaries(ch, layout, self._intra)
         E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
         return summary, _LocalForward(inputs, layout, ch)
@@ -311,7 +316,8 @@ class XlaGatedDeltaProductCPBackend:
         doc = readout_cotangent(layout, do.astype(cfg.cdt),
                                 chunk_shape(cfg, layout, inputs.v.shape[-1]))
         dfinal = dfinal.astype(cfg.cdt)
-        gamma, Mt = chunked.backward_summaries(ch, layout, doc, dfinal, cfg.scale)
+        gamma, Mt = chunked.backward_summaries(ch, layout, doc, dfinal, cfg.scale,
+                                               self._intra)
         gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
         summary = self._pack_shape(pack_backward_summary(gamma, Mt),
                                    inputs.cu_seqlens is not None)
@@ -345,10 +351,15 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
     SavedContext, [B, ceil(NC / (N + 1)), HV, K, V], bf16 for bf16 inputs else float32).
     ``cp_backward_apply`` recomputes the missing states from those checkpoints and runs
     the reverse dS kernel (:mod:`gdp_jax.kernels.bwd`). The two prepare steps (the
-    summaries) still run on the xla engine.
+    summaries) run on the xla engine, with the WY inverse on its kernel.
     """
 
     name = "cutedsl"
+
+    @staticmethod
+    def _intra(ch):
+        from gdp_jax.kernels import fwd as kernel_fwd
+        return kernel_fwd.intra_chunk(ch)
 
     def __init__(self, config=None, recompute_chunk_num: int = 0):
         from gdp_jax import _checks, backends

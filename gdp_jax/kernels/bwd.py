@@ -78,15 +78,16 @@ def kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
     return call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
 
 
-def backward_operands(ch: chunked.ChunkInputs, it: chunked.Intra, doc, scale, ab_dtype):
+def backward_operands(ch: chunked.ChunkInputs, it: chunked.Intra, doc, scale, ab_dtype,
+                      mm_dtype=None):
     """XLA part: (kt, w, qg, ddo, do, decay) for :func:`dh_kernel_call`.
 
     doc: [B, NC, HV, C, V] output-row cotangents. ddo = P^T doc is what the chunk output
     sends to Delta directly (FLA's dv_local).
     """
     acc = fwd.acc_dtype(ab_dtype)
-    p = fwd.readout_matrix(ch, it, scale)
-    ddo = jnp.swapaxes(p, -1, -2) @ doc
+    p = fwd.readout_matrix(ch, it, scale, mm_dtype)
+    ddo = chunked.mm(jnp.swapaxes(p, -1, -2), doc, mm_dtype)
     qg = scale * it.gam[..., None] * ch.q
     cast = lambda x: x.astype(ab_dtype)
     return (cast(it.Kt), cast(it.w), cast(qg), ddo.astype(acc), cast(doc),
@@ -103,14 +104,15 @@ def chunk_backward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, sta
     fwd.check_supported(ch, ab_dtype)
     B, _, HV = ch.k.shape[:3]
     acc = fwd.acc_dtype(ab_dtype)
-    it, it_pull = jax.vjp(chunked.intra_chunk, ch)
+    mmd = fwd.matmul_dtype(ab_dtype)
+    it, it_pull = jax.vjp(lambda c: fwd.intra_chunk(c, mmd), ch)
     S0 = chunked.states_from_checkpoints(it, layout, h0, states, stride)
-    kt, w, qg, ddo, do, decay = backward_operands(ch, it, doc, scale, ab_dtype)
+    kt, w, qg, ddo, do, decay = backward_operands(ch, it, doc, scale, ab_dtype, mmd)
     ds_end, dh0 = dh_kernel_call(kt, w, qg, ddo, do, decay, *fwd.layout_flags(layout),
                                  dfinal.astype(acc), BV=fwd.pick_bv(B, HV, ch.v.shape[-1]))
     # The custom call's results carry no varying-axes type under shard_map: give them one.
     ds_end, dh0 = _vma.like((ds_end.astype(ch.k.dtype), dh0.astype(dfinal.dtype)), ch, S0,
                             dfinal)
-    dch = chunked.local_grads(ch, it, it_pull, S0, doc, ds_end, scale)
+    dch = chunked.local_grads(ch, it, it_pull, S0, doc, ds_end, scale, mmd)
     dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], dh0, dfinal)
     return dch, dh0

@@ -10,7 +10,8 @@ tensor-core MMA). Per chunk c (operands precomputed by XLA, see ``gdp_jax.kernel
                                                                           P = scale*tril(q k^T * Gam)
     S      <- decay_c S + Kt_c^T Delta                          decay = exp(G_last)
     final[seq[c]] <- S                   if is_last[c]
-    states[c // ckpt] <- S (start of c)  if ckpt > 0 and c % ckpt == 0   (backward checkpoints)
+    states[c // ckpt] <- S (start of c)  if ckpt > 0 and c % ckpt == 0   (backward checkpoints,
+                                                     in the states tensor's dtype)
 
 Operands enter the MMAs in the 16-bit input dtype (bf16 or fp16) with float32
 accumulation; u is read in float32. With ``split`` (the default for bfloat16), the two
@@ -37,7 +38,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 # Bump on ANY change to this file: it is part of the compile key (a stale key silently
 # reuses the old binary inside one process).
-KERNEL_VERSION = 3
+KERNEL_VERSION = 4
 
 C = 64            # chunk length (steps)
 NUM_THREADS = 128  # 4 warps
@@ -212,7 +213,7 @@ class ChunkFwdSm90:
                 if c % self.ckpt == 0:
                     gSt = cute.local_tile(mStates[b, c // self.ckpt, hv, None, None], (K, BV),
                                           (0, vt))
-                    thr_mma.partition_C(gSt).store(acc_S.load())
+                    thr_mma.partition_C(gSt).store(acc_S.load().to(mStates.element_type))
             s_hi = acc_S.load().to(ab)
             rS16.store(s_hi)
             cute.copy(st_atom, trS16, tCsS)

@@ -1,8 +1,8 @@
 """Pure-JAX stand-ins with the exact contracts of the CuTe DSL kernels (for CPU tests).
 
-``chunk_kernel_call`` and ``dh_kernel_call`` here take and return what
-:func:`gdp_jax.kernels.fwd.chunk_kernel_call` and :func:`gdp_jax.kernels.bwd.dh_kernel_call`
-do, computed with ``lax.scan`` in the operands' precision (no 16-bit rounding, no hi/lo
+``chunk_kernel_call``, ``dh_kernel_call`` and ``inverse_kernel_call`` here take and return
+what the raw ``kernel_call`` of :mod:`gdp_jax.kernels.fwd`, :mod:`~gdp_jax.kernels.bwd` and
+:mod:`~gdp_jax.kernels.inverse` do, computed with ``lax.scan`` in the operands' precision (no 16-bit rounding, no hi/lo
 split). Rows the kernels leave unwritten are NaN here, so a test fails if the glue ever
 reads them. Tests swap these in (monkeypatch) to run the whole ``cutedsl`` pipeline -
 checkpoints, recompute, CP wiring - on a machine without a GPU.
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdp_jax import _vma
+from gdp_jax import _vma, chunked
 
 
 def _scatter_rows(n_rows, rows, values, keep):
@@ -27,7 +27,8 @@ def _by_chunk(*xs):
     return tuple(jnp.moveaxis(x, 1, 0) for x in xs)
 
 
-def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0):
+def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0,
+                      states_dtype=None):
     del BV, split
     B, NC, HV, C, K = w.shape
     V = u.shape[-1]
@@ -49,7 +50,7 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
     N = h0.shape[0]
     final = _scatter_rows(N, seq.reshape(-1), S_end.reshape((B * NC,) + S_end.shape[2:]),
                           last.reshape(-1) != 0)
-    states = S0[:, ::ckpt] if ckpt else jnp.zeros((1,), acc)
+    states = S0[:, ::ckpt].astype(states_dtype or acc) if ckpt else jnp.zeros((1,), acc)
     return o.astype(w.dtype), final, states
 
 
@@ -77,3 +78,11 @@ def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, s
                         ds_start.reshape((B * NC,) + ds_start.shape[2:]),
                         reset.reshape(-1) != 0)
     return ds_end, dh0
+
+
+def inverse_kernel_call(A):
+    """(I + A)^-1 of [num, 64, 64] strictly lower A, any float dtype. The kernel never
+    reads A on or above the diagonal: neither does this (junk there must not matter)."""
+    assert A.ndim == 3 and A.shape[1:] == (64, 64), A.shape
+    strict = jnp.tril(jnp.ones((64, 64), bool), -1)
+    return chunked._blocked_inverse(jnp.where(strict, A, 0.0))

@@ -3,7 +3,7 @@
 Hybrid pipeline (one ``jax.jit``-able function, no host syncs):
 
 1. XLA, all chunks at once (batched matmuls, float32): chunk-local cumsum, the WY factors
-   w, u (blocked matmul inverse), Kt = exp(G_last - G) k, and the readout operands
+   w, u (the inverse (I + A)^-1 on its own kernel, :mod:`gdp_jax.kernels.inverse`), Kt = exp(G_last - G) k, and the readout operands
    qg = scale * exp(G) q and P = scale * tril(q k^T * Gam). Cast to the 16-bit input dtype.
 2. CuTe DSL kernel (:mod:`gdp_jax.kernels.chunk_fwd_sm90`): the sequential state
    recursion over chunks with the state in registers, fused with the chunk output
@@ -101,19 +101,21 @@ def num_checkpoints(NC: int, ckpt: int) -> int:
 
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
-                      split: bool | None = None, ckpt: int = 0):
+                      split: bool | None = None, ckpt: int = 0, states_dtype=jnp.float32):
     """The forward kernel (:func:`kernel_call`), ``jax.vmap``-able."""
     from gdp_jax.kernels._batching import fold_mapped_axis
     call = fold_mapped_axis(
-        lambda *a: kernel_call(*a, BV=BV, split=split, ckpt=ckpt), seq_arg=7, table_arg=9,
+        lambda *a: kernel_call(*a, BV=BV, split=split, ckpt=ckpt, states_dtype=states_dtype),
+        seq_arg=7, table_arg=9,
         out_kinds=("rows", "rows", "rows" if ckpt else "dummy"))
     return call(w, kt, qg, p, u, decay, reset, seq, last, h0)
 
 
 def kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
-                split: bool | None = None, ckpt: int = 0):
+                split: bool | None = None, ckpt: int = 0, states_dtype=jnp.float32):
     """The raw kernel: per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V],
-    states [B, ceil(NC / ckpt), HV, K, V] float32, or [1] when ckpt = 0).
+    states [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the 16-bit
+    operand dtype: written straight from the float32 state), or [1] float32 when ckpt = 0).
 
     w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
     [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC] int32; h0:
@@ -129,14 +131,17 @@ def kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
     ab_name = jnp.dtype(w.dtype).name
     split = default_split(w.dtype) if split is None else bool(split)
     states_shape = (B, num_checkpoints(NC, ckpt), HV, K, V) if ckpt else (1,)
+    states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
+    if states_dtype.name not in ("float32", ab_name):
+        raise ValueError(f"states_dtype must be float32 or {ab_name}; got {states_dtype}")
     call = cjax.cutlass_call(
         _launcher(),
         output_shape_dtype=(jax.ShapeDtypeStruct((B, NC, HV, C, V), w.dtype),
                             jax.ShapeDtypeStruct(h0.shape, jnp.float32),
-                            jax.ShapeDtypeStruct(states_shape, jnp.float32)),
+                            jax.ShapeDtypeStruct(states_shape, states_dtype)),
         use_static_tensors=True,
         compile_key=("gdp_chunk_fwd_sm90", mod.KERNEL_VERSION, B, NC, HV, K, V, BV,
-                     h0.shape[0], ab_name, split, ckpt),
+                     h0.shape[0], ab_name, split, ckpt, states_dtype.name),
         K=K, V=V, BV=BV, ab_name=ab_name, split=split, ckpt=ckpt,
     )
     return call(w, kt, qg, p, u, decay, reset, seq, last, h0)
@@ -147,16 +152,40 @@ def acc_dtype(ab_dtype):
     return jnp.promote_types(jnp.float32, ab_dtype)
 
 
-def readout_matrix(ch: chunked.ChunkInputs, it: chunked.Intra, scale: float):
+def readout_matrix(ch: chunked.ChunkInputs, it: chunked.Intra, scale: float, mm_dtype=None):
     """P = scale * tril(q k^T * Gam): [B, NC, HV, C, C] (Gam is 0 above the diagonal)."""
-    return scale * jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
+    return scale * chunked.mm(ch.q, jnp.swapaxes(ch.k, -1, -2), mm_dtype) * it.Gam
+
+
+MATMUL_DTYPE = None
+"""Operand dtype of the cutedsl path's XLA matmuls (:func:`gdp_jax.chunked.mm`). None:
+float32 operands (XLA runs them as TF32 on the GPU). "bfloat16": bf16 operands with
+float32 accumulation, for bfloat16 inputs only (FLA's choice in every kernel). Measured on
+the H200 at (8, 4096, 16, n=2), 2026-11-29: fwd+bwd 23.2 -> 23.0 ms, forward 4.72 ->
+4.55 ms, but 1.5-2x the error (output rel RMS 2.5e-3 -> 3.8e-3, worst gradient 6.5e-3 ->
+8.9e-3 vs the float64 reference): not worth it while the time is memory traffic, so off."""
+
+
+def matmul_dtype(ab_dtype):
+    """:data:`MATMUL_DTYPE` if it applies to ``ab_dtype`` (bfloat16 inputs), else None."""
+    if MATMUL_DTYPE is not None and jnp.dtype(ab_dtype) == jnp.dtype(jnp.bfloat16):
+        return jnp.dtype(MATMUL_DTYPE)
+    return None
+
+
+def intra_chunk(ch: chunked.ChunkInputs, mm_dtype=None) -> chunked.Intra:
+    """:func:`gdp_jax.chunked.intra_chunk` with the WY inverse on its kernel
+    (:mod:`gdp_jax.kernels.inverse`)."""
+    from gdp_jax.kernels import inverse
+    return chunked.intra_chunk(ch, inverse=inverse.unit_lower_inverse, mm_dtype=mm_dtype)
 
 
 def chunk_operands(ch: chunked.ChunkInputs, scale: float, ab_dtype):
     """XLA part: per-chunk kernel operands in the 16-bit dtype (u and decay float32)."""
-    it = chunked.intra_chunk(ch)
+    mmd = matmul_dtype(ab_dtype)
+    it = intra_chunk(ch, mmd)
     acc = acc_dtype(ab_dtype)
-    p = readout_matrix(ch, it, scale).astype(ab_dtype)
+    p = readout_matrix(ch, it, scale, mmd).astype(ab_dtype)
     qg = (scale * it.gam[..., None] * ch.q).astype(ab_dtype)
     return (it.w.astype(ab_dtype), it.Kt.astype(ab_dtype), qg, p, it.u.astype(acc),
             jnp.exp(it.G_last).astype(acc))
@@ -187,10 +216,9 @@ def chunk_forward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, scal
     w, kt, qg, p, u, decay = chunk_operands(ch, scale, ab_dtype)
     h0 = h0.astype(acc_dtype(ab_dtype))
     oc, final, states = chunk_kernel_call(w, kt, qg, p, u, decay, *layout_flags(layout), h0,
-                                          BV=pick_bv(B, HV, ch.v.shape[-1]), ckpt=ckpt)
+                                          BV=pick_bv(B, HV, ch.v.shape[-1]), ckpt=ckpt,
+                                          states_dtype=checkpoint_dtype(ab_dtype))
     final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
-    if ckpt:
-        states = states.astype(checkpoint_dtype(ab_dtype))
     return oc, final, states
 
 
