@@ -486,13 +486,12 @@ def _chunk_transitions(it: Intra):
     return jnp.exp(it.G_last)[..., None, None] * eye - jnp.swapaxes(it.Kt, -1, -2) @ it.w
 
 
-def forward_summaries(ch: ChunkInputs, layout: ChunkLayout, intra=intra_chunk):
+def forward_summaries(ch: ChunkInputs, layout: ChunkLayout):
     """(E, M) of every sequence, [N, HV, K, V] and [N, HV, K, K]: S_end = M S_start + E.
 
-    A sequence without tokens has E = 0, M = I. ``intra``: the intra-chunk function
-    (a backend may put parts of it on kernels).
+    A sequence without tokens has E = 0, M = I.
     """
-    it = intra(ch)
+    it = intra_chunk(ch)
     m = _chunk_transitions(it)
     e = jnp.swapaxes(it.Kt, -1, -2) @ it.u
     M, E = _segmented_compose(m, e, layout.reset)
@@ -502,8 +501,7 @@ def forward_summaries(ch: ChunkInputs, layout: ChunkLayout, intra=intra_chunk):
             jnp.where(has, _flat_chunks(M)[lc], eye))
 
 
-def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale,
-                       intra=intra_chunk):
+def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale):
     """(gamma, M^T) of every sequence: dS_start = M^T dS_end + gamma.
 
     gamma is the gradient w.r.t. the sequence's start state from the output cotangents
@@ -512,7 +510,7 @@ def backward_summaries(ch: ChunkInputs, layout: ChunkLayout, doc, dfinal, scale,
     :func:`reverse_state_grad_scan`): dS_start = m^T dS_end + b, b = scale (gam Q)^T dO -
     W^T scale tril(Q K^T Gam)^T dO (+ m^T dfinal on the sequence's last chunk).
     """
-    it = intra(ch)
+    it = intra_chunk(ch)
     mt = jnp.swapaxes(_chunk_transitions(it), -1, -2)
     ddelta_out, dS_out = _readout_grads(ch, it, doc, scale)
     b = dS_out - jnp.swapaxes(it.w, -1, -2) @ ddelta_out

@@ -232,3 +232,31 @@ def test_16bit_inputs_match_reference(dtype, mm, monkeypatch):
     errs.update({n: rel_rms(got[3][n], ref[3][n]) for n in DIFF_NAMES})
     print(jnp.dtype(dtype).name, mm, {k: f"{e:.1e}" for k, e in errs.items()})
     assert max(errs.values()) < 1e-2, errs
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kernel_summaries_equal_xla_summaries(packed):
+    """The CP summaries from one kernel pass over V + K columns ([E | M] forward,
+    [gamma | M^T] reverse) equal the XLA engine's parallel composition, per sequence,
+    incl. an empty and a one-token sequence."""
+    n, H, HV, K, V = 2, 1, 2, 8, 6
+    if packed:
+        cu = jnp.asarray([0, 37, 37, 38, 100], jnp.int32)
+        B, T, N = 1, 100, 4
+    else:
+        cu, B, T, N = None, 2, 70, 2
+    inp = make_inputs(21, B, T, n, H, HV, K, V, N=N, gate="normal")
+    layout = chunked.make_layout(B, T, n, cu)
+    ch = chunked.chunk_inputs(layout, inp.q, inp.k, inp.v, inp.g, inp.beta, H=H, HV=HV,
+                              compute_dtype=jnp.float64, use_qk_l2norm=False)
+    for got, want in zip(fwd.forward_summaries(ch, layout, 0.3, jnp.float64),
+                         chunked.forward_summaries(ch, layout)):
+        assert got.shape == want.shape
+        assert rel_max(got, want) < TOL
+    rng = np.random.default_rng(3)
+    doc = jnp.asarray(rng.standard_normal(ch.v.shape))
+    dfinal = jnp.asarray(rng.standard_normal((N, HV, K, V)))
+    for got, want in zip(bwd.backward_summaries(ch, layout, doc, dfinal, 0.3, jnp.float64),
+                         chunked.backward_summaries(ch, layout, doc, dfinal, 0.3)):
+        assert got.shape == want.shape
+        assert rel_max(got, want) < TOL

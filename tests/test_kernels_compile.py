@@ -132,6 +132,25 @@ def test_cutedsl_op_packed_lowers():
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
 
 
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (128, 64)])
+def test_cp_summary_kernels_lower(K, V):
+    """The CP summaries run the forward / reverse kernels on V + K state columns."""
+    B, T, n, HV = 1, 200, 2, 2
+    layout = chunked.make_layout(B, T, n, None)
+    NC = layout.reset.shape[1]
+    ch = chunked.ChunkInputs(*(S((B, NC, HV, chunked.CHUNK, d), jnp.float32)
+                               for d in (K, K, V)),
+                             S((B, NC, HV, chunked.CHUNK), jnp.float32),
+                             S((B, NC, HV, chunked.CHUNK), jnp.float32))
+    txt = _lower(lambda c: fwd.forward_summaries(c, layout, 0.1, jnp.bfloat16), ch)
+    assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # inverse + forward
+    doc = S((B, NC, HV, chunked.CHUNK, V), jnp.float32)
+    dfinal = S((B, HV, K, V), jnp.float32)
+    txt = _lower(lambda c, d, f: bwd.backward_summaries(c, layout, d, f, 0.1, jnp.bfloat16),
+                 ch, doc, dfinal)
+    assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # inverse + reverse
+
+
 def test_unsupported_reasons():
     assert fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=1, NC=4, HV=2) is None
     assert "bfloat16/float16" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.float32,
@@ -139,6 +158,12 @@ def test_unsupported_reasons():
     assert "K, V" in fwd.unsupported_reason(K=256, V=128, dtype=jnp.bfloat16, B=1, NC=4, HV=2)
     assert "32-bit" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=64,
                                               NC=8192, HV=64)
+    # rows [C, V] fit (200000 * 64 * 128 < 2^31) but the [K, V] chunk states do not
+    assert "32-bit" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=1,
+                                              NC=200000, HV=1)
+    # the CP summaries run V + K state columns
+    assert fwd.size_reason(B=1, NC=100000, HV=1, K=128, V=128) is None
+    assert "32-bit" in fwd.size_reason(B=1, NC=100000, HV=1, K=128, V=256)
 
 
 def test_cutedsl_op_vmap_and_grad_lower():

@@ -236,10 +236,14 @@ class XlaGatedDeltaProductCPBackend:
     name = "xla"
     recompute_chunk_num = 0
 
-    @staticmethod
-    def _intra(ch):
-        """The chunk-local WY factors (:func:`gdp_jax.chunked.intra_chunk`)."""
-        return chunked.intra_chunk(ch)
+    def _forward_summaries(self, ch, layout, q_dtype):
+        """(E, M) of every local sequence: parallel composition of the chunk maps (no
+        extra sequential pass over chunks)."""
+        return chunked.forward_summaries(ch, layout)
+
+    def _backward_summaries(self, ch, layout, doc, dfinal, q_dtype):
+        """(gamma, M^T) of every local sequence."""
+        return chunked.backward_summaries(ch, layout, doc, dfinal, self.config.scale)
 
     def __init__(self, config):
         self.config = config          # gdp_jax.ops.OpConfig of the LOCAL shard
@@ -275,8 +279,7 @@ class XlaGatedDeltaProductCPBackend:
         cfg = self.config
         layout = cfg.layout(inputs.cu_seqlens)
         ch = self._chunks(inputs, layout)
-        # Parallel composition of the chunk maps: no extra sequential pass over chunks.
-        E, M = chunked.forward_summaries(ch, layout, self._intra)
+        E, M = self._forward_summaries(ch, layout, inputs.q.dtype)
         E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
         return summary, _LocalForward(inputs, layout, ch)
@@ -316,8 +319,7 @@ class XlaGatedDeltaProductCPBackend:
         doc = readout_cotangent(layout, do.astype(cfg.cdt),
                                 chunk_shape(cfg, layout, inputs.v.shape[-1]))
         dfinal = dfinal.astype(cfg.cdt)
-        gamma, Mt = chunked.backward_summaries(ch, layout, doc, dfinal, cfg.scale,
-                                               self._intra)
+        gamma, Mt = self._backward_summaries(ch, layout, doc, dfinal, inputs.q.dtype)
         gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
         summary = self._pack_shape(pack_backward_summary(gamma, Mt),
                                    inputs.cu_seqlens is not None)
@@ -350,16 +352,24 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
     state of every (N + 1)-th chunk, N = ``recompute_chunk_num`` in [0, 64] (saved in the
     SavedContext, [B, ceil(NC / (N + 1)), HV, K, V], bf16 for bf16 inputs else float32).
     ``cp_backward_apply`` recomputes the missing states from those checkpoints and runs
-    the reverse dS kernel (:mod:`gdp_jax.kernels.bwd`). The two prepare steps (the
-    summaries) run on the xla engine, with the WY inverse on its kernel.
+    the reverse dS kernel (:mod:`gdp_jax.kernels.bwd`). The two prepare steps run the
+    same kernels on V + K state columns: [E | M] and [gamma | M^T] come out of one forward
+    / one reverse pass (``kernels.fwd.forward_summaries``, ``kernels.bwd.backward_summaries``).
     """
 
     name = "cutedsl"
 
-    @staticmethod
-    def _intra(ch):
+    def _forward_summaries(self, ch, layout, q_dtype):
         from gdp_jax.kernels import fwd as kernel_fwd
-        return kernel_fwd.intra_chunk(ch)
+        E, M = kernel_fwd.forward_summaries(ch, layout, self.config.scale, q_dtype)
+        return _vma.like((E, M), ch)
+
+    def _backward_summaries(self, ch, layout, doc, dfinal, q_dtype):
+        from gdp_jax.kernels import bwd as kernel_bwd
+        gamma, Mt = kernel_bwd.backward_summaries(ch, layout, doc, dfinal, self.config.scale,
+                                                  q_dtype)
+        return _vma.like((gamma.astype(dfinal.dtype), Mt.astype(dfinal.dtype)), ch, doc,
+                         dfinal)
 
     def __init__(self, config=None, recompute_chunk_num: int = 0):
         from gdp_jax import _checks, backends

@@ -5,8 +5,10 @@ does it on first use (and sets ``CUTE_DSL_ARCH=sm_90a`` if unset, so a host with
 GPU compiles for Hopper instead of the DSL's silent sm_100a default).
 
 What runs where (forward, :mod:`gdp_jax.kernels.fwd`):
-  XLA:    interleave, chunk-local cumsum, WY factors w/u (blocked matmul inverse), Kt, and
+  XLA:    interleave, chunk-local cumsum, the WY system A, w/u = (I + A)^-1 [...], Kt, and
           the readout operands qg, P (batched matmuls, float32, then cast to 16 bit);
+  kernel: ``wy_inverse_sm90`` (:mod:`gdp_jax.kernels.inverse`): (I + A)^-1 of every chunk
+          (column forward substitution, float32; its vjp is a closed form in XLA);
   kernel: ``chunk_fwd_sm90``: sequential state recursion over chunks + chunk output +
           final states (state in registers), and under differentiation the start state of
           every (N + 1)-th chunk (``recompute_chunk_num`` = N checkpoints).
@@ -16,7 +18,10 @@ Backward (:mod:`gdp_jax.kernels.bwd`):
   kernel: ``chunk_bwd_sm90``: reverse state-gradient recursion (FLA's dhu), writing the
           gradient w.r.t. every chunk's end state and the initial-state gradients;
   XLA:    vjp of the chunk-local map (WY backward, dq/dk/dw/dg) for all chunks at once.
-Both custom calls are ``jax.vmap``-able (:mod:`gdp_jax.kernels._batching` folds the
-mapped axis into the batch rows). :mod:`gdp_jax.kernels.emulate` holds pure-JAX stand-ins with the kernels' exact contracts
-(CPU tests of everything around them).
+Context-parallel summaries (``CuTeDSLGatedDeltaProductCPBackend``): the same two
+recursion kernels on V + K state columns give [E | M] (forward) and [gamma | M^T]
+(reverse) in one pass each (``fwd.forward_summaries``, ``bwd.backward_summaries``).
+The custom calls are ``jax.vmap``-able (:mod:`gdp_jax.kernels._batching` folds the
+mapped axis into the batch rows). :mod:`gdp_jax.kernels.emulate` holds pure-JAX stand-ins
+with the kernels' exact contracts (CPU tests of everything around them).
 """

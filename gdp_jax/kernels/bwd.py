@@ -116,3 +116,28 @@ def chunk_backward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, sta
     dch = chunked.local_grads(ch, it, it_pull, S0, doc, ds_end, scale, mmd)
     dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], dh0, dfinal)
     return dch, dh0
+
+
+def backward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, doc, dfinal,
+                       scale, ab_dtype):
+    """(gamma, M^T) of every sequence on the reverse kernel: [N, HV, K, V], [N, HV, K, K]
+    with dS_start = M^T dS_end + gamma (contract of
+    :func:`gdp_jax.chunked.backward_summaries`).
+
+    One reverse kernel pass over V + K gradient columns: the first V are the real backward
+    with no gradient from beyond the sequence's end (their start-state gradient is gamma);
+    the last K have dO = 0 and the identity as the end-state gradient (their start-state
+    gradient is M^T I = M^T).
+    """
+    B, NC, HV, C, K = ch.k.shape
+    V = ch.v.shape[-1]
+    fwd.check_supported(ch, ab_dtype, extra_columns=K)
+    acc = fwd.acc_dtype(ab_dtype)
+    kt, w, qg, ddo, do, decay = backward_operands(ch, fwd.intra_chunk(ch), doc, scale,
+                                                  ab_dtype)
+    pad = lambda x: jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], axis=-1)
+    df = fwd._with_identity_columns(dfinal.astype(acc), K)
+    _, dh0 = dh_kernel_call(kt, w, qg, pad(ddo), pad(do), decay, *fwd.layout_flags(layout),
+                            df, BV=fwd.pick_bv(B, HV, V + K))
+    dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], dh0, df)
+    return dh0[..., :V], dh0[..., V:]

@@ -37,7 +37,14 @@ def unsupported_reason(*, K: int, V: int, dtype, B: int, NC: int, HV: int):
                 f"operands); got {name}")
     if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
         return f"the cutedsl kernels support K, V in {SUPPORTED_HEAD_DIMS}; got K={K}, V={V}"
-    if B * NC * chunked.CHUNK * HV * max(K, V, chunked.CHUNK) > _MAX_ELEMS:
+    return size_reason(B=B, NC=NC, HV=HV, K=K, V=V)
+
+
+def size_reason(*, B: int, NC: int, HV: int, K: int, V: int):
+    """None if every per-chunk tensor of a kernel call (rows [C, max(K, V, C)], states
+    [K, V]) fits the kernels' 32-bit offsets, else why not."""
+    C = chunked.CHUNK
+    if B * NC * HV * max(C * max(K, V, C), K * V) > _MAX_ELEMS:
         return "the problem is too large for the kernel's 32-bit offsets"
     return None
 
@@ -191,9 +198,13 @@ def chunk_operands(ch: chunked.ChunkInputs, scale: float, ab_dtype):
             jnp.exp(it.G_last).astype(acc))
 
 
-def check_supported(ch: chunked.ChunkInputs, ab_dtype):
+def check_supported(ch: chunked.ChunkInputs, ab_dtype, extra_columns: int = 0):
+    """ValueError unless the kernels run this call (``extra_columns``: state columns
+    beyond V, as the CP summaries use)."""
     B, NC, HV, C, K = ch.k.shape
-    why = unsupported_reason(K=K, V=ch.v.shape[-1], dtype=ab_dtype, B=B, NC=NC, HV=HV)
+    V = ch.v.shape[-1]
+    why = (unsupported_reason(K=K, V=V, dtype=ab_dtype, B=B, NC=NC, HV=HV)
+           or size_reason(B=B, NC=NC, HV=HV, K=K, V=V + extra_columns))
     if why is not None:
         raise ValueError(f"backend='cutedsl' cannot run this call: {why}")
 
@@ -236,3 +247,32 @@ def checkpoint_dtype(ab_dtype):
     if jnp.dtype(ab_dtype) == jnp.dtype(jnp.bfloat16):
         return jnp.dtype(jnp.bfloat16)
     return acc_dtype(ab_dtype)
+
+
+def _with_identity_columns(x, K: int):
+    """[..., K, V] -> [..., K, V + K]: x next to an identity (the summaries' M columns)."""
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=x.dtype), x.shape[:-1] + (K,))
+    return jnp.concatenate([x, eye], axis=-1)
+
+
+def forward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, scale, ab_dtype):
+    """(E, M) of every sequence on the forward kernel: [N, HV, K, V] and [N, HV, K, K] with
+    S_end = M S_start + E (same contract as :func:`gdp_jax.chunked.forward_summaries`).
+
+    One kernel pass over V + K state columns: the first V run from a zero start state
+    (their final state is E), the last K start from the identity with u = 0 (their final
+    state is M I = M). Columns of the state never mix, so this is exact and costs one
+    forward kernel on (V + K) / V times the columns, instead of XLA's K x K transition per
+    chunk and their parallel composition.
+    """
+    B, NC, HV, C, K = ch.k.shape
+    V = ch.v.shape[-1]
+    check_supported(ch, ab_dtype, extra_columns=K)
+    w, kt, qg, p, u, decay = chunk_operands(ch, scale, ab_dtype)
+    u = jnp.concatenate([u, jnp.zeros(u.shape[:-1] + (K,), u.dtype)], axis=-1)
+    N = layout.seq_len.shape[0]
+    h0 = _with_identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(ab_dtype)), K)
+    _, final, _ = chunk_kernel_call(w, kt, qg, p, u, decay, *layout_flags(layout), h0,
+                                    BV=pick_bv(B, HV, V + K))
+    final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
+    return final[..., :V], final[..., V:]
