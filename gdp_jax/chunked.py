@@ -21,6 +21,7 @@ on all chunks at once. Shapes inside: chunk tensors are [B, NC, HV, C, X].
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
@@ -33,17 +34,30 @@ from gdp_jax.reference import l2_normalize
 CHUNK = 64
 
 
-class ChunkLayout(NamedTuple):
-    """Where each chunk row comes from and how chunks chain (all int32/bool arrays).
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Contiguous:
+    """``src`` / ``out_slot`` of a batched (not packed) layout: row r of the chunk grid is
+    interleaved step r (n T of them, then padding), token t reads out at step n t + n - 1.
+    A static marker, so relayouts are pad/reshape/slice (no gather, and no scatter in the
+    backward, which XLA runs far slower on the GPU)."""
+    n: int
+    T: int
 
-    src:          [B, NC*C] index into the interleaved step axis, -1 for padding rows.
+
+class ChunkLayout(NamedTuple):
+    """Where each chunk row comes from and how chunks chain (int32/bool arrays).
+
+    src:          [B, NC*C] index into the interleaved step axis, -1 for padding rows
+                  (a :class:`Contiguous` marker for batched layouts).
     reset:        [B, NC] chunk starts a sequence (start from its initial state).
     seq_of_chunk: [B, NC] sequence (index into initial/final states) of each chunk.
     is_last:      [B, NC] chunk is the last one of its sequence.
     first_chunk:  [N] flat chunk index (b*NC + c) of each sequence's first chunk.
     last_chunk:   [N] flat chunk index of each sequence's last chunk.
     seq_len:      [N] tokens per sequence (0 allowed).
-    out_slot:     [B, T] flat row (c*C + i) holding token t's readout (sub-step n-1).
+    out_slot:     [B, T] flat row (c*C + i) holding token t's readout (sub-step n-1)
+                  (the :class:`Contiguous` marker for batched layouts).
     """
     src: jax.Array
     reset: jax.Array
@@ -76,16 +90,14 @@ def make_layout(B, T, n, cu_seqlens: Optional[jax.Array], C: int = CHUNK) -> Chu
     L = n * T
     if cu_seqlens is None:
         NC = num_chunks(L, B, False, C)
-        rows = jnp.arange(NC * C, dtype=jnp.int32)
-        src = jnp.broadcast_to(jnp.where(rows < L, rows, -1), (B, NC * C))
         c = jnp.arange(NC)
         reset = jnp.broadcast_to(c == 0, (B, NC))
         seq_of_chunk = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC))
         is_last = jnp.broadcast_to(c == NC - 1, (B, NC))
         b = jnp.arange(B, dtype=jnp.int32)
-        out_slot = jnp.broadcast_to(n * jnp.arange(T, dtype=jnp.int32) + n - 1, (B, T))
-        return ChunkLayout(src, reset, seq_of_chunk, is_last, b * NC, b * NC + NC - 1,
-                           jnp.full((B,), T, jnp.int32), out_slot)
+        flat = Contiguous(n, T)
+        return ChunkLayout(flat, reset, seq_of_chunk, is_last, b * NC, b * NC + NC - 1,
+                           jnp.full((B,), T, jnp.int32), flat)
 
     cu = cu_seqlens.astype(jnp.int32)
     N = cu.shape[0] - 1
@@ -115,6 +127,11 @@ def to_chunks(layout: ChunkLayout, x: jax.Array, C: int = CHUNK) -> jax.Array:
     """[B, L, HV, ...] interleaved steps -> [B, NC, HV, C, ...] (padding rows are zero)."""
     B = x.shape[0]
     src = layout.src
+    if isinstance(src, Contiguous):
+        NC = layout.reset.shape[1]
+        pad = [(0, 0), (0, NC * C - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+        y = jnp.pad(x, pad).reshape((B, NC, C) + x.shape[2:])
+        return jnp.moveaxis(y, 2, 3)
     idx = jnp.clip(src, 0, x.shape[1] - 1)
     y = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
     y = jnp.where((src >= 0).reshape(src.shape + (1,) * (x.ndim - 2)), y, 0)
@@ -127,6 +144,9 @@ def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
     """Readout rows: [B, NC, HV, C, V] -> [B, T, HV, V] at each token's last sub-step."""
     B, NC, HV, C, V = y.shape
     flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * C, HV, V)
+    if isinstance(layout.out_slot, Contiguous):
+        n, T = layout.out_slot.n, layout.out_slot.T
+        return flat[:, :n * T].reshape(B, T, n, HV, V)[:, :, n - 1]
     return jnp.take_along_axis(flat, layout.out_slot[:, :, None, None], axis=1)
 
 
