@@ -63,12 +63,21 @@ def chunk_shape(cfg: OpConfig, layout, V):
 # is kept beyond what the caller already holds. The backward recomputes the chunk-local
 # WY factors and the chunk start states, then runs the reverse state-gradient recursion.
 
+def _start_states(h0, k, v, cu_seqlens, dtype):
+    """h0 [N, HV, K, V] in ``dtype``, or zeros when the caller gave None: zeros are made
+    here, inside the op, so they are never kept as a custom_vjp residual."""
+    if h0 is not None:
+        return h0.astype(dtype)
+    N = k.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return jnp.zeros((N, v.shape[3], k.shape[-1], v.shape[-1]), dtype)
+
+
 def _forward(cfg, local_forward, q, k, v, g, beta, h0, cu_seqlens):
     """((o, final states), extra) of one call; ``local_forward(ch, layout, h0) -> (output
     rows, final states, extra)`` runs on the chunk grid (extra: the cutedsl checkpoints)."""
     layout = cfg.layout(cu_seqlens)
     ch = cfg.chunk_inputs(layout, q, k, v, g, beta)
-    oc, final, extra = local_forward(ch, layout, h0.astype(cfg.cdt))
+    oc, final, extra = local_forward(ch, layout, _start_states(h0, k, v, cu_seqlens, cfg.cdt))
     o = chunked.from_chunks(layout, oc).astype(q.dtype)
     return (o, final.astype(cfg.cdt)), extra
 
@@ -93,9 +102,10 @@ def _input_grads(cfg, inputs, cts, local_backward):
     layout = cfg.layout(cu_seqlens)
     ch, pull_inputs = jax.vjp(lambda *a: cfg.chunk_inputs(layout, *a), q, k, v, g, beta)
     doc = readout_cotangent(layout, do.astype(cfg.cdt), chunk_shape(cfg, layout, v.shape[-1]))
-    dch, dh0 = local_backward(ch, layout, h0.astype(cfg.cdt), doc, dfinal.astype(cfg.cdt))
+    dch, dh0 = local_backward(ch, layout, _start_states(h0, k, v, cu_seqlens, cfg.cdt), doc,
+                              dfinal.astype(cfg.cdt))
     dq, dk, dv, dg, dbeta = pull_inputs(dch)
-    return dq, dk, dv, dg, dbeta, dh0.astype(h0.dtype), None
+    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0.astype(h0.dtype), None
 
 
 def _xla_bwd(cfg, res, cts):
@@ -154,9 +164,8 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
             cfg, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
             backend=backend)
     else:
-        h0 = (jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.state_dtype)
-              if initial_state is None else initial_state)
-        o, final = _single_device_op(backend)(cfg, q, k, v, g, beta, h0, cu_seqlens)
+        o, final = _single_device_op(backend)(cfg, q, k, v, g, beta, initial_state,
+                                              cu_seqlens)
     if output_final_state:
         return o, final.astype(spec.state_dtype)
     return o

@@ -106,6 +106,20 @@ def test_checkpoints_kept_per_recompute_chunk_num():
         assert shapes == [(1, NG, 2, 8, 8)], (N, shapes)
 
 
+@pytest.mark.parametrize("backend,N,want", [("xla", 0, 0), ("cutedsl", 0, 10),
+                                             ("cutedsl", 2, 4)])
+def test_bytes_kept_beyond_inputs(backend, N, want):
+    """Without an initial state nothing but the inputs and the bf16 checkpoints is kept
+    for the backward (no zero initial state, no float32 copy): exactly NG chunk states."""
+    inp = make_inputs(4, 1, 300, 2, 1, 2, 8, 8, jnp.bfloat16)   # NC = 10 chunks
+    args = (inp.q, inp.k, inp.v, inp.g, inp.beta)
+    f = lambda *a: OP(*a, backend=backend, recompute_chunk_num=N)
+    res = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args)
+    kept = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(res))
+    inputs = sum(x.size * x.dtype.itemsize for x in args)
+    assert kept - inputs == want * 2 * 8 * 8 * 2            # NG x HV x K x V x bf16
+
+
 @pytest.mark.parametrize("dtype,want", [(jnp.bfloat16, jnp.bfloat16),
                                          (jnp.float16, jnp.float32)])
 def test_checkpoint_dtype(dtype, want):

@@ -1,13 +1,19 @@
 """cutedsl forward AND backward on an sm_90 GPU vs the xla backend and the float64 reference.
 
 Run on the lent H200 only (``pytest -m gpu tests/test_cutedsl_gpu.py``); CI has no GPU.
-Last real results (2026-11-29, nvidia-h200-x2, jax 0.11.2): all 33 tests passed across
-benchmarks/results/gpu_bwd_tests_2026-11-29_run2.log (forward + gradient matrix + N agree;
-the log stops in test_deterministic, cut by the call's timeout before its compile cache
-fix) and gpu_bwd_tests_2026-11-29_run3_rest.log (determinism, long sequence, CP on 1 and
-2 GPUs, model grad in shard_map, backend resolution: 8 passed). Those runs used the
-previous WY inverse (row substitution, autodiff); the current closed-form-vjp inverse is
-verified on CPU only.
+Last real results (2026-11-29, jax 0.11.2), all passed:
+- benchmarks/results/gpu_tests_2026-11-29_run4_inverse_kernel.log (nvidia-h200): forward +
+  gradient matrix + packed, with the WY inverse kernel.
+- gpu_tests_2026-11-29_run5_bf16_matmuls.log: the same plus N agree and the other
+  single-GPU tests, with the forward kernel writing bf16 checkpoints and the optional bf16
+  XLA matmul operands ON (fwd.MATMUL_DTYPE; 1.5-2x the error, off by default since).
+- gpu_tests_2026-11-29_run6_final.log (nvidia-h200-x2, code = the batched-relayout commit):
+  inverse kernel vs float64 (2.4e-7), packed gradients, N agree, determinism, long
+  sequence, CP on 1 and 2 GPUs with the kernel summaries, model grad in shard_map, backend
+  resolution (12 passed).
+The forward/gradient matrix did not re-run after the batched relayout and the bf16
+checkpoint writes; both are bitwise value-preserving (data movement; the same
+round-to-nearest bf16 conversion) and the emulated CPU tests cover them.
 Tolerance: FLA-style relative RMS error ||x - ref|| / ||ref|| < 5e-3 for the output and
 the final state, < 1e-2 for gradients.
 """

@@ -217,6 +217,7 @@ class _LocalForward(NamedTuple):
     inputs: GDPInputs
     layout: chunked.ChunkLayout
     ch: chunked.ChunkInputs
+    shared: Any = None          # backend work done in prepare and reused in apply
 
 
 class _LocalBackward(NamedTuple):
@@ -228,6 +229,7 @@ class _LocalBackward(NamedTuple):
     doc: jax.Array
     dfinal: jax.Array
     chunk_states: Optional[jax.Array]
+    shared: Any = None
 
 
 class XlaGatedDeltaProductCPBackend:
@@ -237,13 +239,13 @@ class XlaGatedDeltaProductCPBackend:
     recompute_chunk_num = 0
 
     def _forward_summaries(self, ch, layout, q_dtype):
-        """(E, M) of every local sequence: parallel composition of the chunk maps (no
-        extra sequential pass over chunks)."""
-        return chunked.forward_summaries(ch, layout)
+        """((E, M) of every local sequence, work to reuse in apply): here the parallel
+        composition of the chunk maps (no extra sequential pass over chunks)."""
+        return chunked.forward_summaries(ch, layout), None
 
     def _backward_summaries(self, ch, layout, doc, dfinal, q_dtype):
-        """(gamma, M^T) of every local sequence."""
-        return chunked.backward_summaries(ch, layout, doc, dfinal, self.config.scale)
+        """((gamma, M^T) of every local sequence, work to reuse in apply)."""
+        return chunked.backward_summaries(ch, layout, doc, dfinal, self.config.scale), None
 
     def __init__(self, config):
         self.config = config          # gdp_jax.ops.OpConfig of the LOCAL shard
@@ -255,13 +257,13 @@ class XlaGatedDeltaProductCPBackend:
         return (type(self) is type(other) and self.config == other.config
                 and self.recompute_chunk_num == other.recompute_chunk_num)
 
-    def _local_forward(self, ch, layout, h0, q_dtype):
+    def _local_forward(self, ch, layout, h0, q_dtype, shared):
         """(output rows, final states, chunk-state checkpoints or None) of the local shard
-        from start states h0."""
+        from start states h0 (``shared``: what :meth:`_forward_summaries` computed)."""
         oc, final, _ = chunked.chunk_forward(ch, layout, h0, self.config.scale)
         return oc, final, None
 
-    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype):
+    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype, shared):
         """(chunk-input cotangents, start-state gradients) of the local shard."""
         return chunked.chunk_backward(ch, layout, h0, doc, dfinal, self.config.scale)
 
@@ -279,10 +281,10 @@ class XlaGatedDeltaProductCPBackend:
         cfg = self.config
         layout = cfg.layout(inputs.cu_seqlens)
         ch = self._chunks(inputs, layout)
-        E, M = self._forward_summaries(ch, layout, inputs.q.dtype)
+        (E, M), shared = self._forward_summaries(ch, layout, inputs.q.dtype)
         E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
-        return summary, _LocalForward(inputs, layout, ch)
+        return summary, _LocalForward(inputs, layout, ch, shared)
 
     def cp_forward_apply(self, local_ctx: _LocalForward, preceding: SummarySlice):
         """Fold the preceding maps into the incoming state, then run the local forward.
@@ -290,12 +292,12 @@ class XlaGatedDeltaProductCPBackend:
         Returns (o [B, T, HV, V], local final states [N, HV, K, V], SavedContext).
         """
         cfg = self.config
-        inputs, layout, ch = local_ctx
+        inputs, layout, ch, shared = local_ctx
         h0 = inputs.initial_state.astype(cfg.cdt)
         S_in = fold_forward(preceding, h0[inputs.first_seq]).astype(cfg.cdt)
         h0 = h0.at[inputs.first_seq].set(
             jnp.where(inputs.continues_in, S_in, h0[inputs.first_seq]))
-        oc, final, states = self._local_forward(ch, layout, h0, inputs.q.dtype)
+        oc, final, states = self._local_forward(ch, layout, h0, inputs.q.dtype, shared)
         o = chunked.from_chunks(layout, oc).astype(inputs.q.dtype)
         md = GDPSavedMetadata(
             scale=cfg.scale, num_householder=cfg.n, use_qk_l2norm_in_kernel=cfg.use_qk_l2norm,
@@ -319,12 +321,12 @@ class XlaGatedDeltaProductCPBackend:
         doc = readout_cotangent(layout, do.astype(cfg.cdt),
                                 chunk_shape(cfg, layout, inputs.v.shape[-1]))
         dfinal = dfinal.astype(cfg.cdt)
-        gamma, Mt = self._backward_summaries(ch, layout, doc, dfinal, inputs.q.dtype)
+        (gamma, Mt), shared = self._backward_summaries(ch, layout, doc, dfinal, inputs.q.dtype)
         gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
         summary = self._pack_shape(pack_backward_summary(gamma, Mt),
                                    inputs.cu_seqlens is not None)
         return summary, _LocalBackward(inputs, md, layout, ch, pull, doc, dfinal,
-                                       saved_chunk_states(saved_ctx))
+                                       saved_chunk_states(saved_ctx), shared)
 
     def cp_backward_apply(self, bwd_ctx: _LocalBackward, following: SummarySlice):
         """Fold the following maps into the outgoing-state gradient; all local gradients.
@@ -333,14 +335,14 @@ class XlaGatedDeltaProductCPBackend:
         w.r.t. the LOCAL start states (the driver keeps the entries of sequences that
         start on this rank).
         """
-        inputs, md, layout, ch, pull, doc, dfinal, states = bwd_ctx
+        inputs, md, layout, ch, pull, doc, dfinal, states, shared = bwd_ctx
         cfg = md.config
         V = inputs.v.shape[-1]
         dS_out = fold_backward(following, V).astype(cfg.cdt)
         dfinal = dfinal.at[inputs.last_seq].add(
             jnp.where(inputs.continues_out, dS_out, 0.0))
         dch, dh0 = self._local_backward(ch, layout, inputs.initial_state, doc, dfinal, states,
-                                        inputs.q.dtype)
+                                        inputs.q.dtype, shared)
         dq, dk, dv, dg, dbeta = pull(dch)
         return dq, dk, dv, dg, dbeta, dh0
 
@@ -359,17 +361,20 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
 
     name = "cutedsl"
 
+    # prepare and apply share the XLA work (WY factors, kernel operands): computed once.
     def _forward_summaries(self, ch, layout, q_dtype):
         from gdp_jax.kernels import fwd as kernel_fwd
-        E, M = kernel_fwd.forward_summaries(ch, layout, self.config.scale, q_dtype)
-        return _vma.like((E, M), ch)
+        operands = kernel_fwd.chunk_operands(ch, self.config.scale, q_dtype)
+        E, M = kernel_fwd.forward_summaries(ch, layout, self.config.scale, q_dtype, operands)
+        return _vma.like((E, M), ch), operands
 
     def _backward_summaries(self, ch, layout, doc, dfinal, q_dtype):
         from gdp_jax.kernels import bwd as kernel_bwd
+        shared = kernel_bwd.shared_backward_work(ch, doc, self.config.scale, q_dtype)
         gamma, Mt = kernel_bwd.backward_summaries(ch, layout, doc, dfinal, self.config.scale,
-                                                  q_dtype)
+                                                  q_dtype, shared)
         return _vma.like((gamma.astype(dfinal.dtype), Mt.astype(dfinal.dtype)), ch, doc,
-                         dfinal)
+                         dfinal), shared
 
     def __init__(self, config=None, recompute_chunk_num: int = 0):
         from gdp_jax import _checks, backends
@@ -380,15 +385,16 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
         super().__init__(config)
         self.recompute_chunk_num = recompute_chunk_num
 
-    def _local_forward(self, ch, layout, h0, q_dtype):
+    def _local_forward(self, ch, layout, h0, q_dtype, shared):
         from gdp_jax.kernels import fwd as kernel_fwd
         oc, final, states = kernel_fwd.chunk_forward(ch, layout, h0, self.config.scale,
-                                                     q_dtype, ckpt=self.recompute_chunk_num + 1)
+                                                     q_dtype, ckpt=self.recompute_chunk_num + 1,
+                                                     operands=shared)
         # The custom call's results carry no varying-axes type: give them the inputs'.
         return _vma.like((oc, final.astype(h0.dtype), states), ch, h0)
 
-    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype):
+    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype, shared):
         from gdp_jax.kernels import bwd as kernel_bwd
         return kernel_bwd.chunk_backward(ch, layout, h0, chunk_states,
                                          self.recompute_chunk_num + 1, doc, dfinal,
-                                         self.config.scale, q_dtype)
+                                         self.config.scale, q_dtype, shared)

@@ -94,20 +94,30 @@ def backward_operands(ch: chunked.ChunkInputs, it: chunked.Intra, doc, scale, ab
             jnp.exp(it.G_last).astype(acc))
 
 
+def shared_backward_work(ch: chunked.ChunkInputs, doc, scale, ab_dtype):
+    """What the backward and the CP backward summary both need, computed once:
+    (intra-chunk factors, their vjp, the reverse kernel's operands)."""
+    mmd = fwd.matmul_dtype(ab_dtype)
+    it, it_pull = jax.vjp(lambda c: fwd.intra_chunk(c, mmd), ch)
+    return it, it_pull, backward_operands(ch, it, doc, scale, ab_dtype, mmd)
+
+
 def chunk_backward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, states,
-                   stride: int, doc, dfinal, scale, ab_dtype):
+                   stride: int, doc, dfinal, scale, ab_dtype, shared=None):
     """Gradients of (output rows, final states) w.r.t. (chunk inputs, initial states).
 
     Same contract as :func:`gdp_jax.chunked.chunk_backward`, plus the forward kernel's
-    checkpoints ``states`` [B, NG, HV, K, V] taken every ``stride`` chunks.
+    checkpoints ``states`` [B, NG, HV, K, V] taken every ``stride`` chunks. ``shared``:
+    :func:`shared_backward_work` of the same inputs if the caller has it already.
     """
     fwd.check_supported(ch, ab_dtype)
     B, _, HV = ch.k.shape[:3]
     acc = fwd.acc_dtype(ab_dtype)
     mmd = fwd.matmul_dtype(ab_dtype)
-    it, it_pull = jax.vjp(lambda c: fwd.intra_chunk(c, mmd), ch)
+    if shared is None:
+        shared = shared_backward_work(ch, doc, scale, ab_dtype)
+    it, it_pull, (kt, w, qg, ddo, do, decay) = shared
     S0 = chunked.states_from_checkpoints(it, layout, h0, states, stride)
-    kt, w, qg, ddo, do, decay = backward_operands(ch, it, doc, scale, ab_dtype, mmd)
     ds_end, dh0 = dh_kernel_call(kt, w, qg, ddo, do, decay, *fwd.layout_flags(layout),
                                  dfinal.astype(acc), BV=fwd.pick_bv(B, HV, ch.v.shape[-1]))
     # The custom call's results carry no varying-axes type under shard_map: give them one.
@@ -119,7 +129,7 @@ def chunk_backward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, sta
 
 
 def backward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, doc, dfinal,
-                       scale, ab_dtype):
+                       scale, ab_dtype, shared=None):
     """(gamma, M^T) of every sequence on the reverse kernel: [N, HV, K, V], [N, HV, K, K]
     with dS_start = M^T dS_end + gamma (contract of
     :func:`gdp_jax.chunked.backward_summaries`).
@@ -127,14 +137,15 @@ def backward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, doc
     One reverse kernel pass over V + K gradient columns: the first V are the real backward
     with no gradient from beyond the sequence's end (their start-state gradient is gamma);
     the last K have dO = 0 and the identity as the end-state gradient (their start-state
-    gradient is M^T I = M^T).
+    gradient is M^T I = M^T). ``shared``: as for :func:`chunk_backward`.
     """
     B, NC, HV, C, K = ch.k.shape
     V = ch.v.shape[-1]
     fwd.check_supported(ch, ab_dtype, extra_columns=K)
     acc = fwd.acc_dtype(ab_dtype)
-    kt, w, qg, ddo, do, decay = backward_operands(ch, fwd.intra_chunk(ch), doc, scale,
-                                                  ab_dtype)
+    if shared is None:
+        shared = shared_backward_work(ch, doc, scale, ab_dtype)
+    kt, w, qg, ddo, do, decay = shared[2]
     pad = lambda x: jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], axis=-1)
     df = fwd._with_identity_columns(dfinal.astype(acc), K)
     _, dh0 = dh_kernel_call(kt, w, qg, pad(ddo), pad(do), decay, *fwd.layout_flags(layout),

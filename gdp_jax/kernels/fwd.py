@@ -216,15 +216,18 @@ def layout_flags(layout: chunked.ChunkLayout):
 
 
 def chunk_forward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, scale, ab_dtype,
-                  ckpt: int = 0):
+                  ckpt: int = 0, operands=None):
     """(o rows [B, NC, HV, C, V], final states [N, HV, K, V], checkpoints).
 
     Same first two results as ``chunked.chunk_forward``. ``ckpt`` > 0 also keeps the start
     state of every ckpt-th chunk (see :func:`chunk_kernel_call`) for the backward.
+    ``operands``: :func:`chunk_operands` of the same inputs if the caller has them already.
     """
     check_supported(ch, ab_dtype)
     B, NC, HV = ch.k.shape[:3]
-    w, kt, qg, p, u, decay = chunk_operands(ch, scale, ab_dtype)
+    if operands is None:
+        operands = chunk_operands(ch, scale, ab_dtype)
+    w, kt, qg, p, u, decay = operands
     h0 = h0.astype(acc_dtype(ab_dtype))
     oc, final, states = chunk_kernel_call(w, kt, qg, p, u, decay, *layout_flags(layout), h0,
                                           BV=pick_bv(B, HV, ch.v.shape[-1]), ckpt=ckpt,
@@ -255,7 +258,8 @@ def _with_identity_columns(x, K: int):
     return jnp.concatenate([x, eye], axis=-1)
 
 
-def forward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, scale, ab_dtype):
+def forward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, scale, ab_dtype,
+                      operands=None):
     """(E, M) of every sequence on the forward kernel: [N, HV, K, V] and [N, HV, K, K] with
     S_end = M S_start + E (same contract as :func:`gdp_jax.chunked.forward_summaries`).
 
@@ -263,12 +267,14 @@ def forward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, scal
     (their final state is E), the last K start from the identity with u = 0 (their final
     state is M I = M). Columns of the state never mix, so this is exact and costs one
     forward kernel on (V + K) / V times the columns, instead of XLA's K x K transition per
-    chunk and their parallel composition.
+    chunk and their parallel composition. ``operands``: as for :func:`chunk_forward`.
     """
     B, NC, HV, C, K = ch.k.shape
     V = ch.v.shape[-1]
     check_supported(ch, ab_dtype, extra_columns=K)
-    w, kt, qg, p, u, decay = chunk_operands(ch, scale, ab_dtype)
+    if operands is None:
+        operands = chunk_operands(ch, scale, ab_dtype)
+    w, kt, qg, p, u, decay = operands
     u = jnp.concatenate([u, jnp.zeros(u.shape[:-1] + (K,), u.dtype)], axis=-1)
     N = layout.seq_len.shape[0]
     h0 = _with_identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(ab_dtype)), K)
