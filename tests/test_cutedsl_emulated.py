@@ -1,10 +1,11 @@
-"""The whole ``cutedsl`` pipeline on CPU, with the two kernels replaced by pure-JAX stand-ins.
+"""The whole ``cutedsl`` pipeline on CPU, with the kernels replaced by pure-JAX stand-ins.
 
-:mod:`gdp_jax.kernels.emulate` implements the forward and reverse kernels' exact contracts
-(unwritten rows are NaN). Swapping them in tests everything around the kernels in float64:
+:mod:`gdp_jax.kernels.emulate` implements the forward, reverse and WY-inverse kernels'
+exact contracts (unwritten rows are NaN). Swapping them in tests everything around the kernels in float64:
 operand preparation, the chunk-state checkpoints of ``recompute_chunk_num`` and their
 recompute, the reverse recursion's wiring, the XLA chunk-local backward, the custom_vjp
-residuals, and the CP backend's saved context - against the reference and the xla backend.
+residuals, the CP backend's saved context and its kernel summaries - against the
+reference and the xla backend.
 The kernels themselves are checked on the GPU (tests/test_cutedsl_gpu.py).
 """
 from __future__ import annotations
