@@ -33,7 +33,8 @@ for variant in ("contiguous", "gather", "contiguous"):
     for be in ("cutedsl", "xla"):
         op = lambda *a, be=be: gated_delta_product(*a, use_qk_l2norm=True, backend=be)
         f = jax.jit(op)
-        fb = jax.jit(jax.grad(lambda *a, op=op: jnp.sum(op(*a).astype(jnp.float32) * w), argnums=(0, 1, 2, 3, 4)))
+        fb = jax.jit(jax.grad(lambda *a, op=op: jnp.sum(op(*a).astype(jnp.float32) * w),
+                              argnums=(0, 1, 2, 3, 4)))
         sync(f(q, k, v, g, beta)); sync(fb(q, k, v, g, beta))
         tf = time_fn(lambda: f(q, k, v, g, beta), sync, iters=5)
         tb = time_fn(lambda: fb(q, k, v, g, beta), sync, iters=5)

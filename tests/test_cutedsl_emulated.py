@@ -1,8 +1,8 @@
 """The whole ``cutedsl`` pipeline on CPU, with the kernels replaced by pure-JAX stand-ins.
 
 :mod:`gdp_jax.kernels.emulate` implements the forward, reverse and WY-inverse kernels'
-exact contracts (unwritten rows are NaN). Swapping them in tests everything around the kernels in float64:
-operand preparation, the chunk-state checkpoints of ``recompute_chunk_num`` and their
+exact contracts (unwritten rows are NaN). Swapping them in tests everything around the
+kernels in float64: operand preparation, the chunk-state checkpoints of ``recompute_chunk_num`` and their
 recompute, the reverse recursion's wiring, the XLA chunk-local backward, the custom_vjp
 residuals, the CP backend's saved context and its kernel summaries - against the
 reference and the xla backend.

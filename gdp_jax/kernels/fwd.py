@@ -3,8 +3,9 @@
 Hybrid pipeline (one ``jax.jit``-able function, no host syncs):
 
 1. XLA, all chunks at once (batched matmuls, float32): chunk-local cumsum, the WY factors
-   w, u (the inverse (I + A)^-1 on its own kernel, :mod:`gdp_jax.kernels.inverse`), Kt = exp(G_last - G) k, and the readout operands
-   qg = scale * exp(G) q and P = scale * tril(q k^T * Gam). Cast to the 16-bit input dtype.
+   w, u (the inverse (I + A)^-1 on its own kernel, :mod:`gdp_jax.kernels.inverse`),
+   Kt = exp(G_last - G) k, and the readout operands qg = scale * exp(G) q and
+   P = scale * tril(q k^T * Gam). Cast to the 16-bit input dtype.
 2. CuTe DSL kernel (:mod:`gdp_jax.kernels.chunk_fwd_sm90`): the sequential state
    recursion over chunks with the state in registers, fused with the chunk output
    o = qg S0 + P Delta, and the final state of each sequence. The per-chunk start states
