@@ -11,7 +11,7 @@ forward and fwd+bwd, cutedsl and xla. Not run yet.
 import os, sys
 sys.path.insert(0, "benchmarks")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-from bench_fwd import jax_inputs, time_fn
+from bench_fwd import fwdbwd_step, jax_inputs, time_fn
 import jax, jax.numpy as jnp
 from gdp_jax import chunked, gated_delta_product
 orig = chunked.make_layout
@@ -33,8 +33,7 @@ for variant in ("contiguous", "gather", "contiguous"):
     for be in ("cutedsl", "xla"):
         op = lambda *a, be=be: gated_delta_product(*a, use_qk_l2norm=True, backend=be)
         f = jax.jit(op)
-        fb = jax.jit(jax.grad(lambda *a, op=op: jnp.sum(op(*a).astype(jnp.float32) * w),
-                              argnums=(0, 1, 2, 3, 4)))
+        fb = jax.jit(fwdbwd_step(op, w))
         sync(f(q, k, v, g, beta)); sync(fb(q, k, v, g, beta))
         tf = time_fn(lambda: f(q, k, v, g, beta), sync, iters=5)
         tb = time_fn(lambda: fb(q, k, v, g, beta), sync, iters=5)

@@ -58,6 +58,14 @@ def time_fn(fn, sync, iters=10, reps=5, warmup=2):
     return statistics.median(ts)
 
 
+def fwdbwd_step(op, w):
+    """The fwd+bwd step the scripts time: gradients of sum(op(q, k, v, g, beta) * w) w.r.t.
+    all five inputs (not jitted)."""
+    import jax
+    import jax.numpy as jnp
+    return jax.grad(lambda *a: jnp.sum(op(*a).astype(jnp.float32) * w), argnums=(0, 1, 2, 3, 4))
+
+
 def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 

@@ -18,7 +18,7 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_fwd import jax_inputs, time_fn  # noqa: E402
+from bench_fwd import fwdbwd_step, jax_inputs, time_fn  # noqa: E402
 
 
 def main():
@@ -80,8 +80,7 @@ def main():
             for backend in args.backends.split(","):
                 op = lambda *a, b=backend: gated_delta_product(*a, use_qk_l2norm=True, backend=b)
                 fwd = jax.jit(op)
-                fb = jax.jit(jax.grad(lambda *a, op=op: jnp.sum(op(*a).astype(f32) * w),
-                                      argnums=(0, 1, 2, 3, 4)))
+                fb = jax.jit(fwdbwd_step(op, w))
                 sync(fwd(q, k, v, g, beta))
                 sync(fb(q, k, v, g, beta))
                 tf = time_fn(lambda: fwd(q, k, v, g, beta), sync, iters=5)

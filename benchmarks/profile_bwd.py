@@ -15,7 +15,7 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_fwd import jax_inputs, time_fn  # noqa: E402
+from bench_fwd import fwdbwd_step, jax_inputs, time_fn  # noqa: E402
 
 
 def main():
@@ -49,11 +49,9 @@ def main():
         op = lambda *a, N=N: gated_delta_product(*a, use_qk_l2norm=True, backend="cutedsl",
                                                  recompute_chunk_num=N)
         t(f"op forward (N={N}: no checkpoints)", op, q, k, v, g, beta)
-        t(f"op fwd+bwd N={N}", jax.grad(lambda *a: jnp.sum(op(*a).astype(jnp.float32) * w),
-                                        argnums=(0, 1, 2, 3, 4)), q, k, v, g, beta)
+        t(f"op fwd+bwd N={N}", fwdbwd_step(op, w), q, k, v, g, beta)
     xop = lambda *a: gated_delta_product(*a, use_qk_l2norm=True, backend="xla")
-    t("xla fwd+bwd", jax.grad(lambda *a: jnp.sum(xop(*a).astype(jnp.float32) * w),
-                              argnums=(0, 1, 2, 3, 4)), q, k, v, g, beta)
+    t("xla fwd+bwd", fwdbwd_step(xop, w), q, k, v, g, beta)
     ch = t("chunk_inputs (relayout, l2norm)", lambda *a: cfg.chunk_inputs(layout, *a),
            q, k, v, g, beta)
     t("intra_chunk (WY factors, XLA inverse)", chunked.intra_chunk, ch)

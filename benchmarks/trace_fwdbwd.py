@@ -20,7 +20,7 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_fwd import jax_inputs  # noqa: E402
+from bench_fwd import fwdbwd_step, jax_inputs  # noqa: E402
 
 
 def main():
@@ -40,8 +40,7 @@ def main():
     q, k, v, g, beta = jax_inputs(B, T, H, n)
     w = jax.random.normal(jax.random.PRNGKey(1), (B, T, H, 128), jnp.float32).astype(q.dtype)
     op = lambda *a: gated_delta_product(*a, use_qk_l2norm=True, backend=args.backend)
-    step = jax.jit(jax.grad(lambda *a: jnp.sum(op(*a).astype(jnp.float32) * w),
-                            argnums=(0, 1, 2, 3, 4)))
+    step = jax.jit(fwdbwd_step(op, w))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_hlo.txt"), "w") as f:
         f.write(step.lower(q, k, v, g, beta).compile().as_text())

@@ -146,9 +146,8 @@ def backward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, doc
     if shared is None:
         shared = shared_backward_work(ch, doc, scale, ab_dtype)
     kt, w, qg, ddo, do, decay = shared[2]
-    pad = lambda x: jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], axis=-1)
-    df = fwd._with_identity_columns(dfinal.astype(acc), K)
-    _, dh0 = dh_kernel_call(kt, w, qg, pad(ddo), pad(do), decay, *fwd.layout_flags(layout),
-                            df, BV=fwd.pick_bv(B, HV, V + K))
+    df = fwd.identity_columns(dfinal.astype(acc), K)
+    _, dh0 = dh_kernel_call(kt, w, qg, fwd.zero_columns(ddo, K), fwd.zero_columns(do, K),
+                            decay, *fwd.layout_flags(layout), df, BV=fwd.pick_bv(B, HV, V + K))
     dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], dh0, df)
     return dh0[..., :V], dh0[..., V:]

@@ -3,13 +3,12 @@
 ``chunk_kernel_call``, ``dh_kernel_call`` and ``inverse_kernel_call`` here take and return
 what the raw ``kernel_call`` of :mod:`gdp_jax.kernels.fwd`, :mod:`~gdp_jax.kernels.bwd` and
 :mod:`~gdp_jax.kernels.inverse` do, computed with ``lax.scan`` (or XLA's blocked inverse)
-in the operands' precision (no 16-bit rounding, no hi/lo split). Rows the kernels leave unwritten are NaN here, so a test fails if the glue ever
-reads them. Tests swap these in (monkeypatch) to run the whole ``cutedsl`` pipeline -
+in the operands' precision (no 16-bit rounding, no hi/lo split). Rows the kernels leave
+unwritten are NaN here, so a test fails if the glue ever reads them. Tests swap these in (monkeypatch) to run the whole ``cutedsl`` pipeline -
 checkpoints, recompute, CP wiring - on a machine without a GPU.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -253,7 +253,12 @@ def checkpoint_dtype(ab_dtype):
     return acc_dtype(ab_dtype)
 
 
-def _with_identity_columns(x, K: int):
+def zero_columns(x, K: int):
+    """[..., V] -> [..., V + K]: x next to K zero columns (the summaries' extra columns)."""
+    return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], axis=-1)
+
+
+def identity_columns(x, K: int):
     """[..., K, V] -> [..., K, V + K]: x next to an identity (the summaries' M columns)."""
     eye = jnp.broadcast_to(jnp.eye(K, dtype=x.dtype), x.shape[:-1] + (K,))
     return jnp.concatenate([x, eye], axis=-1)
@@ -276,10 +281,9 @@ def forward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, scal
     if operands is None:
         operands = chunk_operands(ch, scale, ab_dtype)
     w, kt, qg, p, u, decay = operands
-    u = jnp.concatenate([u, jnp.zeros(u.shape[:-1] + (K,), u.dtype)], axis=-1)
     N = layout.seq_len.shape[0]
-    h0 = _with_identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(ab_dtype)), K)
-    _, final, _ = chunk_kernel_call(w, kt, qg, p, u, decay, *layout_flags(layout), h0,
-                                    BV=pick_bv(B, HV, V + K))
+    h0 = identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(ab_dtype)), K)
+    _, final, _ = chunk_kernel_call(w, kt, qg, p, zero_columns(u, K), decay,
+                                    *layout_flags(layout), h0, BV=pick_bv(B, HV, V + K))
     final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
     return final[..., :V], final[..., V:]
