@@ -42,9 +42,19 @@ def cutedsl_available(spec=None, dtype=None) -> tuple[bool, str]:
     return (False, why) if why else (True, "ok")
 
 
+def _default_platform() -> str:
+    try:
+        return jax.devices()[0].platform
+    except RuntimeError:  # pragma: no cover - no backend at all
+        return "none"
+
+
 @functools.lru_cache(maxsize=None)
 def _log_choice(choice: str, reason: str):
-    log.info("gdp_jax backend=auto picked %s (%s)", choice, reason)
+    """Once per (choice, reason): INFO, or WARNING when "auto" leaves a GPU on xla (the
+    slow path there; the reason says what to change)."""
+    level = logging.WARNING if choice == "xla" and _default_platform() == "gpu" else logging.INFO
+    log.log(level, "gdp_jax backend=auto picked %s (%s)", choice, reason)
 
 
 def resolve(backend: str, spec=None, dtype=None, cp: bool = False) -> str:

@@ -83,7 +83,7 @@ class S3Model(nnx.Module):
         self.embed = nnx.Embed(6, cfg.d_model, rngs=rngs)
         self.mixer = GatedDeltaProduct(
             cfg.d_model, cfg.num_heads, head_k_dim=cfg.head_dim, head_v_dim=cfg.head_dim,
-            num_householder=cfg.num_householder, conv_size=cfg.conv_size, use_gate=False,
+            num_householder=cfg.num_householder, conv_size=cfg.conv_size, use_forget_gate=False,
             allow_neg_eigval=True, qkv_activation=cfg.qkv_activation,
             learn_initial_state=cfg.learn_initial_state, cp_axis=cp_axis, backend="xla",
             rngs=rngs)

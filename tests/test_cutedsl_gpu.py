@@ -305,7 +305,7 @@ def test_model_grad_inside_shard_map():
     from gdp_jax.nn import GatedDeltaProduct
     n_dev = len(jax.devices())
     mesh = Mesh(np.array(jax.devices()), ("cp",))
-    mk = lambda **kw: GatedDeltaProduct(256, 4, num_kv_heads=2, head_k_dim=64,
+    mk = lambda **kw: GatedDeltaProduct(256, 2, num_v_heads=4, head_k_dim=64,
                                         dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **kw)
     gd1, params = nnx.split(mk(backend="xla"), nnx.Param)
     gdc, _ = nnx.split(mk(backend="cutedsl", cp_axis="cp"), nnx.Param)

@@ -15,10 +15,11 @@ D = 16
 
 
 def make(cp_axis=None, **kw):
-    args = dict(num_kv_heads=1, head_k_dim=8, head_v_dim=8, num_householder=2,
+    """H = num_heads query/key heads (default 1), HV = num_v_heads value heads (default 2)."""
+    args = dict(num_v_heads=2, head_k_dim=8, head_v_dim=8, num_householder=2,
                 param_dtype=F64, backend="xla")
     args.update(kw)
-    return GatedDeltaProduct(D, args.pop("num_heads", 2), cp_axis=cp_axis, rngs=nnx.Rngs(0),
+    return GatedDeltaProduct(D, args.pop("num_heads", 1), cp_axis=cp_axis, rngs=nnx.Rngs(0),
                              **args)
 
 
@@ -38,11 +39,11 @@ def rel(a, b):
     return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-300))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(use_gate=False, allow_neg_eigval=False),
+@pytest.mark.parametrize("kw", [dict(), dict(use_forget_gate=False, allow_neg_eigval=False),
                                 dict(conv_size=0, num_householder=3),
                                 dict(learn_initial_state=True, qkv_activation=False)])
 def test_shapes_and_projection(kw):
-    layer = make(num_heads=4, num_kv_heads=2, **kw)
+    layer = make(num_heads=2, num_v_heads=4, **kw)
     x = rand_x(2, 23)
     y = fwd(layer, x)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -55,7 +56,7 @@ def test_shapes_and_projection(kw):
     assert p["z"].shape == (2, 23, 4, 8)
     hi = 2.0 if layer.allow_neg_eigval else 1.0
     assert 0 < float(p["beta"].min()) and float(p["beta"].max()) < hi
-    if layer.use_gate:
+    if layer.use_forget_gate:
         assert p["g"].shape == (2, 23, 4) and float(p["g"].max()) <= 0
     else:
         assert p["g"] is None
@@ -63,7 +64,7 @@ def test_shapes_and_projection(kw):
 
 def test_bfloat16_compute():
     layer = GatedDeltaProduct(D, 2, head_k_dim=8, dtype=jnp.bfloat16, backend="xla",
-                              rngs=nnx.Rngs(0))
+                              rngs=nnx.Rngs(0))    # float32 parameters, bf16 compute
     y = fwd(layer, rand_x(1, 17).astype(jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
 
@@ -71,7 +72,7 @@ def test_bfloat16_compute():
 def test_matches_the_reference_pipeline_with_gva():
     """Layer == its own projections fed to the token-recurrence reference (GVA: H < HV)."""
     from gdp_jax.nn import gated_rms_norm
-    layer = make(num_heads=4, num_kv_heads=2)
+    layer = make(num_heads=2, num_v_heads=4)
     x = rand_x(2, 19)
     p = layer.project(x)
     o = gdp_jax.gated_delta_product_reference(p["q"], p["k"], p["v"], p["g"], p["beta"],
@@ -102,9 +103,9 @@ def test_causal():
     assert rel(y2[:, 20:], y[:, 20:]) > 1e-3
 
 
-@pytest.mark.parametrize("use_gate", [True, False])
-def test_grads_finite(use_gate):
-    layer = make(use_gate=use_gate, num_heads=4, num_kv_heads=2)
+@pytest.mark.parametrize("use_forget_gate", [True, False])
+def test_grads_finite(use_forget_gate):
+    layer = make(use_forget_gate=use_forget_gate, num_heads=2, num_v_heads=4)
     graphdef, params = nnx.split(layer, nnx.Param)
     x = rand_x(1, 33)
     cu = jnp.array([0, 12, 33], jnp.int32)
@@ -131,8 +132,8 @@ def test_conv_restarts_and_halo_check():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        GatedDeltaProduct(D, 3, num_kv_heads=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_v_heads=3"):
+        GatedDeltaProduct(D, 2, num_v_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="expected"):
         make()(jnp.zeros((1, 4, D + 1), F64))
 
@@ -149,7 +150,7 @@ def _mesh(n=8):
 def test_layer_under_cp_equals_one_device(case):
     """8 ranks of 8 tokens; packed sequences cross (several) rank boundaries."""
     mesh = _mesh()
-    kw = dict(num_heads=4, num_kv_heads=2, learn_initial_state=True)
+    kw = dict(num_heads=2, num_v_heads=4, learn_initial_state=True)
     one, cp = make(**kw), make(cp_axis="cp", **kw)
     graphdef1, params = nnx.split(one, nnx.Param)
     graphdef_cp, _ = nnx.split(cp, nnx.Param)
