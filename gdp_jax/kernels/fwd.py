@@ -162,7 +162,7 @@ def acc_dtype(ab_dtype):
 
 def readout_matrix(ch: chunked.ChunkInputs, it: chunked.Intra, scale: float, mm_dtype=None):
     """P = scale * tril(q k^T * Gam): [B, NC, HV, C, C] (Gam is 0 above the diagonal)."""
-    return scale * chunked.mm(ch.q, jnp.swapaxes(ch.k, -1, -2), mm_dtype) * it.Gam
+    return scale * chunked.causal_scores(ch.q, ch.k, it.Gam, mm_dtype)
 
 
 MATMUL_DTYPE = None
