@@ -220,12 +220,30 @@ def causal_mm(X, R, mm_dtype=None, strict=False):
     or after the first one is set to NaN instead: causal, and exact when all is finite.
     X's entries above the diagonal must be finite (zero) in the rows not set to NaN.
     """
-    finite = jnp.all(jnp.isfinite(R), axis=-1)                  # [.., m]
+    finite, bad = nonfinite_rows(R, strict)
+    out = mm(X, jnp.where(finite[..., None], R, 0), mm_dtype)
+    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, out.dtype), out)
+
+
+def nonfinite_rows(R, strict=False, finite=None):
+    """(finite [.., m]: row i of R [.., m, X] is all finite, bad [.., m]: some row j <= i
+    (j < i with ``strict``) is not). ``finite`` given: use it instead of R's."""
+    if finite is None:
+        finite = jnp.all(jnp.isfinite(R), axis=-1)
     bad = lax.cummax((~finite).astype(jnp.int8), axis=finite.ndim - 1) > 0
     if strict:      # row i does not read row i itself
         bad = jnp.concatenate([jnp.zeros_like(bad[..., :1]), bad[..., :-1]], axis=-1)
-    out = mm(X, jnp.where(finite[..., None], R, 0), mm_dtype)
-    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, out.dtype), out)
+    return finite, bad
+
+
+def causal_rows(f, A):
+    """``f(A)`` for a row-causal map f of [.., m, m] (row i of f(A) depends on rows <= i of
+    A, e.g. (I + A)^-1 for lower A) run where a non-finite row of A must not reach earlier
+    rows through f's own arithmetic (a kernel): f sees those rows as zeros, and the rows
+    of the result from the first of them on are NaN."""
+    finite, bad = nonfinite_rows(A)
+    X = f(jnp.where(finite[..., None], A, 0))
+    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, X.dtype), X)
 
 
 def _reverse_cumsum(x, axis=-1):
