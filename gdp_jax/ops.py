@@ -154,8 +154,8 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     an error. A non-finite input at token t changes only that sequence's outputs at t and
     later. NumPy arrays are accepted wherever jax arrays are.
     """
-    q, k, v, g, beta, initial_state, cu_seqlens = _checks.as_arrays(
-        q, k, v, g, beta, initial_state, cu_seqlens)
+    # cu_seqlens stays as given: NumPy offsets are concrete, checked at trace time.
+    q, k, v, g, beta, initial_state = _checks.as_arrays(q, k, v, g, beta, initial_state)
     cp_size = 1
     if cp_axis is not None:
         from gdp_jax.cp import driver
@@ -168,8 +168,9 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     cfg = OpConfig.from_spec(spec, use_qk_l2norm, N)
     ok = None
     if cu_seqlens is not None:
+        traced = not _guard.is_concrete(cu_seqlens)     # concrete ones were checked above
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
-        if not _guard.is_concrete(cu_seqlens):     # concrete ones were checked above
+        if traced:
             ok = _guard.offsets_ok(cu_seqlens, spec.T * cp_size, cp_axis)
             q, k, v, g, beta, initial_state = _guard.poison_all(
                 ok, q, k, v, g, beta, initial_state)

@@ -45,8 +45,7 @@ def gated_delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state
       o [B, T, HV, V] in q.dtype, and with ``output_final_state`` the final states
       [N, HV, K, V] (float32, or float64 when the inputs are float64).
     """
-    q, k, v, g, beta, initial_state, cu_seqlens = _checks.as_arrays(
-        q, k, v, g, beta, initial_state, cu_seqlens)
+    q, k, v, g, beta, initial_state = _checks.as_arrays(q, k, v, g, beta, initial_state)
     spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, backend="xla")
     B, T, n, H, HV, K, V, N = spec.B, spec.T, spec.n, spec.H, spec.HV, spec.K, spec.V, spec.N
