@@ -20,12 +20,41 @@ STATE_DTYPES = (jnp.float32, jnp.float64)
 MAX_RECOMPUTE_CHUNK_NUM = 64
 
 
+MAX_INT32 = 2 ** 31 - 1
+
+
 def check_recompute_chunk_num(n) -> int:
-    """``recompute_chunk_num`` must be an int in [0, 64]."""
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_RECOMPUTE_CHUNK_NUM:
+    """``recompute_chunk_num`` must be an integer (Python or NumPy) in [0, 64]."""
+    if (not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_))
+            or not 0 <= n <= MAX_RECOMPUTE_CHUNK_NUM):
         raise ValueError(f"recompute_chunk_num={n!r}; expected an int in "
                          f"[0, {MAX_RECOMPUTE_CHUNK_NUM}]")
-    return n
+    return int(n)
+
+
+def as_arrays(*xs):
+    """NumPy arrays (and NumPy scalars) -> jax arrays; everything else unchanged.
+
+    Done before any check, so that a NumPy float64 input without x64 becomes float32 like
+    every jax-traced argument of the same call (no "k float64 vs q float32" under grad)
+    and eager calls never feed a NumPy array to a tracer-only code path.
+    """
+    return tuple(jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
+                 for x in xs)
+
+
+def check_sizes(B, T, n, N, cp_size: int = 1, C: int = 64):
+    """Reject sizes whose step offsets would overflow the int32 layout arithmetic.
+
+    The chunk grid of one row has n * T_global steps plus up to C - 1 padding steps per
+    sequence; its row indices (and T itself, a per-sequence int32 length) must fit int32.
+    """
+    T_global = T * cp_size
+    steps = n * T_global + N * (C - 1)
+    if steps > MAX_INT32 or B * T_global > MAX_INT32:
+        raise ValueError(f"B={B}, T={T_global} (global), n={n}, N={N} sequences: the chunk "
+                         f"grid needs {steps} steps per row and {B * T_global} tokens; "
+                         f"expected both <= 2**31 - 1 (32-bit offsets)")
 # The xla backend has no tile limits; this bound only keeps the [K, V] state and the
 # per-chunk K x K transition of context parallelism a sensible size.
 MAX_HEAD_DIM = {"xla": 1024, "cutedsl": 256}
@@ -137,6 +166,7 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
         _check_concrete_offsets(cu_seqlens, T * cp_size)
     else:
         N = B
+    check_sizes(B, T, n, N, cp_size)
     if initial_state is not None:
         _require_array("initial_state", initial_state)
         _require_shape("initial_state", initial_state, (N, HV, K, V),
@@ -161,7 +191,7 @@ def _check_concrete_offsets(cu_seqlens, T):
         cu = np.asarray(cu_seqlens)
     except Exception:        # a tracer: values are only known on device
         return
-    if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
+    if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu.astype(np.int64)) < 0):
         raise ValueError(f"cu_seqlens={cu.tolist()}; expected nondecreasing offsets from 0 "
                          f"to T={T}")
 

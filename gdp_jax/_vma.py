@@ -36,3 +36,19 @@ def like(init, *refs):
         return lax.pvary(x, missing)  # pragma: no cover - older jax
 
     return jax.tree_util.tree_map(cast, init)
+
+
+def vary(x, axis):
+    """``x`` cast to vary over mesh axis ``axis`` (no-op when it already does, or when the
+    enclosing shard_map does not track varying axes)."""
+    if axis in vma_of(x) or not checks_vma(axis):
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, (axis,), to="varying")
+    return lax.pvary(x, (axis,))  # pragma: no cover - older jax
+
+
+def checks_vma(axis) -> bool:
+    """Whether the enclosing shard_map tracks varying manual axes (check_vma=True): then
+    ``lax.axis_index`` itself varies over ``axis``."""
+    return axis in vma_of(lax.axis_index(axis))

@@ -210,6 +210,42 @@ def _t(x):
     return jnp.swapaxes(x, -1, -2)
 
 
+def causal_mm(X, R, mm_dtype=None, strict=False):
+    """X @ R for lower-triangular X [.., m, m] (strictly lower with ``strict``), such that
+    row i reads only rows j <= i (j < i) of R [.., m, X].
+
+    A plain matmul multiplies the structural zeros X[i, j > i] by R's later rows, so one
+    inf or NaN there (a non-finite input, an overflow) would turn the earlier rows into
+    NaN (0 * inf). Here non-finite rows of R enter the product as zeros and every row at
+    or after the first one is set to NaN instead: causal, and exact when all is finite.
+    X's entries above the diagonal must be finite (zero) in the rows not set to NaN.
+    """
+    finite, bad = nonfinite_rows(R, strict)
+    out = mm(X, jnp.where(finite[..., None], R, 0), mm_dtype)
+    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, out.dtype), out)
+
+
+def nonfinite_rows(R, strict=False, finite=None):
+    """(finite [.., m]: row i of R [.., m, X] is all finite, bad [.., m]: some row j <= i
+    (j < i with ``strict``) is not). ``finite`` given: use it instead of R's."""
+    if finite is None:
+        finite = jnp.all(jnp.isfinite(R), axis=-1)
+    bad = lax.cummax((~finite).astype(jnp.int8), axis=finite.ndim - 1) > 0
+    if strict:      # row i does not read row i itself
+        bad = jnp.concatenate([jnp.zeros_like(bad[..., :1]), bad[..., :-1]], axis=-1)
+    return finite, bad
+
+
+def causal_rows(f, A):
+    """``f(A)`` for a row-causal map f of [.., m, m] (row i of f(A) depends on rows <= i of
+    A, e.g. (I + A)^-1 for lower A) run where a non-finite row of A must not reach earlier
+    rows through f's own arithmetic (a kernel): f sees those rows as zeros, and the rows
+    of the result from the first of them on are NaN."""
+    finite, bad = nonfinite_rows(A)
+    X = f(jnp.where(finite[..., None], A, 0))
+    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, X.dtype), X)
+
+
 def _reverse_cumsum(x, axis=-1):
     return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
 
@@ -267,15 +303,16 @@ def _blocked_inverse(A):
         # X <- I - A X, m - 1 times from X = I: after t steps rows 0..t are final (A is
         # strictly lower), i.e. forward substitution, in m - 1 batched matmuls (unrolled:
         # no device loop; the custom vjp keeps them out of the backward).
+        # causal_mm: a non-finite row of X reaches only the rows after it.
         eye = jnp.eye(m, dtype=A.dtype)
         X = eye - A
         for _ in range(m - 2):
-            X = eye - A @ X
+            X = eye - causal_mm(A, X, strict=True)
         return X
     h = m // 2
     diag = _blocked_inverse(jnp.stack([A[..., :h, :h], A[..., h:, h:]], axis=0))
     X11, X22 = diag[0], diag[1]
-    X21 = -(X22 @ A[..., h:, :h] @ X11)
+    X21 = -causal_mm(X22, A[..., h:, :h] @ X11)   # X11's rows all precede X21's
     top = jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([X21, X22], axis=-1)], axis=-2)
 
@@ -305,10 +342,18 @@ def intra_chunk(ch: ChunkInputs, inverse=None, mm_dtype=None) -> Intra:
     A = jnp.where(strict, ch.beta[..., :, None] * kk * Gam, 0.0)
     gam = jnp.exp(G)
     rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
-    wu = mm(inverse(A), rhs, mm_dtype)
+    wu = causal_mm(inverse(A), rhs, mm_dtype)
     K = ch.k.shape[-1]
     Kt = jnp.exp(to_end)[..., None] * ch.k
     return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt)
+
+
+def causal_scores(q, k, Gam, mm_dtype=None):
+    """tril(q k^T * Gam) [.., C, C], masked with ``where``: q_i . k_j for a later j may be
+    inf, and inf * 0 (Gam's zeros) would be NaN in an earlier row."""
+    C = q.shape[-2]
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    return jnp.where(lower, mm(q, _t(k), mm_dtype) * Gam, 0.0)
 
 
 def advance(S, w, u, Kt, G_last, mm_dtype=None):
@@ -323,8 +368,8 @@ def advance(S, w, u, Kt, G_last, mm_dtype=None):
 def chunk_map(ch: ChunkInputs, it: Intra, S0, scale, mm_dtype=None):
     """Output rows and end state of every chunk given its start state S0 [B, NC, HV, K, V]."""
     S_end, delta = advance(S0, it.w, it.u, it.Kt, it.G_last, mm_dtype)
-    qk = mm(ch.q, _t(ch.k), mm_dtype) * it.Gam
-    o = scale * (mm(it.gam[..., None] * ch.q, S0, mm_dtype) + mm(qk, delta, mm_dtype))
+    qk = causal_scores(ch.q, ch.k, it.Gam, mm_dtype)
+    o = scale * (mm(it.gam[..., None] * ch.q, S0, mm_dtype) + causal_mm(qk, delta, mm_dtype))
     return o, S_end
 
 

@@ -292,9 +292,15 @@ class GatedDeltaProduct(nnx.Module):
         -> [B, T, d_model]."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x has shape {x.shape}; expected [B, T, {self.d_model}]")
+        if self.cp_axis is not None:
+            from gdp_jax.cp import driver
+            driver.axis_size(self.cp_axis)      # ValueError outside shard_map, not NameError
         if mask is not None:
             return self._call_masked(x, cu_seqlens, mask)
         if cu_seqlens is not None:
+            if x.shape[0] != 1:
+                raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), but x has "
+                                 f"shape {tuple(x.shape)}")
             cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
         p = self.project(x, cu_seqlens)
         h0 = None

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import _checks, _vma, backends, chunked
+from gdp_jax import _checks, _guard, _vma, backends, chunked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,16 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
 
     Returns:
       o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
+
+    What cannot be checked at trace time (docs/ERRORS.md): ``cu_seqlens`` passed as a
+    traced value is validated on device (starts at 0, ends at the global T, nondecreasing,
+    the same on every CP rank); invalid offsets make every output, final state and
+    gradient NaN, and ``jax.experimental.checkify.checkify`` of the call reports them as
+    an error. A non-finite input at token t changes only that sequence's outputs at t and
+    later. NumPy arrays are accepted wherever jax arrays are.
     """
+    # cu_seqlens stays as given: NumPy offsets are concrete, checked at trace time.
+    q, k, v, g, beta, initial_state = _checks.as_arrays(q, k, v, g, beta, initial_state)
     cp_size = 1
     if cp_axis is not None:
         from gdp_jax.cp import driver
@@ -157,8 +166,14 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     N = 0 if recompute_chunk_num is None else _checks.check_recompute_chunk_num(
         recompute_chunk_num)
     cfg = OpConfig.from_spec(spec, use_qk_l2norm, N)
+    ok = None
     if cu_seqlens is not None:
+        traced = not _guard.is_concrete(cu_seqlens)     # concrete ones were checked above
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+        if traced:
+            ok = _guard.offsets_ok(cu_seqlens, spec.T * cp_size, cp_axis)
+            q, k, v, g, beta, initial_state = _guard.poison_all(
+                ok, q, k, v, g, beta, initial_state)
     if cp_axis is not None:
         o, final = driver.cp_gated_delta_product(
             cfg, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
@@ -166,6 +181,8 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     else:
         o, final = _single_device_op(backend)(cfg, q, k, v, g, beta, initial_state,
                                               cu_seqlens)
+    if ok is not None:
+        o, final = _guard.poison_all(ok, o, final)
     if output_final_state:
         return o, final.astype(spec.state_dtype)
     return o

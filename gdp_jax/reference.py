@@ -17,8 +17,19 @@ L2_EPS = 1e-6
 
 
 def l2_normalize(x, axis=-1):
-    """``x / sqrt(sum(x**2) + 1e-6)`` along ``axis`` (FLA's in-kernel L2 norm)."""
-    return x * lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + L2_EPS)
+    """``x / sqrt(sum(x**2) + 1e-6)`` along ``axis`` (FLA's in-kernel L2 norm).
+
+    Overflow-safe: the sum of squares is taken of ``x / m``, m = max |x| (when m > 1), and
+    the epsilon scaled to match, so |x| up to the dtype's maximum normalises instead of
+    overflowing to inf (and returning zeros). For m <= 1 no scaling is applied (the
+    formula is exactly FLA's).
+    """
+    m = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    # Only scale down (m > 1); lax.stop_gradient: m is a constant factor of the formula,
+    # its derivative cancels exactly, and max's gradient would be a tie-breaking mess.
+    m = lax.stop_gradient(jnp.where(m > 1, m, jnp.ones_like(m)))
+    xs = x / m
+    return xs * lax.rsqrt(jnp.sum(xs * xs, axis=axis, keepdims=True) + L2_EPS / (m * m))
 
 
 def gated_delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -34,6 +45,7 @@ def gated_delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state
       o [B, T, HV, V] in q.dtype, and with ``output_final_state`` the final states
       [N, HV, K, V] (float32, or float64 when the inputs are float64).
     """
+    q, k, v, g, beta, initial_state = _checks.as_arrays(q, k, v, g, beta, initial_state)
     spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, backend="xla")
     B, T, n, H, HV, K, V, N = spec.B, spec.T, spec.n, spec.H, spec.HV, spec.K, spec.V, spec.N

@@ -14,7 +14,11 @@ static shapes, no host sync, nothing that assumes a single process.
 
 Initial and final states (beyond Megatron and FLA): the fold starts from the sequence's
 initial state instead of zero; final states and initial-state gradients are produced on
-the rank where a sequence ends / starts and made replicated with one ``psum``.
+the rank where a sequence ends / starts. The collectives that make them replicated (a
+``psum`` of the final states, and the cast of the initial state to rank-varying whose
+transpose sums its gradient) sit OUTSIDE the custom_vjp, so JAX's own transposes apply:
+the gradients are right whether or not shard_map tracks varying axes (``check_vma``),
+and the custom_vjp never assumes how a cotangent is replicated.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gdp_jax import _vma
 from gdp_jax.cp.protocol import (CuTeDSLGatedDeltaProductCPBackend, GDPInputs, SummarySlice,
                                  XlaGatedDeltaProductCPBackend)
 
@@ -125,9 +130,9 @@ def _cp_fwd(backend, cp_axis, q, k, v, g, beta, h0, cu_seqlens):
         gathered = gathered[:, None]                 # [P, 1, HV, K, V + K]
     o, final_local, saved = backend.cp_forward_apply(local_ctx,
                                                      SummarySlice(gathered, meta.fwd_mask))
-    final = lax.psum(_mask_rows(final_local, meta.owns_end), cp_axis)
+    final = _mask_rows(final_local, meta.owns_end).astype(h0.dtype)   # this rank's part
     h0_dtype_tag = jnp.zeros((0,), h0.dtype)     # carries the primal dtype to the backward
-    return (o, final.astype(h0.dtype)), (saved, meta, cu_seqlens, h0_dtype_tag)
+    return (o, final), (saved, meta, cu_seqlens, h0_dtype_tag)
 
 
 def _cp_bwd(backend, cp_axis, res, cts):
@@ -140,7 +145,7 @@ def _cp_bwd(backend, cp_axis, res, cts):
         gathered = gathered[:, None]
     dq, dk, dv, dg, dbeta, dh0 = backend.cp_backward_apply(
         bwd_ctx, SummarySlice(gathered, meta.bwd_mask))
-    dh0 = lax.psum(_mask_rows(dh0, meta.owns_start), cp_axis)
+    dh0 = _mask_rows(dh0, meta.owns_start)        # this rank's part; summed outside
     return dq, dk, dv, dg, dbeta, dh0.astype(h0_dtype_tag.dtype), None
 
 
@@ -150,8 +155,27 @@ _cp_op.defvjp(_cp_fwd, _cp_bwd)
 def cp_gated_delta_product(cfg, q, k, v, g, beta, initial_state, cu_seqlens, *, cp_axis,
                            backend="xla"):
     """Context-parallel GDP on this rank's shard; returns (o, final_states replicated)."""
+    check_split(cp_axis, q=q, k=k, v=v, g=g, beta=beta)
     if initial_state is None:
         N = cfg.B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         initial_state = jnp.zeros((N, cfg.HV, q.shape[-1], v.shape[-1]), cfg.cdt)
-    return _cp_op(_backend_for(cfg, backend), cp_axis, q, k, v, g, beta, initial_state,
-                  cu_seqlens)
+    # Rank-varying inside the custom_vjp: each rank returns its own part of the gradient
+    # and the cast's transpose (check_vma=True) or shard_map's (check_vma=False) sums them.
+    h0 = _vma.vary(initial_state, cp_axis)
+    o, final_part = _cp_op(_backend_for(cfg, backend), cp_axis, q, k, v, g, beta, h0,
+                           cu_seqlens)
+    return o, lax.psum(final_part, cp_axis)
+
+
+def check_split(cp_axis, **tensors):
+    """ValueError when shard_map tracks varying axes and a [B, T, ...] input does not vary
+    over ``cp_axis`` (passed replicated, e.g. ``in_specs=P()``): every rank would then
+    treat the whole sequence as its shard. Without check_vma this cannot be seen."""
+    if not _vma.checks_vma(cp_axis):
+        return
+    for name, x in tensors.items():
+        if x is not None and cp_axis not in _vma.vma_of(x):
+            raise ValueError(
+                f"{name} (shape {tuple(x.shape)}) does not vary over cp_axis={cp_axis!r}: "
+                f"under context parallelism every [B, T, ...] input must be this rank's "
+                f"shard of T (shard_map in_specs P(None, {cp_axis!r})), not replicated")

@@ -162,7 +162,7 @@ def acc_dtype(ab_dtype):
 
 def readout_matrix(ch: chunked.ChunkInputs, it: chunked.Intra, scale: float, mm_dtype=None):
     """P = scale * tril(q k^T * Gam): [B, NC, HV, C, C] (Gam is 0 above the diagonal)."""
-    return scale * chunked.mm(ch.q, jnp.swapaxes(ch.k, -1, -2), mm_dtype) * it.Gam
+    return scale * chunked.causal_scores(ch.q, ch.k, it.Gam, mm_dtype)
 
 
 MATMUL_DTYPE = None
@@ -228,13 +228,31 @@ def chunk_forward(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, h0, scal
     B, NC, HV = ch.k.shape[:3]
     if operands is None:
         operands = chunk_operands(ch, scale, ab_dtype)
-    w, kt, qg, p, u, decay = operands
+    (w, kt, qg, p, u, decay), bad = causal_operands(operands)
     h0 = h0.astype(acc_dtype(ab_dtype))
     oc, final, states = chunk_kernel_call(w, kt, qg, p, u, decay, *layout_flags(layout), h0,
                                           BV=pick_bv(B, HV, ch.v.shape[-1]), ckpt=ckpt,
                                           states_dtype=checkpoint_dtype(ab_dtype))
+    oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
     final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
     return oc, final, states
+
+
+def causal_operands(operands):
+    """The chunk kernel's operands made safe for its plain MMAs (``P @ Delta`` multiplies
+    P's zeros above the diagonal by later rows of Delta = u - w S): a row i with a
+    non-finite entry in w or u enters as zeros and its Kt row as NaN (so the chunk's end
+    state, and everything after it, is NaN); a non-finite readout row (qg, P) enters as
+    zeros. ``bad`` [B, NC, HV, C] marks the output rows to set to NaN: from the first
+    non-finite w/u row on, and every non-finite readout row. Exact when all is finite."""
+    w, kt, qg, p, u, decay = operands
+    rows = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
+    state_ok, bad = chunked.nonfinite_rows(None, finite=rows(w) & rows(u))
+    read_ok = rows(qg) & rows(p)
+    keep = lambda x, ok, fill: jnp.where(ok[..., None], x, jnp.asarray(fill, x.dtype))
+    operands = (keep(w, state_ok, 0), keep(kt, state_ok, jnp.nan), keep(qg, read_ok, 0),
+                keep(p, read_ok, 0), keep(u, state_ok, 0), decay)
+    return operands, bad | ~read_ok
 
 
 CHECKPOINT_DTYPE = None
@@ -280,7 +298,7 @@ def forward_summaries(ch: chunked.ChunkInputs, layout: chunked.ChunkLayout, scal
     check_supported(ch, ab_dtype, extra_columns=K)
     if operands is None:
         operands = chunk_operands(ch, scale, ab_dtype)
-    w, kt, qg, p, u, decay = operands
+    (w, kt, qg, p, u, decay), _ = causal_operands(operands)   # non-finite: NaN summaries
     N = layout.seq_len.shape[0]
     h0 = identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(ab_dtype)), K)
     _, final, _ = chunk_kernel_call(w, kt, qg, p, zero_columns(u, K), decay,

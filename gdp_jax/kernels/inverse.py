@@ -66,5 +66,6 @@ def _inverse_vmap(axis_size, in_batched, A):
     return _inverse(A), in_batched[0]
 
 
-unit_lower_inverse = chunked.with_closed_form_vjp(lambda A: _inverse(A))
-"""(I + A)^-1 for strictly lower-triangular float32 A [..., 64, 64], forward on the kernel."""
+unit_lower_inverse = chunked.with_closed_form_vjp(lambda A: chunked.causal_rows(_inverse, A))
+"""(I + A)^-1 for strictly lower-triangular float32 A [..., 64, 64], forward on the kernel
+(a non-finite row of A reaches only the rows after it: :func:`chunked.causal_rows`)."""
