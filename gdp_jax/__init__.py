@@ -1,12 +1,15 @@
 """gdp-jax: Gated DeltaProduct linear attention in JAX, with chunkwise context parallelism.
 
 Public names: :func:`gated_delta_product` (the op), :func:`gated_delta_product_reference`
-(the token recurrence), :mod:`gdp_jax.cp` (the context-parallel protocol and backends).
+(the token recurrence), :func:`gated_delta_product_step` (one decoding token),
+:mod:`gdp_jax.cp` (the context-parallel protocol and backends).
 The Flax NNX layer lives in :mod:`gdp_jax.nn` (needs the ``nn`` extra).
 """
 from gdp_jax import cp
 from gdp_jax.ops import gated_delta_product
 from gdp_jax.reference import gated_delta_product_reference
+from gdp_jax.step import gated_delta_product_step
 
-__all__ = ["cp", "gated_delta_product", "gated_delta_product_reference"]
+__all__ = ["cp", "gated_delta_product", "gated_delta_product_reference",
+           "gated_delta_product_step"]
 __version__ = "0.1.0"
