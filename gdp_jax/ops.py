@@ -159,7 +159,11 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     cfg = OpConfig.from_spec(spec, use_qk_l2norm, N)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
-    if cp_axis is not None:
+    if spec.T == 1 and cu_seqlens is None and cp_axis is None:
+        from gdp_jax import step           # one token: the decoding step, not a chunk
+        o, final = step.one_token_op(backend, spec, use_qk_l2norm, q, k, v, g, beta,
+                                     initial_state)
+    elif cp_axis is not None:
         o, final = driver.cp_gated_delta_product(
             cfg, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
             backend=backend)

@@ -87,9 +87,10 @@ def xla_step(cfg: StepConfig, q, k, v, g, beta, state):
 def cutedsl_step(cfg: StepConfig, q, k, v, g, beta, state):
     """(o, next state) with the step kernel; gradient = autodiff of :func:`xla_step`."""
     from gdp_jax.kernels import step as kernel_step
-    f32 = jnp.float32
-    ops = step_operands(dataclasses.replace(cfg, compute_dtype="float32"), q, k, v, g, beta)
-    o, S = kernel_step.step_kernel_call(*ops, state.astype(f32))
+    # float32 (the kernel's only dtype; float64 only in the emulated CPU tests)
+    cdt = jnp.dtype(cfg.compute_dtype)
+    ops = step_operands(cfg, q, k, v, g, beta)
+    o, S = kernel_step.step_kernel_call(*ops, state.astype(cdt))
     return o.astype(q.dtype), S.astype(state.dtype)
 
 
@@ -103,6 +104,20 @@ def _cutedsl_bwd(cfg, res, cts):
 
 
 cutedsl_step.defvjp(_cutedsl_fwd, _cutedsl_bwd)
+
+
+def one_token_op(backend: str, spec: _checks.OpSpec, use_qk_l2norm, q, k, v, g, beta,
+                 initial_state):
+    """The op on T = 1 unpacked rows (already checked) through the step: 1/62 of a chunk's
+    work. Returns (o [B, 1, HV, V], final [B, HV, K, V] in the compute dtype)."""
+    cdt = jnp.dtype(spec.compute_dtype)
+    state = (jnp.zeros((spec.B, spec.HV, spec.K, spec.V), cdt) if initial_state is None
+             else initial_state.astype(cdt))
+    cfg = StepConfig(spec.H, spec.HV, spec.scale, bool(use_qk_l2norm), cdt.name)
+    run = cutedsl_step if backend == "cutedsl" else xla_step
+    o, final = run(cfg, q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0],
+                   beta[:, 0], state)
+    return o[:, None], final
 
 
 def gated_delta_product_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False,
