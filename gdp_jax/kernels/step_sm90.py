@@ -40,6 +40,12 @@ def _dot(s, vec, base: int):
     return total
 
 
+def _store_column(mS, b, hv, col, s):
+    """S[b, hv, :, col] = s (a trace-time Python loop: fully unrolled)."""
+    for i, x in enumerate(s):
+        mS[b, hv, i, col] = x
+
+
 class StepSm90:
     """Static configuration: key dim K, Householder steps n, value tile BV (threads)."""
 
@@ -82,8 +88,7 @@ class StepSm90:
             s = [s[i] + sK[j * K + i] * delta for i in range(K)]
 
         mO[b, hv, col] = _dot(s, sQ, 0)
-        for i in cutlass.range_constexpr(K):
-            mS[b, hv, i, col] = s[i]     # in place (S aliases the output)
+        _store_column(mS, b, hv, col, s)     # in place (S aliases the output)
 
 
 _KERNELS = {}
