@@ -264,3 +264,18 @@ def test_cache_errors():
         layer.init_cache(0)
     with pytest.raises(ValueError, match="cp_axis"):
         make(cp_axis="cp")(x, cache=layer.init_cache(2))
+
+
+def test_s3_streaming_equals_parallel_forward():
+    """gdp_jax.s3.streaming_logits (token by token through the cache) == the parallel
+    forward, on an untrained S3 model with a non-zero learned start state."""
+    from gdp_jax import s3
+    cfg = s3.S3Config(num_householder=2, conv_size=3, qkv_activation=True)
+    _, params = nnx.split(s3.S3Model(cfg, rngs=nnx.Rngs(1)), nnx.Param)
+    params["mixer"]["initial_state"][...] = 0.5 * jax.random.normal(
+        jax.random.key(0), params["mixer"]["initial_state"].shape)
+    x, _ = s3.sample_batch(np.random.default_rng(0), 3, 21)
+    par = np.asarray(s3.model_logits(cfg, params, x))
+    stream = np.asarray(s3.streaming_logits(cfg, params, x))
+    assert stream.shape == par.shape == (3, 21, 6)
+    assert rel(stream, par) < 1e-5                      # float32 model
