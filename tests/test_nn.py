@@ -273,7 +273,7 @@ def test_s3_streaming_equals_parallel_forward():
     cfg = s3.S3Config(num_householder=2, conv_size=3, qkv_activation=True)
     _, params = nnx.split(s3.S3Model(cfg, rngs=nnx.Rngs(1)), nnx.Param)
     params["mixer"]["initial_state"][...] = 0.5 * jax.random.normal(
-        jax.random.key(0), params["mixer"]["initial_state"].shape)
+        jax.random.key(0), params["mixer"]["initial_state"].shape, jnp.float32)
     x, _ = s3.sample_batch(np.random.default_rng(0), 3, 21)
     par = np.asarray(s3.model_logits(cfg, params, x))
     stream = np.asarray(s3.streaming_logits(cfg, params, x))
