@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdp_jax import _checks, backends
+from gdp_jax import _checks, _vma, backends
 from gdp_jax.reference import l2_normalize
 
 _HI = lax.Precision.HIGHEST     # small matvecs: full float32 (no TF32) costs nothing here
@@ -91,6 +91,8 @@ def cutedsl_step(cfg: StepConfig, q, k, v, g, beta, state):
     cdt = jnp.dtype(cfg.compute_dtype)
     ops = step_operands(cfg, q, k, v, g, beta)
     o, S = kernel_step.step_kernel_call(*ops, state.astype(cdt))
+    # the custom call's results carry no varying-axes type under shard_map: give them one
+    o, S = _vma.like((o, S), q, k, v, g, beta, state)
     return o.astype(q.dtype), S.astype(state.dtype)
 
 

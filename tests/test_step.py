@@ -236,3 +236,25 @@ def test_op_gpu_lowering_has_no_reduce_window(T, packed):
         txt = _cuda_hlo(jax.grad(loss, argnums=range(6)), inp.q, inp.k, inp.v, inp.g,
                         inp.beta, h0)
         assert not re.search("reduce_window", txt), (B, T)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cutedsl"])
+def test_step_under_shard_map_over_rows(backend, request):
+    """Data-parallel decode: rows split over a mesh axis (check_vma on); gradients too."""
+    if backend == "cutedsl":
+        request.getfixturevalue("emulated_step")
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+    inp = make_inputs(12, 4, 1, 2, 1, 2, 8, 8)
+    args = _token(inp, 0) + (inp.initial_state,)
+    step = lambda *a: STEP(*a, backend=backend)
+    sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))
+    o, S = sharded(*args)
+    o_1, S_1 = step(*args)
+    assert rel_max(o, o_1) < TOL and rel_max(S, S_1) < TOL
+    loss = lambda *a: jnp.sum(jax.shard_map(step, mesh=mesh, in_specs=P("dp"),
+                                            out_specs=P("dp"))(*a)[1] ** 2)
+    g = jax.jit(jax.grad(loss, argnums=range(6)))(*args)
+    g_1 = jax.grad(lambda *a: jnp.sum(step(*a)[1] ** 2), argnums=range(6))(*args)
+    for a, b in zip(g, g_1):
+        assert rel_max(a, b) < TOL
