@@ -109,8 +109,8 @@ def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, cp_axis: Optional[st
                 raise ValueError(f"the short convolution under cp_axis={cp_axis!r} needs at "
                                  f"least conv_size - 1 = {halo} tokens per rank, got T={T}")
             P = lax.axis_size(cp_axis)
-            tail = x[:, T - halo:]
-            left = lax.ppermute(tail, cp_axis, perm=[(r, r + 1) for r in range(P - 1)])
+            last = x[:, T - halo:]                                # to the next rank
+            left = lax.ppermute(last, cp_axis, perm=[(r, r + 1) for r in range(P - 1)])
         else:
             left = jnp.zeros((B, halo, D), x.dtype)
         xp = jnp.concatenate([left, x], axis=1)                   # [B, halo + T, D]
