@@ -18,8 +18,9 @@ def fold_mapped_axis(call, *, seq_arg: int, table_arg: int, out_kinds):
     """``call(*args)`` made vmappable.
 
     args: chunk tensors with a leading batch axis B, ``args[seq_arg]`` the int32 [B, NC]
-    sequence index into ``args[table_arg]`` [N, ...] (both None: every argument is rows). ``out_kinds``: per output, "rows"
-    (leading axis B or N: unfolded back to [M, ...]) or "dummy" (a placeholder: broadcast).
+    sequence index into ``args[table_arg]`` [N, ...] (both None: every argument is rows).
+    ``out_kinds``: per output, "rows" (leading axis B or N: unfolded back to [M, ...]) or
+    "dummy" (a placeholder: broadcast).
     """
     f = custom_batching.custom_vmap(call)
 
