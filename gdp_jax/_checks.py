@@ -173,16 +173,56 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
                        "[N, HV, K, V], N = B or the number of packed sequences")
         _require_float("initial_state", initial_state, STATE_DTYPES)
 
-    if scale is None:
-        scale = K ** -0.5
-    elif (isinstance(scale, (jax.Array, np.ndarray, bool, np.bool_))
-          or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
-    elif not np.isfinite(scale):
-        raise ValueError(f"scale={scale}; expected a finite float")
     cdt = jnp.float64 if jnp.dtype(q.dtype) == jnp.float64 else jnp.float32
-    return OpSpec(B=B, T=T, n=n, H=H, HV=HV, K=K, V=V, N=N, scale=float(scale),
+    return OpSpec(B=B, T=T, n=n, H=H, HV=HV, K=K, V=V, N=N, scale=check_scale(scale, K),
                   compute_dtype=cdt, has_gate=g is not None, packed=packed)
+
+
+def check_scale(scale, K: int) -> float:
+    """``scale``: None (K ** -0.5) or a finite Python float."""
+    if scale is None:
+        return K ** -0.5
+    if (isinstance(scale, (jax.Array, np.ndarray, bool, np.bool_))
+            or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale={scale}; expected a finite float")
+    return float(scale)
+
+
+_STEP_RANKS = (("q", 3, "[B, H, K]"), ("k", 4, "[B, n, H, K]"), ("v", 4, "[B, n, HV, V]"),
+               ("beta", 3, "[B, n, HV]"), ("state", 4, "[B, HV, K, V]"))
+
+
+def check_step_inputs(q, k, v, g, beta, state, *, scale=None, backend="xla") -> OpSpec:
+    """Validate the arguments of ``gated_delta_product_step`` (API.md "Decoding"): the op's
+    checks on one token (T = 1, N = B), with the step's shapes in every message."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("state", state)):
+        if x is None and name == "state":
+            raise TypeError("state must be a [B, HV, K, V] float32 array (zeros for a fresh "
+                            "sequence), got None")
+        _require_array(name, x)
+    for name, rank, what in _STEP_RANKS:
+        x = {"q": q, "k": k, "v": v, "beta": beta, "state": state}[name]
+        if x.ndim != rank:
+            raise ValueError(f"{name} has shape {_shape(x)}; expected rank {rank} {what}")
+    B, H, K = q.shape
+    n = k.shape[1]
+    _require_shape("k", k, (B, n, H, K), "[B, n, H, K] matching q [B, H, K]")
+    if v.shape[:2] != (B, n):
+        raise ValueError(f"v has shape {_shape(v)}; expected [B, n, HV, V] with B, n = "
+                         f"{(B, n)} from q and k")
+    HV, V = v.shape[2], v.shape[3]
+    _require_shape("beta", beta, (B, n, HV), "[B, n, HV]")
+    if g is not None:
+        _require_array("g", g)
+        _require_shape("g", g, (B, HV), "[B, HV]: one log-decay per row and value head")
+    _require_shape("state", state, (B, HV, K, V), "[B, HV, K, V] from q [B, H, K] and v "
+                   "[B, n, HV, V]")
+    _require_float("state", state, STATE_DTYPES)
+    add_t = lambda x: None if x is None else x[:, None]
+    return check_inputs(add_t(q), add_t(k), add_t(v), add_t(g), add_t(beta), scale=scale,
+                        initial_state=state, backend=backend)
 
 
 def _check_concrete_offsets(cu_seqlens, T):

@@ -49,6 +49,17 @@ def _default_platform() -> str:
         return "none"
 
 
+def step_available(spec, dtype) -> tuple[bool, str]:
+    """(ok, reason): can the cutedsl decoding step run this call (``spec``: a
+    ``_checks.OpSpec`` of one token, ``dtype``: the inputs' dtype)?"""
+    ok, reason = _device_reason()
+    if not ok:
+        return ok, reason
+    from gdp_jax.kernels import step
+    why = step.unsupported_reason(B=spec.B, HV=spec.HV, K=spec.K, V=spec.V, dtype=dtype)
+    return (False, why) if why else (True, "ok")
+
+
 @functools.lru_cache(maxsize=None)
 def _log_choice(choice: str, reason: str):
     """Once per (choice, reason): INFO, or WARNING when "auto" leaves a GPU on xla (the
@@ -57,16 +68,18 @@ def _log_choice(choice: str, reason: str):
     log.log(level, "gdp_jax backend=auto picked %s (%s)", choice, reason)
 
 
-def resolve(backend: str, spec=None, dtype=None, cp: bool = False) -> str:
+def resolve(backend: str, spec=None, dtype=None, cp: bool = False, available=None) -> str:
     """Map "auto" to a concrete backend; raise ValueError where "cutedsl" cannot run.
 
     ``cp``: the call is context-parallel; "auto" then stays on xla (cutedsl under CP passes
     the GPU tests on 1 and 2 H200s but its summaries still run on xla and it has not been
     benchmarked against the xla CP path); pass backend="cutedsl" to use it.
+    ``available(spec, dtype) -> (ok, reason)``: which kernels the call needs
+    (default :func:`cutedsl_available`, the op's; :func:`step_available` for the step).
     """
     if backend == "xla":
         return "xla"
-    ok, reason = cutedsl_available(spec, dtype)
+    ok, reason = (available or cutedsl_available)(spec, dtype)
     if backend == "cutedsl":
         if not ok:
             raise ValueError(f"backend='cutedsl' cannot run here: {reason}")

@@ -105,7 +105,7 @@ def make_layout(B, T, n, cu_seqlens: Optional[jax.Array], C: int = CHUNK) -> Chu
     seq_len = cu[1:] - cu[:-1]                                   # [N] tokens
     steps = n * seq_len                                          # [N] interleaved steps
     nchunks = (steps + C - 1) // C
-    chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nchunks)[:-1]])
+    chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(nchunks)[:-1]])
     c = jnp.arange(NC, dtype=jnp.int32)
     # Ties (zero-length sequences share a start) resolve to the later, non-empty one.
     s = jnp.clip(jnp.searchsorted(chunk_start, c, side="right") - 1, 0, N - 1).astype(jnp.int32)
@@ -230,7 +230,8 @@ def nonfinite_rows(R, strict=False, finite=None):
     (j < i with ``strict``) is not). ``finite`` given: use it instead of R's."""
     if finite is None:
         finite = jnp.all(jnp.isfinite(R), axis=-1)
-    bad = lax.cummax((~finite).astype(jnp.int8), axis=finite.ndim - 1) > 0
+    # a prefix count, not lax.cummax: no reduce_window in the GPU lowering (see prefix_sum)
+    bad = prefix_sum((~finite).astype(jnp.int32), axis=-1) > 0
     if strict:      # row i does not read row i itself
         bad = jnp.concatenate([jnp.zeros_like(bad[..., :1]), bad[..., :-1]], axis=-1)
     return finite, bad
@@ -246,8 +247,31 @@ def causal_rows(f, A):
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, X.dtype), X)
 
 
+def prefix_sum(x, axis=-1, reverse=False):
+    """Inclusive cumulative sum along ``axis`` (reverse: from the end), by doubling.
+
+    log2(size) shifted adds instead of ``jnp.cumsum``: on the GPU, XLA lowers cumsum to a
+    ``reduce_window`` whose fused emitter crashed for some tiny shapes (a T = 1 call, H200,
+    "RET_CHECK failure ... mlir_kernel_emitter.cc"). Shifts and adds lower to plain
+    elementwise fusions on every platform, and their transposes do too.
+    """
+    axis = axis % x.ndim
+    size = x.shape[axis]
+    shift = 1
+    while shift < size:
+        zeros = jnp.zeros(x.shape[:axis] + (shift,) + x.shape[axis + 1:], x.dtype)
+        if reverse:
+            moved = jnp.concatenate([lax.slice_in_dim(x, shift, size, axis=axis), zeros], axis)
+        else:
+            moved = jnp.concatenate([zeros, lax.slice_in_dim(x, 0, size - shift, axis=axis)],
+                                    axis)
+        x = x + moved
+        shift *= 2
+    return x
+
+
 def _reverse_cumsum(x, axis=-1):
-    return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
+    return prefix_sum(x, axis, reverse=True)
 
 
 def segment_sums(g):
@@ -331,7 +355,7 @@ def intra_chunk(ch: ChunkInputs, inverse=None, mm_dtype=None) -> Intra:
     """
     inverse = unit_lower_inverse if inverse is None else inverse
     C = ch.k.shape[-2]
-    G = jnp.cumsum(ch.g, axis=-1)                               # log-decay from chunk start
+    G = prefix_sum(ch.g, axis=-1)                                # log-decay from chunk start
     G_last = G[..., -1]
     rc = _reverse_cumsum(ch.g)
     to_end = jnp.concatenate([rc[..., 1:], jnp.zeros_like(rc[..., :1])], -1)  # G_last - G_i

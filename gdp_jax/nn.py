@@ -25,6 +25,7 @@ at packed sequence starts, so the layer under CP equals the layer on one device.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -35,8 +36,10 @@ from flax import nnx
 
 from gdp_jax.ops import gated_delta_product
 from gdp_jax.packing import cu_seqlens_from_mask
+from gdp_jax.step import gated_delta_product_step
 
-__all__ = ["GatedDeltaProduct", "causal_conv1d", "gated_rms_norm", "sequence_starts"]
+__all__ = ["GatedDeltaProduct", "GDPCache", "causal_conv1d", "conv_tail", "gated_rms_norm",
+           "sequence_starts"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -61,17 +64,21 @@ def sequence_starts(T: int, *, cu_seqlens=None, cp_axis: Optional[str] = None):
     if cu_seqlens is None:
         return pos, jnp.zeros((T,), jnp.int32)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
+    return pos, cu[_sequence_of(pos, cu)]
+
+
+def _sequence_of(pos, cu):
+    """Index of the packed sequence holding each global position (offsets ``cu``)."""
     N = cu.shape[0] - 1
-    sid = jnp.clip(jnp.searchsorted(cu, pos, side="right") - 1, 0, N - 1)
-    return pos, cu[sid]
+    return jnp.clip(jnp.searchsorted(cu, pos, side="right") - 1, 0, N - 1)
 
 
 def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, cp_axis: Optional[str] = None,
-                  activation: bool = True):
+                  activation: bool = True, tail=None):
     """Depthwise causal convolution along T, restarting at every packed sequence start.
 
     ``y[t, c] = act(bias[c] + sum_i weight[i, c] * x[t - (W - 1) + i, c])`` where tokens
-    before the start of t's sequence count as zero.
+    before the start of t's sequence count as zero (or come from ``tail``).
 
     Args:
       x: [B, T, D] (the local shard under CP).
@@ -82,6 +89,9 @@ def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, cp_axis: Optional[st
         W - 1 tokens comes from the previous rank via ``lax.ppermute`` (zeros on rank 0);
         needs T >= W - 1 per rank.
       activation: apply SiLU.
+      tail: [N, W - 1, D] the W - 1 inputs before each sequence's start (N = B, or the
+        number of packed sequences; a decoding cache's :attr:`GDPCache.conv`), or None
+        (zeros). Not with ``cp_axis``.
     Returns:
       y: [B, T, D] in x.dtype.
     """
@@ -93,14 +103,17 @@ def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, cp_axis: Optional[st
         raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), but x has shape "
                          f"{x.shape}")
     halo = W - 1
+    if tail is not None:
+        _check_tail(tail, B if cu_seqlens is None else cu_seqlens.shape[0] - 1, halo, D,
+                    cp_axis)
     if halo > 0:
         if cp_axis is not None:
             if T < halo:
                 raise ValueError(f"the short convolution under cp_axis={cp_axis!r} needs at "
                                  f"least conv_size - 1 = {halo} tokens per rank, got T={T}")
             P = lax.axis_size(cp_axis)
-            tail = x[:, T - halo:]
-            left = lax.ppermute(tail, cp_axis, perm=[(r, r + 1) for r in range(P - 1)])
+            last = x[:, T - halo:]                                # to the next rank
+            left = lax.ppermute(last, cp_axis, perm=[(r, r + 1) for r in range(P - 1)])
         else:
             left = jnp.zeros((B, halo, D), x.dtype)
         xp = jnp.concatenate([left, x], axis=1)                   # [B, halo + T, D]
@@ -111,13 +124,70 @@ def causal_conv1d(x, weight, bias=None, *, cu_seqlens=None, cp_axis: Optional[st
     for s in range(W):                                            # s = how far back
         xs = lax.dynamic_slice_in_dim(xp, halo - s, T, axis=1) if s else x
         valid = (pos - s >= start)[None, :, None]                 # same sequence, >= 0
-        acc = acc + jnp.where(valid, xs, 0).astype(acc.dtype) * weight[W - 1 - s].astype(
-            acc.dtype)
+        before = 0 if tail is None or s == 0 else _from_tail(tail, pos - s - start, pos,
+                                                              cu_seqlens)
+        acc = acc + jnp.where(valid, xs, before).astype(acc.dtype) * weight[
+            W - 1 - s].astype(acc.dtype)
     if bias is not None:
         acc = acc + bias.astype(acc.dtype)
     if activation:
         acc = jax.nn.silu(acc)
     return acc.astype(x.dtype)
+
+
+def _check_tail(tail, N, halo, D, cp_axis):
+    if cp_axis is not None:
+        raise ValueError("a convolution tail (decoding cache) cannot be used with cp_axis")
+    if tuple(tail.shape) != (N, halo, D):
+        raise ValueError(f"tail has shape {tuple(tail.shape)}; expected [N, conv_size - 1, "
+                         f"D] = {(N, halo, D)}")
+
+
+def _from_tail(tail, back, pos, cu_seqlens):
+    """The tail entry ``back`` (< 0) tokens before each token's sequence start: [B, T, D]
+    (zero where ``back`` >= 0, unused there, or before the tail)."""
+    halo = tail.shape[1]
+    idx = halo + back                                              # [T] row of the tail
+    ok = ((idx >= 0) & (back < 0))[:, None]
+    idx = jnp.clip(idx, 0, halo - 1)
+    if cu_seqlens is None:
+        return jnp.where(ok[None], tail[:, idx], 0)                # rows = batch rows
+    sid = _sequence_of(pos, jnp.asarray(cu_seqlens, jnp.int32))
+    return jnp.where(ok, tail[sid, idx], 0)[None]
+
+
+def conv_tail(x, tail, cu_seqlens=None):
+    """The last W - 1 inputs of each sequence after ``x``: the next call's ``tail``.
+
+    x [B, T, D]; tail [N, W - 1, D] (the inputs before x, as for :func:`causal_conv1d`);
+    cu_seqlens [N + 1] packed offsets (B == 1) or None (N = B). Returns [N, W - 1, D]
+    (a sequence shorter than W - 1 keeps the end of its old tail).
+    """
+    halo = tail.shape[1]
+    if cu_seqlens is None:
+        return jnp.concatenate([tail.astype(x.dtype), x], axis=1)[:, x.shape[1]:]
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    start, end = cu[:-1, None], cu[1:, None]
+    p = end - halo + jnp.arange(halo, dtype=jnp.int32)[None]       # [N, W - 1] positions
+    from_x = x[0, jnp.clip(p, 0, x.shape[1] - 1)]
+    rows = jnp.arange(tail.shape[0])[:, None]
+    from_tail = tail[rows, jnp.clip(halo + p - start, 0, halo - 1)].astype(x.dtype)
+    return jnp.where((p >= start)[..., None], from_x, from_tail)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GDPCache:
+    """Decoding cache of one :class:`GatedDeltaProduct` layer (a pytree), one row per
+    sequence (N = batch rows, or packed sequences).
+
+    state: [N, HV, K, V] float32 (float64 for a float64 cache) recurrent state.
+    conv: [N, conv_size - 1, conv_dim] the last conv_size - 1 inputs (q | k | v before the
+      short convolution) of each sequence, zeros before its start; [N, 0, conv_dim]
+      without a convolution.
+    """
+    state: jax.Array
+    conv: jax.Array
 
 
 def gated_rms_norm(o, z, weight, eps: float = 1e-5):
@@ -184,6 +254,11 @@ class GatedDeltaProduct(nnx.Module):
     shard under CP), cu_seqlens [N + 1] int32 GLOBAL packed offsets (B == 1), or mask
     [B, T] (padding mask: each row's valid tokens one contiguous run, see
     :func:`cu_seqlens_from_mask`) -> y [B, T, d_model] (zero at masked tokens).
+
+    Generation: ``cache = layer.init_cache(N)``, then ``y, cache = layer(x, cache=cache)``
+    for any T >= 1: a prompt (prefill, through the chunked op from the cache's states;
+    packed with cu_seqlens: one cache row per sequence), then one token at a time
+    (T = 1, through :func:`gdp_jax.gated_delta_product_step`). Not with cp_axis or mask.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_v_heads: Optional[int] = None,
@@ -246,12 +321,31 @@ class GatedDeltaProduct(nnx.Module):
         """The projections' and the op's input dtype: ``dtype``, or x's when None."""
         return jnp.dtype(self.dtype if self.dtype is not None else x.dtype)
 
-    def project(self, x, cu_seqlens=None):
+    def init_cache(self, batch_size: int, dtype=jnp.float32) -> GDPCache:
+        """A fresh decoding cache for ``batch_size`` sequences (:class:`GDPCache`).
+
+        The states are zeros (the learned start state with ``learn_initial_state``), in
+        float32 (float64 for ``dtype`` float64); the convolution tail is zeros in
+        ``dtype`` (float32 holds bfloat16 inputs exactly).
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}; expected a positive int")
+        sdt = jnp.promote_types(dtype, jnp.float32)
+        shape = (batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        if self.learn_initial_state:
+            state = jnp.broadcast_to(self.initial_state[...].astype(sdt), shape)
+        else:
+            state = jnp.zeros(shape, sdt)
+        halo = self.conv_size - 1 if self.conv_size > 1 else 0
+        return GDPCache(state, jnp.zeros((batch_size, halo, self.conv_dim), dtype))
+
+    def project(self, x, cu_seqlens=None, conv_tail_in=None):
         """x [B, T, d_model] -> the op's inputs and the output gate.
 
         Returns a dict: q [B,T,H,K], k [B,T,n,H,K], v [B,T,n,HV,V] (after conv + SiLU,
         not yet L2-normalised), g [B,T,HV] float32 or None, beta [B,T,n,HV], z [B,T,HV,V]
-        or None (no output gate).
+        or None (no output gate), and with ``conv_tail_in`` (a cache's conv
+        [N, W-1, conv_dim]: the inputs before x) also conv_tail, the next cache's.
         """
         B, T, _ = x.shape
         H, HV, K, V, n = (self.num_heads, self.num_v_heads, self.head_k_dim,
@@ -260,10 +354,15 @@ class GatedDeltaProduct(nnx.Module):
         idx = [sum(self.split_sizes[:i + 1]) for i in range(len(self.split_sizes) - 1)]
         q, k, v, b, a, z = jnp.split(h, idx, axis=-1)
         qkv = jnp.concatenate([q, k, v], axis=-1)
+        extra = {}
+        if conv_tail_in is not None:
+            extra["conv_tail"] = conv_tail(qkv, conv_tail_in, cu_seqlens).astype(
+                conv_tail_in.dtype)
         if self.conv_size > 1:
             bias = None if self.conv_bias is None else self.conv_bias[...]
             qkv = causal_conv1d(qkv, self.conv_weight[...], bias, cu_seqlens=cu_seqlens,
-                                cp_axis=self.cp_axis, activation=self.qkv_activation)
+                                cp_axis=self.cp_axis, activation=self.qkv_activation,
+                                tail=conv_tail_in)
         elif self.qkv_activation:
             qkv = jax.nn.silu(qkv)
         q, k, v = jnp.split(qkv, [H * K, H * K + n * H * K], axis=-1)
@@ -278,7 +377,7 @@ class GatedDeltaProduct(nnx.Module):
         return dict(q=q.reshape(B, T, H, K), k=k.reshape(B, T, n, H, K),
                     v=v.reshape(B, T, n, HV, V), g=g,
                     beta=beta.astype(q.dtype).reshape(B, T, n, HV),
-                    z=z.reshape(B, T, HV, V) if self.use_output_gate else None)
+                    z=z.reshape(B, T, HV, V) if self.use_output_gate else None, **extra)
 
     def readout(self, o, z):
         """o [B, T, HV, V] (the op's output), z [B, T, HV, V] or None -> y [B, T, d_model]."""
@@ -287,9 +386,10 @@ class GatedDeltaProduct(nnx.Module):
         return _dense(self.out_proj, o.reshape(B, T, self.num_v_heads * self.head_v_dim),
                       o.dtype)
 
-    def __call__(self, x, cu_seqlens=None, *, mask=None):
+    def __call__(self, x, cu_seqlens=None, *, mask=None, cache: Optional[GDPCache] = None):
         """x [B, T, d_model] (local shard under CP), cu_seqlens [N+1] global, or mask [B, T]
-        -> [B, T, d_model]."""
+        -> y [B, T, d_model]; with ``cache`` (:meth:`init_cache`, N rows) -> (y, next
+        cache)."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x has shape {x.shape}; expected [B, T, {self.d_model}]")
         if self.cp_axis is not None:
@@ -302,15 +402,22 @@ class GatedDeltaProduct(nnx.Module):
                 raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), but x has "
                                  f"shape {tuple(x.shape)}")
             cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
-        p = self.project(x, cu_seqlens)
-        h0 = None
-        if self.learn_initial_state:
-            N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-            h0 = jnp.broadcast_to(self.initial_state[...], (N,) + self.initial_state.shape)
-        o = gated_delta_product(p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=h0,
-                                cu_seqlens=cu_seqlens, use_qk_l2norm=True,
-                                cp_axis=self.cp_axis, backend=self.backend)
-        return self.readout(o, p["z"])
+        N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        if cache is not None:
+            self._check_cache(cache, N)
+        p = self.project(x, cu_seqlens, None if cache is None else cache.conv)
+        if cache is not None:
+            o, state = self._mix_cached(p, cu_seqlens, cache.state)
+        else:
+            h0 = None
+            if self.learn_initial_state:
+                h0 = jnp.broadcast_to(self.initial_state[...], (N,) + self.initial_state.shape)
+            o = gated_delta_product(p["q"], p["k"], p["v"], p["g"], p["beta"],
+                                    initial_state=h0, cu_seqlens=cu_seqlens,
+                                    use_qk_l2norm=True, cp_axis=self.cp_axis,
+                                    backend=self.backend)
+        y = self.readout(o, p["z"])
+        return y if cache is None else (y, GDPCache(state, p["conv_tail"]))
 
     def _call_masked(self, x, cu_seqlens, mask):
         """Padded rows -> one packed row with cu_seqlens (padding runs are separate
@@ -324,6 +431,36 @@ class GatedDeltaProduct(nnx.Module):
         cu = cu_seqlens_from_mask(mask, shape=(B, T))
         y = self(x.reshape(1, B * T, D), cu).reshape(B, T, D)
         return jnp.where(jnp.asarray(mask, bool)[..., None], y, 0).astype(y.dtype)
+
+    def _mix_cached(self, p, cu_seqlens, state):
+        """(o [B, T, HV, V], next states [N, HV, K, V] in state.dtype) from the cache's
+        states: T = 1 rows through the decoding step, anything else through the op."""
+        if p["q"].shape[1] == 1 and cu_seqlens is None:
+            g = None if p["g"] is None else p["g"][:, 0]
+            o, state_next = gated_delta_product_step(
+                p["q"][:, 0], p["k"][:, 0], p["v"][:, 0], g, p["beta"][:, 0], state,
+                use_qk_l2norm=True, backend=self.backend)
+            return o[:, None], state_next
+        o, state_next = gated_delta_product(
+            p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=state,
+            output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
+            backend=self.backend)
+        return o, state_next.astype(state.dtype)
+
+    def _check_cache(self, cache, N):
+        if self.cp_axis is not None:
+            raise ValueError("a decoding cache cannot be used with cp_axis (generation runs "
+                             "on one device)")
+        if not isinstance(cache, GDPCache):
+            raise TypeError(f"cache must be a GDPCache (layer.init_cache), got "
+                            f"{type(cache).__name__}")
+        want = (N, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        if tuple(cache.state.shape) != want:
+            raise ValueError(f"cache.state has shape {tuple(cache.state.shape)}; expected "
+                             f"{want} (one row per sequence of x)")
+        if cache.conv.shape[0] != N:
+            raise ValueError(f"cache.conv has shape {tuple(cache.conv.shape)}; expected "
+                             f"{N} rows (one per sequence of x)")
 
 
 def _dense(linear: nnx.Linear, x, dtype):

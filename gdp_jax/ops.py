@@ -174,7 +174,11 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
             ok = _guard.offsets_ok(cu_seqlens, spec.T * cp_size, cp_axis)
             q, k, v, g, beta, initial_state = _guard.poison_all(
                 ok, q, k, v, g, beta, initial_state)
-    if cp_axis is not None:
+    if spec.T == 1 and cu_seqlens is None and cp_axis is None:
+        from gdp_jax import step           # one token: the decoding step, not a chunk
+        o, final = step.one_token_op(backend, spec, use_qk_l2norm, q, k, v, g, beta,
+                                     initial_state)
+    elif cp_axis is not None:
         o, final = driver.cp_gated_delta_product(
             cfg, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
             backend=backend)

@@ -92,12 +92,46 @@ class S3Model(nnx.Module):
         self.fc2 = nnx.Linear(hidden, cfg.d_model, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, 6, rngs=rngs)
 
-    def __call__(self, tokens):
-        """tokens [B, T] int32 -> logits [B, T, 6] float32."""
+    def __call__(self, tokens, cache=None):
+        """tokens [B, T] int32 -> logits [B, T, 6] float32; with ``cache`` (the mixer's
+        :meth:`~gdp_jax.nn.GatedDeltaProduct.init_cache`) -> (logits, next cache)."""
         h = self.embed(tokens)
-        h = h + self.mixer(_rms(h))
+        mixed = self.mixer(_rms(h), cache=cache) if cache is not None else self.mixer(_rms(h))
+        if cache is not None:
+            mixed, cache = mixed
+        h = h + mixed
         h = h + self.fc2(jax.nn.gelu(self.fc1(_rms(h))))
-        return self.head(_rms(h))
+        logits = self.head(_rms(h))
+        return logits if cache is None else (logits, cache)
+
+
+def _graphdef(cfg: S3Config):
+    graphdef, _ = nnx.split(S3Model(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    return graphdef
+
+
+def model_logits(cfg: S3Config, params, tokens):
+    """The parallel forward of trained ``params`` (an nnx.State of Params): [B, T, 6]."""
+    graphdef = _graphdef(cfg)
+    return jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, tokens)
+
+
+def streaming_logits(cfg: S3Config, params, tokens):
+    """The same logits computed as generation does: token by token through the layer's
+    decoding cache (a ``lax.scan`` of T = 1 calls, each one decoding step). [B, T, 6]."""
+    graphdef = _graphdef(cfg)
+
+    def run(p, x):
+        model = nnx.merge(graphdef, p)
+
+        def one_token(cache, tok):
+            logits, cache = model(tok[:, None], cache=cache)
+            return cache, logits[:, 0]
+
+        _, logits = jax.lax.scan(one_token, model.mixer.init_cache(x.shape[0]), x.T)
+        return jnp.swapaxes(logits, 0, 1)
+
+    return jax.jit(run)(params, jnp.asarray(tokens))
 
 
 # --- training --------------------------------------------------------------------------

@@ -181,3 +181,58 @@ def test_cutedsl_op_vmap_and_grad_lower():
 
     txt = _lower(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))), *avals)
     assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2
+
+
+# --- the decoding step kernel (gdp_jax.kernels.step) -------------------------------------
+
+def _step_kernel_avals(B, HV, n, K, V):
+    f32 = jnp.float32
+    return (S((B, HV, K), f32), S((B, HV, n, K), f32), S((B, HV, n, V), f32),
+            S((B, HV, n), f32), S((B, HV), f32), S((B, HV, K, V), f32))
+
+
+@pytest.mark.parametrize("n,K,V", [(1, 128, 128), (2, 128, 128), (3, 64, 128), (2, 128, 64),
+                                   (2, 96, 32), (2, 16, 96)])
+def test_step_kernel_compiles(n, K, V):
+    from gdp_jax.kernels import step
+    txt = _lower(step.step_kernel_call, *_step_kernel_avals(2, 3, n, K, V))
+    assert "CuteDSLRT_NvJaxCutlassCall" in txt
+    assert "output_operand_aliases" in txt          # the state is updated in place
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cutedsl_step_grad_vmap_and_one_token_op_lower(dtype):
+    """The public step's cutedsl path (operands + kernel), its gradient (XLA only), a vmap
+    of it, and the cutedsl op at T = 1 (which runs the step kernel) lower for cuda."""
+    from gdp_jax import step
+    B, n, H, HV, K, V = 4, 2, 2, 4, 128, 128
+    cfg = step.StepConfig(H, HV, K ** -0.5, True, "float32")
+    avals = (S((B, H, K), dtype), S((B, n, H, K), dtype), S((B, n, HV, V), dtype),
+             S((B, HV), jnp.float32), S((B, n, HV), dtype), S((B, HV, K, V), jnp.float32))
+    run = lambda *a: step.cutedsl_step(cfg, *a)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(run, *avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(jax.vmap(run), *(
+        S((2,) + a.shape, a.dtype) for a in avals))
+
+    def loss(*a):
+        o, s = run(*a)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s)
+
+    _lower(jax.grad(loss, argnums=tuple(range(6))), *avals)
+    if dtype == jnp.bfloat16:
+        op_avals = _op_avals(B, 1, n, H, HV, K, V, dtype)
+        spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in op_avals[:5]])
+        txt = _lower(lambda q, k, v, g, beta, h0: step.one_token_op(
+            "cutedsl", spec, True, q, k, v, g, beta, h0), *op_avals)
+        assert "CuteDSLRT_NvJaxCutlassCall" in txt
+
+
+def test_step_unsupported_reasons():
+    from gdp_jax.kernels import step
+    ok = dict(B=64, HV=32, K=128, V=128, dtype=jnp.bfloat16)
+    assert step.unsupported_reason(**ok) is None
+    assert step.unsupported_reason(**{**ok, "dtype": jnp.float32}) is None
+    assert "K <= 128" in step.unsupported_reason(**{**ok, "K": 256})
+    assert "multiple of 32" in step.unsupported_reason(**{**ok, "V": 48})
+    assert "float64" in step.unsupported_reason(**{**ok, "dtype": jnp.float64})
+    assert "32-bit" in step.unsupported_reason(**{**ok, "B": 4096})

@@ -191,3 +191,92 @@ def test_cp_needs_conv_halo_tokens_per_rank():
                       in_specs=(P(), P(None, "cp")), out_specs=P(None, "cp"))
     with pytest.raises(ValueError, match="conv_size - 1"):
         jax.jit(f)(params, rand_x(1, 16))                      # 2 tokens per rank < 3
+
+
+# --- generation: the decoding cache --------------------------------------------------------
+
+def _cached(layer):
+    """(x, cache, cu) -> (y, cache) under jit."""
+    graphdef, state = nnx.split(layer)
+    return jax.jit(lambda state, x, cache, cu=None: nnx.merge(graphdef, state)(
+        x, cu, cache=cache))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_heads=4, num_kv_heads=2, conv_size=3),
+                                dict(use_gate=False, conv_size=0, num_householder=3),
+                                dict(learn_initial_state=True, qkv_activation=False,
+                                     conv_size=5)])
+def test_prefill_then_decode_equals_full_forward(kw):
+    from gdp_jax.nn import GDPCache
+    layer = make(**kw)
+    x = rand_x(2, 19)
+    if layer.learn_initial_state:              # a non-zero learned start state
+        layer.initial_state[...] = 0.3 * jax.random.normal(
+            jax.random.key(3), layer.initial_state.shape, F64)
+    want = fwd(layer, x)
+    run = _cached(layer)
+    _, state = nnx.split(layer)
+    cache = layer.init_cache(2, dtype=F64)
+    assert isinstance(cache, GDPCache) and cache.state.dtype == F64
+    P = 7                                      # prompt 7 tokens (< 2 conv widths), then steps
+    y, cache = run(state, x[:, :P], cache)
+    ys = [y]
+    for t in range(P, x.shape[1]):
+        y, cache = run(state, x[:, t:t + 1], cache)
+        ys.append(y)
+    assert rel(jnp.concatenate(ys, 1), want) < 1e-10
+    # a second prefill chunk (T > 1 from a non-fresh cache) also continues exactly
+    cache = layer.init_cache(2, dtype=F64)
+    y0, cache = run(state, x[:, :2], cache)
+    y1, cache = run(state, x[:, 2:], cache)
+    assert rel(jnp.concatenate([y0, y1], 1), want) < 1e-10
+    assert layer(x[:, :3]).shape == (2, 3, D)              # no cache: y only
+
+
+def test_packed_prefill_gives_one_cache_row_per_sequence():
+    layer = make(num_heads=2, conv_size=4)
+    _, state = nnx.split(layer)
+    run = _cached(layer)
+    lens = [5, 0, 1, 9]                         # an empty and a length-1 sequence
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = rand_x(1, int(cu[-1]), seed=4)
+    y, cache = run(state, x, layer.init_cache(len(lens), dtype=F64), jnp.asarray(cu))
+    assert cache.state.shape == (4, 2, 8, 8) and cache.conv.shape == (4, 3, layer.conv_dim)
+    # each sequence on its own: prefill, then 3 more tokens decoded per row
+    extra = rand_x(len(lens), 3, seed=5)
+    for i, L in enumerate(lens):
+        full = jnp.concatenate([x[:, cu[i]:cu[i + 1]], extra[i:i + 1]], 1)
+        want = fwd(layer, full)
+        assert rel(y[:, cu[i]:cu[i + 1]], want[:, :L]) < 1e-10 if L else True
+        row = jax.tree_util.tree_map(lambda a: a[i:i + 1], cache)
+        for t in range(3):
+            y_t, row = run(state, extra[i:i + 1, t:t + 1], row)
+            assert rel(y_t, want[:, L + t:L + t + 1]) < 1e-10, (i, t)
+
+
+def test_cache_errors():
+    layer = make()
+    x = rand_x(2, 3)
+    with pytest.raises(ValueError, match="cache.state has shape"):
+        layer(x, cache=layer.init_cache(3))
+    with pytest.raises(TypeError, match="GDPCache"):
+        layer(x, cache=(1, 2))
+    with pytest.raises(ValueError, match="batch_size"):
+        layer.init_cache(0)
+    with pytest.raises(ValueError, match="cp_axis"):
+        make(cp_axis="cp")(x, cache=layer.init_cache(2))
+
+
+def test_s3_streaming_equals_parallel_forward():
+    """gdp_jax.s3.streaming_logits (token by token through the cache) == the parallel
+    forward, on an untrained S3 model with a non-zero learned start state."""
+    from gdp_jax import s3
+    cfg = s3.S3Config(num_householder=2, conv_size=3, qkv_activation=True)
+    _, params = nnx.split(s3.S3Model(cfg, rngs=nnx.Rngs(1)), nnx.Param)
+    params["mixer"]["initial_state"][...] = 0.5 * jax.random.normal(
+        jax.random.key(0), params["mixer"]["initial_state"].shape, jnp.float32)
+    x, _ = s3.sample_batch(np.random.default_rng(0), 3, 21)
+    par = np.asarray(s3.model_logits(cfg, params, x))
+    stream = np.asarray(s3.streaming_logits(cfg, params, x))
+    assert stream.shape == par.shape == (3, 21, 6)
+    assert rel(stream, par) < 1e-5                      # float32 model

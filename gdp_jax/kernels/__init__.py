@@ -21,6 +21,10 @@ Backward (:mod:`gdp_jax.kernels.bwd`):
 Context-parallel summaries (``CuTeDSLGatedDeltaProductCPBackend``): the same two
 recursion kernels on V + K state columns give [E | M] (forward) and [gamma | M^T]
 (reverse) in one pass each (``fwd.forward_summaries``, ``bwd.backward_summaries``).
+Decoding (:mod:`gdp_jax.kernels.step`, ``gated_delta_product_step``):
+  XLA:    the token's operands (L2 norm, GVA head expansion, scale, exp(g)), float32;
+  kernel: ``step_sm90``: one thread per state column, the n Householder updates and the
+          readout in registers; the state is read once and written once, in place.
 The custom calls are ``jax.vmap``-able (:mod:`gdp_jax.kernels._batching` folds the
 mapped axis into the batch rows). :mod:`gdp_jax.kernels.emulate` holds pure-JAX stand-ins
 with the kernels' exact contracts (CPU tests of everything around them).

@@ -18,8 +18,9 @@ def fold_mapped_axis(call, *, seq_arg: int, table_arg: int, out_kinds):
     """``call(*args)`` made vmappable.
 
     args: chunk tensors with a leading batch axis B, ``args[seq_arg]`` the int32 [B, NC]
-    sequence index into ``args[table_arg]`` [N, ...]. ``out_kinds``: per output, "rows"
-    (leading axis B or N: unfolded back to [M, ...]) or "dummy" (a placeholder: broadcast).
+    sequence index into ``args[table_arg]`` [N, ...] (both None: every argument is rows).
+    ``out_kinds``: per output, "rows" (leading axis B or N: unfolded back to [M, ...]) or
+    "dummy" (a placeholder: broadcast).
     """
     f = custom_batching.custom_vmap(call)
 
@@ -27,9 +28,11 @@ def fold_mapped_axis(call, *, seq_arg: int, table_arg: int, out_kinds):
     def rule(M, in_batched, *args):
         args = [a if b else jnp.broadcast_to(a, (M,) + a.shape)
                 for a, b in zip(args, in_batched)]
-        N = args[table_arg].shape[1]
-        offset = (jnp.arange(M, dtype=jnp.int32) * N).reshape((M,) + (1,) * (args[seq_arg].ndim - 1))
-        args[seq_arg] = args[seq_arg] + offset
+        if seq_arg is not None:
+            N = args[table_arg].shape[1]
+            offset = (jnp.arange(M, dtype=jnp.int32) * N).reshape(
+                (M,) + (1,) * (args[seq_arg].ndim - 1))
+            args[seq_arg] = args[seq_arg] + offset
         flat = [a.reshape((M * a.shape[1],) + a.shape[2:]) for a in args]
         if max(a.size for a in flat) > _MAX_ELEMS:
             raise ValueError(f"jax.vmap over {M} problems makes the cutedsl kernels' inputs "

@@ -85,3 +85,14 @@ def inverse_kernel_call(A):
     assert A.ndim == 3 and A.shape[1:] == (64, 64), A.shape
     strict = jnp.tril(jnp.ones((64, 64), bool), -1)
     return chunked._blocked_inverse(jnp.where(strict, A, 0.0))
+
+
+def step_kernel_call(q, k, v, beta, decay, S):
+    """The decoding-step kernel's contract (:func:`gdp_jax.kernels.step.kernel_call`),
+    column by column as the kernel does it, in the operands' precision."""
+    s = decay[..., None, None] * S                                   # [B, HV, K, V]
+    for j in range(k.shape[2]):
+        kj = k[:, :, j, :, None]                                     # [B, HV, K, 1]
+        pred = jnp.sum(s * kj, axis=2)                               # [B, HV, V]
+        s = s + kj * (beta[:, :, j, None] * (v[:, :, j] - pred))[:, :, None, :]
+    return jnp.sum(s * q[..., None], axis=2), s
