@@ -69,6 +69,8 @@ def test_traced_scale_works_with_gradient(x):
 
 def test_export_serialize_roundtrip(x):
     """jax.export for CPU: serialize -> deserialize -> call == the op; the vjp too."""
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers "
+                                              "(in the 'test' extra)")
     from jax import export
 
     op = jax.jit(functools.partial(OP, backend="xla", use_qk_l2norm=True,
