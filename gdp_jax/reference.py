@@ -1,7 +1,7 @@
 """Token-by-token Gated DeltaProduct recurrence: the ground truth of every test.
 
 This is deliberately the most literal transcription of the recurrence in
-``API.md``: one ``lax.scan`` step per token, ``n`` Householder updates inside it.
+``docs/API.md``: one ``lax.scan`` step per token, ``n`` Householder updates inside it.
 It is slow (sequential in T) but obviously right, runs in float64, and is
 differentiated by plain autodiff.
 """
@@ -26,7 +26,7 @@ def gated_delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state
                                   use_qk_l2norm=False):
     """The GDP recurrence, token by token.
 
-    Args (shapes as in API.md; n = number of Householder steps):
+    Args (shapes as in docs/API.md; n = number of Householder steps):
       q: [B, T, H, K]; k: [B, T, n, H, K]; v: [B, T, n, HV, V]; g: [B, T, HV] or None;
       beta: [B, T, n, HV]; initial_state: [N, HV, K, V] or None;
       cu_seqlens: [N + 1] int offsets of packed sequences (B == 1) or None.

@@ -5,8 +5,9 @@ prefix product x_0 x_1 ... x_t. A one-layer Gated DeltaProduct with n_h = 1 (Gat
 cannot represent the 3-cycles (rotations) with one Householder reflection per token, so it
 fails to extrapolate; n_h = 2 writes each element as a product of two reflections and
 tracks the group exactly (Grazzi et al., "Unlocking state-tracking in linear RNNs
-through negative eigenvalues"; Siems et al., "DeltaProduct"). The model: embedding -> one GatedDeltaProduct layer (no gate, beta = 2 sigmoid)
-with a residual -> small MLP -> linear readout.
+through negative eigenvalues"; Siems et al., "DeltaProduct"). The model: embedding -> one
+GatedDeltaProduct layer (no gate, beta = 2 sigmoid) with a residual -> small MLP ->
+linear readout.
 
 Training runs context-parallel over a ``cp`` mesh axis when ``devices > 1``: every sequence
 is split contiguously along T over the devices and the layer runs with ``cp_axis="cp"``.
