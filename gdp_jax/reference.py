@@ -7,6 +7,8 @@ differentiated by plain autodiff.
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple, Union
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -21,9 +23,12 @@ def l2_normalize(x, axis=-1):
     return x * lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + L2_EPS)
 
 
-def gated_delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
-                                  output_final_state=False, cu_seqlens=None,
-                                  use_qk_l2norm=False):
+def gated_delta_product_reference(
+        q: jax.Array, k: jax.Array, v: jax.Array, g: Optional[jax.Array], beta: jax.Array,
+        *, scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
+        output_final_state: bool = False, cu_seqlens: Optional[jax.Array] = None,
+        use_qk_l2norm: bool = False,
+) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """The GDP recurrence, token by token.
 
     Args (shapes as in docs/API.md; n = number of Householder steps):

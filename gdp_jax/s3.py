@@ -119,14 +119,20 @@ class TrainResult:
 
 
 def make_mesh(devices: int) -> Optional[Mesh]:
-    """A 1-D ``cp`` mesh over the first ``devices`` devices, or None for one device."""
+    """A 1-D ``cp`` mesh over the first ``devices`` devices, or None for one device.
+
+    Where the default platform has fewer (one GPU), the mesh uses simulated CPU devices.
+    """
     if devices <= 1:
         return None
     devs = jax.devices()
     if len(devs) < devices:
+        devs = jax.devices("cpu")
+    if len(devs) < devices:
         raise ValueError(f"{devices} devices requested, but JAX sees {len(devs)} "
-                         f"({devs[0].platform}); on CPU set XLA_FLAGS="
-                         f"--xla_force_host_platform_device_count={devices} before importing jax")
+                         f"({devs[0].platform}); for simulated CPU devices run "
+                         f'jax.config.update("jax_num_cpu_devices", {devices}) right after '
+                         "importing jax")
     return Mesh(np.array(devs[:devices]), ("cp",))
 
 
@@ -234,6 +240,8 @@ def cp_agreement(cfg: S3Config, params, devices: int, tokens, targets,
         raise ValueError(f"tokens has shape {tokens.shape}; expected T divisible by "
                          f"devices={devices}")
     params = jax.tree_util.tree_map(lambda p: jnp.asarray(p, dtype), params)
+    # Both runs on the mesh's devices (CPU ones where the default platform has too few).
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
 
     def model_fn(cp_axis):
         graphdef = nnx.split(S3Model(cfg, cp_axis=cp_axis, rngs=nnx.Rngs(0)), nnx.Param)[0]
@@ -251,7 +259,8 @@ def cp_agreement(cfg: S3Config, params, devices: int, tokens, targets,
             return logits, loss, grads
         return f
 
-    one = jax.jit(model_fn(None))(params, tokens, targets)
+    one = jax.jit(model_fn(None))(*jax.device_put((params, tokens, targets),
+                                                  mesh.devices.flat[0]))
     sp = P(None, "cp")
     cp = jax.jit(jax.shard_map(model_fn("cp"), mesh=mesh, in_specs=(P(), sp, sp),
                                out_specs=(sp, P(), P())))(params, tokens, targets)
