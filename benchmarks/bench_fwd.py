@@ -3,7 +3,7 @@
 All in ONE process (JAX with preallocation off, then torch). bf16, K = V = 128, random
 inputs (keys L2-normalised in the op, beta in (0, 2), log-sigmoid gates). Medians of
 per-iteration times after warm-up, ``block_until_ready`` / ``torch.cuda.synchronize``.
-Roofline (PERFORMANCE.md): FLOPs per token per head (4n+2)KV + 6nCK + 4nCV + (2/3)nC^2,
+Roofline: FLOPs per token per head (4n+2)KV + 6nCK + 4nCV + (2/3)nC^2,
 minimum HBM bytes 2(K + nK + nV + V + n) + 4; ceilings 790 TFLOP/s and 4.3 TB/s.
 
     python benchmarks/bench_fwd.py --out benchmarks/results [--fla] [--deadline 500]

@@ -11,8 +11,9 @@ after the forward minus before, minus the output. Peak: XLA's compiled temp byte
 value-and-grad function; FLA's ``max_memory_allocated`` during forward + backward minus
 the inputs already allocated.
 
-FLOPs per token per head (PERFORMANCE.md 2b): forward (4n+2)KV + 6nCK + 4nCV + (2/3)nC^2,
-backward n (16KV + 16CK + 10CV + 4C^2); ceiling 790 TFLOP/s (dense bf16, achievable).
+FLOPs per token per head (the matrix products of the chunkwise form, docs/ALGORITHMS.md 2):
+forward (4n+2)KV + 6nCK + 4nCV + (2/3)nC^2, backward n (16KV + 16CK + 10CV + 4C^2);
+ceiling 790 TFLOP/s (dense bf16, achievable).
 
     python benchmarks/bench_fwdbwd.py --out benchmarks/results [--fla] [--deadline 500]
 
@@ -162,7 +163,7 @@ def write(out_dir, meta, rows, names):
              f"Command: `{meta['command']}`", "",
              f"Device: {meta['device']}; jax {meta['jax']}; FLA autotune: {meta['fla_autotune']}",
              "", "bf16, K = V = 128, use_qk_l2norm, gates on. Medians in ms (fwd alone, then fwd+bwd); "
-             "'% peak' = FLOPs (PERFORMANCE.md 2b) / 790 TFLOP/s / time. Memory in GB: "
+             "'% peak' = FLOPs (bench_fwdbwd.py docstring) / 790 TFLOP/s / time. Memory in GB: "
              "'saved' = kept for the backward beyond the inputs, 'peak' = temp of fwd+bwd.", "",
              "| B | T | H | n | fwd cutedsl / xla / FLA | " + " | ".join(names + ["FLA"])
              + " | FLA / cutedsl_N0 | "

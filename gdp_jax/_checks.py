@@ -107,7 +107,7 @@ def _require_shape(name, x, expected, what):
 
 def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                  backend="xla", cp_size: int = 1) -> OpSpec:
-    """Validate the op's arguments (API.md) and return the derived :class:`OpSpec`.
+    """Validate the op's arguments (docs/API.md) and return the derived :class:`OpSpec`.
 
     Under context parallelism the shapes are the LOCAL shard's (T = T_global / cp_size)
     while ``cu_seqlens`` holds GLOBAL offsets (ending at T * cp_size).

@@ -1,7 +1,7 @@
 """Chunkwise (WY) Gated DeltaProduct in plain jax.numpy: the ``xla`` backend's engine.
 
 GDP with n Householder steps is the gated delta rule (GDN) on the interleaved sequence of
-L = n*T steps (ALGORITHMS.md 1.3): step r = t*n + j carries key k[t, j], value v[t, j],
+L = n*T steps (docs/ALGORITHMS.md 1): step r = t*n + j carries key k[t, j], value v[t, j],
 step size beta[t, j]; the gate g[t] sits on sub-step j = 0 and the query q[t] on j = n-1.
 
 That sequence is cut into chunks of C = 64 steps on a static grid. Packed sequences are

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -116,9 +117,28 @@ def _xla_bwd(cfg, res, cts):
 _xla_op.defvjp(_xla_fwd, _xla_bwd)
 
 
-def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
-                        output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
-                        cp_axis=None, backend="auto", recompute_chunk_num=None):
+# Flags that choose code at trace time: under a bare ``jax.jit`` they arrive as tracers.
+_STATIC_FLAGS = ("output_final_state", "use_qk_l2norm", "recompute_chunk_num")
+
+
+def _require_static(name: str, value) -> None:
+    """TypeError when a code-selecting flag is a tracer (``jax.jit`` without static_argnames)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is a traced value ({value.aval}): it selects code at trace time, so it "
+            f"must be a Python value; pass it as a static argument: "
+            f"jax.jit(f, static_argnames=({name!r},)), or close over it with "
+            f"functools.partial before jitting")
+
+
+def gated_delta_product(
+        q: jax.Array, k: jax.Array, v: jax.Array, g: Optional[jax.Array], beta: jax.Array,
+        *, scale: Union[float, jax.Array, None] = None,
+        initial_state: Optional[jax.Array] = None, output_final_state: bool = False,
+        cu_seqlens: Optional[jax.Array] = None, use_qk_l2norm: bool = False,
+        cp_axis: Optional[str] = None, backend: str = "auto",
+        recompute_chunk_num: Optional[int] = None,
+) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """Gated DeltaProduct linear attention (chunkwise), forward and backward.
 
     Args:
@@ -129,7 +149,8 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
       g: [B, T, HV] float32 log-decay (<= 0), applied once per token before its n
         updates, or None for no decay.
       beta: [B, T, n, HV] step sizes (beta in (0, 2) keeps eigenvalues in (-1, 1)).
-      scale: readout scale, default K ** -0.5.
+      scale: readout scale, default K ** -0.5. A traced scalar (e.g. a ``jax.jit``
+        argument) works too: o is linear in scale, so it multiplies the scale-1 output.
       initial_state: [N, HV, K, V] float32 start state per sequence, or None (zeros).
       output_final_state: also return the final states [N, HV, K, V] (float32).
       cu_seqlens: [N + 1] int32 offsets of packed sequences in the single row (B == 1).
@@ -153,7 +174,26 @@ def gated_delta_product(q, k, v, g, beta, *, scale=None, initial_state=None,
     gradient NaN, and ``jax.experimental.checkify.checkify`` of the call reports them as
     an error. A non-finite input at token t changes only that sequence's outputs at t and
     later. NumPy arrays are accepted wherever jax arrays are.
+
+    Under ``jax.jit`` the flags ``output_final_state``, ``use_qk_l2norm``,
+    ``recompute_chunk_num``, ``backend`` and ``cp_axis`` must be static (they select
+    code): ``jax.jit(gated_delta_product, static_argnames=(...))`` or functools.partial.
     """
+    for name, value in zip(_STATIC_FLAGS, (output_final_state, use_qk_l2norm,
+                                           recompute_chunk_num)):
+        _require_static(name, value)
+    if isinstance(scale, jax.core.Tracer):
+        if jnp.shape(scale) != ():
+            raise TypeError(f"scale has shape {jnp.shape(scale)}; expected a scalar")
+        out = gated_delta_product(
+            q, k, v, g, beta, scale=1.0, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm=use_qk_l2norm, cp_axis=cp_axis, backend=backend,
+            recompute_chunk_num=recompute_chunk_num)
+        o = out[0] if output_final_state else out
+        wide = jnp.promote_types(o.dtype, jnp.float32)      # bf16 output: scale in f32
+        o = (o.astype(wide) * scale.astype(wide)).astype(q.dtype)
+        return (o, out[1]) if output_final_state else o
     # cu_seqlens stays as given: NumPy offsets are concrete, checked at trace time.
     q, k, v, g, beta, initial_state = _checks.as_arrays(q, k, v, g, beta, initial_state)
     cp_size = 1

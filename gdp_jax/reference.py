@@ -1,11 +1,13 @@
 """Token-by-token Gated DeltaProduct recurrence: the ground truth of every test.
 
 This is deliberately the most literal transcription of the recurrence in
-``API.md``: one ``lax.scan`` step per token, ``n`` Householder updates inside it.
+``docs/API.md``: one ``lax.scan`` step per token, ``n`` Householder updates inside it.
 It is slow (sequential in T) but obviously right, runs in float64, and is
 differentiated by plain autodiff.
 """
 from __future__ import annotations
+
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +34,15 @@ def l2_normalize(x, axis=-1):
     return xs * lax.rsqrt(jnp.sum(xs * xs, axis=axis, keepdims=True) + L2_EPS / (m * m))
 
 
-def gated_delta_product_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
-                                  output_final_state=False, cu_seqlens=None,
-                                  use_qk_l2norm=False):
+def gated_delta_product_reference(
+        q: jax.Array, k: jax.Array, v: jax.Array, g: Optional[jax.Array], beta: jax.Array,
+        *, scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
+        output_final_state: bool = False, cu_seqlens: Optional[jax.Array] = None,
+        use_qk_l2norm: bool = False,
+) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """The GDP recurrence, token by token.
 
-    Args (shapes as in API.md; n = number of Householder steps):
+    Args (shapes as in docs/API.md; n = number of Householder steps):
       q: [B, T, H, K]; k: [B, T, n, H, K]; v: [B, T, n, HV, V]; g: [B, T, HV] or None;
       beta: [B, T, n, HV]; initial_state: [N, HV, K, V] or None;
       cu_seqlens: [N + 1] int offsets of packed sequences (B == 1) or None.

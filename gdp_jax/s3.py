@@ -4,12 +4,15 @@ Tokens are the 6 elements of the symmetric group S3; the target at position t is
 prefix product x_0 x_1 ... x_t. A one-layer Gated DeltaProduct with n_h = 1 (Gated DeltaNet)
 cannot represent the 3-cycles (rotations) with one Householder reflection per token, so it
 fails to extrapolate; n_h = 2 writes each element as a product of two reflections and
-tracks the group exactly (PERFORMANCE.md, "A small experiment where n_h > 1 visibly
-matters"). The model: embedding -> one GatedDeltaProduct layer (no gate, beta = 2 sigmoid)
-with a residual -> small MLP -> linear readout.
+tracks the group exactly (Grazzi et al., "Unlocking state-tracking in linear RNNs
+through negative eigenvalues"; Siems et al., "DeltaProduct"). The model: embedding -> one
+GatedDeltaProduct layer (no gate, beta = 2 sigmoid) with a residual -> small MLP ->
+linear readout.
 
 Training runs context-parallel over a ``cp`` mesh axis when ``devices > 1``: every sequence
 is split contiguously along T over the devices and the layer runs with ``cp_axis="cp"``.
+:func:`cp_agreement` checks a trained model the cheap way: its loss, logits and parameter
+gradients with context parallelism equal those on one device.
 """
 from __future__ import annotations
 
@@ -150,14 +153,20 @@ class TrainResult:
 
 
 def make_mesh(devices: int) -> Optional[Mesh]:
-    """A 1-D ``cp`` mesh over the first ``devices`` devices, or None for one device."""
+    """A 1-D ``cp`` mesh over the first ``devices`` devices, or None for one device.
+
+    Where the default platform has fewer (one GPU), the mesh uses simulated CPU devices.
+    """
     if devices <= 1:
         return None
     devs = jax.devices()
     if len(devs) < devices:
+        devs = jax.devices("cpu")
+    if len(devs) < devices:
         raise ValueError(f"{devices} devices requested, but JAX sees {len(devs)} "
-                         f"({devs[0].platform}); on CPU set XLA_FLAGS="
-                         f"--xla_force_host_platform_device_count={devices} before importing jax")
+                         f"({devs[0].platform}); for simulated CPU devices run "
+                         f'jax.config.update("jax_num_cpu_devices", {devices}) right after '
+                         "importing jax")
     return Mesh(np.array(devs[:devices]), ("cp",))
 
 
@@ -252,3 +261,47 @@ def train_s3(num_householder: int, *, steps: int = 400, seq_len: int = 16, batch
     return TrainResult(num_householder, losses, seq_len, eval_len, per_pos,
                        float(per_pos[:seq_len].mean()), float(per_pos.mean()),
                        time.perf_counter() - t0, params=state[0])
+
+
+def cp_agreement(cfg: S3Config, params, devices: int, tokens, targets,
+                 dtype=jnp.float32) -> dict:
+    """Relative RMS differences, CP over ``devices`` vs one device, of one batch's logits,
+    loss and parameter gradients (all leaves together), computed in ``dtype`` (float64
+    needs ``jax_enable_x64``: then the differences are rounding of float64, ~1e-15).
+    tokens/targets [B, T] int32, T a multiple of devices."""
+    mesh = make_mesh(devices)
+    if tokens.shape[1] % devices:
+        raise ValueError(f"tokens has shape {tokens.shape}; expected T divisible by "
+                         f"devices={devices}")
+    params = jax.tree_util.tree_map(lambda p: jnp.asarray(p, dtype), params)
+    # Both runs on the mesh's devices (CPU ones where the default platform has too few).
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+
+    def model_fn(cp_axis):
+        graphdef = nnx.split(S3Model(cfg, cp_axis=cp_axis, rngs=nnx.Rngs(0)), nnx.Param)[0]
+
+        def loss_of(p, x, y):
+            logits = nnx.merge(graphdef, p)(x)
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)
+            total, count = nll.sum(), jnp.asarray(nll.size, logits.dtype)
+            if cp_axis is not None:
+                total, count = jax.lax.psum(total, cp_axis), jax.lax.psum(count, cp_axis)
+            return total / count, logits
+
+        def f(p, x, y):
+            (loss, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(p, x, y)
+            return logits, loss, grads
+        return f
+
+    one = jax.jit(model_fn(None))(*jax.device_put((params, tokens, targets),
+                                                  mesh.devices.flat[0]))
+    sp = P(None, "cp")
+    cp = jax.jit(jax.shard_map(model_fn("cp"), mesh=mesh, in_specs=(P(), sp, sp),
+                               out_specs=(sp, P(), P())))(params, tokens, targets)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b * b)), 1e-30))
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(t)])
+    return dict(logits=rel(cp[0], one[0]), loss=rel(cp[1], one[1]),
+                grads=rel(flat(cp[2]), flat(one[2])))

@@ -1,6 +1,6 @@
 """Every malformed call raises ValueError/TypeError at trace time, naming the argument.
 
-(API.md "Errors".) Calls go through ``jax.eval_shape`` so nothing is ever computed: a
+(docs/API.md, "Errors".) Calls go through ``jax.eval_shape`` so nothing is ever computed: a
 check that fails to fire makes the test fail, never run a kernel. The CP-specific
 errors (T not divisible by the CP size, cp_axis outside shard_map) live in the CP tests.
 """

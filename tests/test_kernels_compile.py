@@ -13,7 +13,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
-pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (the 'kernels' extra; "
+                                       "its wheels exist for Linux x86-64 only)")
 
 from gdp_jax import _checks, chunked, ops  # noqa: E402
 from gdp_jax.kernels import bwd, fwd, inverse  # noqa: E402

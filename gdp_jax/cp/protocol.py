@@ -1,6 +1,6 @@
 """The four-function CP backend protocol, its summaries and its saved context.
 
-Per rank (ALGORITHMS.md 3): a fragment of a sequence maps the state entering it to the
+Per rank (docs/ALGORITHMS.md 3): a fragment of a sequence maps the state entering it to the
 state leaving it affinely, ``S_out = M S_in + E``; gradients flow back as
 ``dS_in = M^T dS_out + gamma``. A rank sends the float32 summary of its TRAILING fragment
 forward, packed ``[E | M]``, and of its LEADING fragment backward, packed ``[gamma | M^T]``:
