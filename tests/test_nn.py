@@ -202,8 +202,8 @@ def _cached(layer):
         x, cu, cache=cache))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(num_heads=4, num_kv_heads=2, conv_size=3),
-                                dict(use_gate=False, conv_size=0, num_householder=3),
+@pytest.mark.parametrize("kw", [dict(), dict(num_heads=2, num_v_heads=4, conv_size=3),
+                                dict(use_forget_gate=False, conv_size=0, num_householder=3),
                                 dict(learn_initial_state=True, qkv_activation=False,
                                      conv_size=5)])
 def test_prefill_then_decode_equals_full_forward(kw):
