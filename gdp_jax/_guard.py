@@ -30,9 +30,12 @@ def offsets_ok(cu, T_global: int, cp_axis=None):
     rank. Also raises through checkify (``debug_check``) when it is False."""
     ok = (cu[0] == 0) & (cu[-1] == T_global) & jnp.all(cu[1:] >= cu[:-1])
     if cp_axis is not None:
-        cu_v = _vma.vary(cu, cp_axis)
-        same = jnp.all(lax.pmin(cu_v, cp_axis) == lax.pmax(cu_v, cp_axis))
-        ok = lax.pmin(_vma.vary((ok & same).astype(jnp.int32), cp_axis), cp_axis) > 0
+        # one small pmax: max(cu) == -max(-cu) iff every rank has the same cu; and
+        # max(not ok) == 0 iff every rank's verdict is ok
+        n = cu.shape[0]
+        mine = jnp.concatenate([cu, -cu, (~ok).astype(cu.dtype)[None]])
+        top = lax.pmax(_vma.vary(mine, cp_axis), cp_axis)
+        ok = jnp.all(top[:n] == -top[n:2 * n]) & (top[-1] == 0)
     checkify.debug_check(ok, OFFSETS_MESSAGE, T=jnp.int32(T_global), first=cu[0], last=cu[-1])
     return ok
 
