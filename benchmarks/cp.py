@@ -5,7 +5,8 @@ medians after warm-up and block_until_ready:
   * the single-device op on T (where it fits) and on T/P,
   * the CP op on a mesh of P devices (forward, and forward+backward),
 and reports per-rank time, scaling efficiency t_1(T) / (P * t_P(T)), the all-gather's
-bytes and its time measured in isolation on the same mesh, its share of the step, and
+bytes and its time measured in isolation on the same mesh (and the log-depth scan fold's;
+``--fold`` picks which one the op runs, reported per case), its share of the step, and
 XLA's compiled memory footprint per device (arguments + outputs + temporaries).
 It also checks CP outputs and gradients against the single-device op (relative RMS).
 
@@ -40,10 +41,13 @@ def parse():
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test (8 host devices)")
+    p.add_argument("--fold", choices=("auto", "gather", "scan"), default="auto",
+                   help="CP fold: all_gather, log-depth ppermute scan, or by the cost model")
     return p.parse_args()
 
 
 ARGS = parse()
+os.environ["GDP_CP_FOLD"] = ARGS.fold          # read by the CP driver at trace time
 if ARGS.tiny:
     os.environ.setdefault("PJRT_NPROC", "32")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -55,6 +59,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import gdp_jax  # noqa: E402
+from gdp_jax.cp import fold as cp_fold  # noqa: E402
 
 PACKED_FRACTIONS = np.array([0.05, 0.3, 0.02, 0.18, 0.25, 0.12, 0.08])   # 7 sequences
 
@@ -157,7 +162,31 @@ def run_case(label, T, Pn, mesh, packed, devices):
         t1, tP = r["t1_T"].get("ms"), r["tP_T"].get("ms")
         r["efficiency"] = None if t1 is None or tP is None else t1 / (Pn * tP)
         rows[mode] = r
-    return {"label": label, "T": T, "P": Pn, "packed": packed, **rows}
+    return {"label": label, "T": T, "P": Pn, "packed": packed,
+            "fold": fold_used(Pn, 1 if packed else x[0].shape[0]), **rows}
+
+
+def fold_used(Pn, F):
+    """The fold the CP driver picks here (same inputs as its own choice)."""
+    return cp_fold.choose_fold(Pn, F * ARGS.H * ARGS.K * (ARGS.V + ARGS.K) * 4)
+
+
+def scan_cost(mesh, Pn):
+    """The log-depth fold alone (forward direction): its ppermute rounds and compositions."""
+    H, K, V = ARGS.H, ARGS.K, ARGS.V
+    x = jnp.ones((Pn, H, K, V + K), jnp.float32) * 0.5
+    resets = jnp.zeros((Pn,), bool)
+
+    def body(s):
+        shift = cp_fold.ppermute_shift("cp", Pn, reverse=False)
+        pos = jax.lax.axis_index("cp")
+        return cp_fold.exclusive_segmented_scan(s, resets, pos, Pn, shift)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"))
+    r = timed(fn, (x,))
+    r["rounds"] = cp_fold.num_rounds(Pn)
+    r["bytes_received_per_rank"] = r["rounds"] * H * K * (V + K) * 4
+    return r
 
 
 def allgather_cost(mesh, Pn):
@@ -215,6 +244,7 @@ def main():
                 mesh, Pn, devices, packed)
             print("check", Pn, packed, json.dumps(results["checks"]), flush=True)
         results["allgather"][str(Pn)] = allgather_cost(mesh, Pn)
+        results.setdefault("scan", {})[str(Pn)] = scan_cost(mesh, Pn)
         for T in ARGS.T:
             for packed in ((False, True) if ARGS.packed else (False,)):
                 label = f"T={T} P={Pn} {'packed7' if packed else 'single'}"
@@ -233,11 +263,11 @@ def main():
 def table(res):
     lines = [f"# CP benchmark, {res['date']} on {res['num_devices']} x {res['device']}",
              "", f"Command: `{res['command']}`  (jax {res['jax']})", "",
-             "| case | mode | 1 dev on T (ms) | 1 dev on T/P (ms) | CP per rank (ms) | "
-             "efficiency t1(T)/(P tP) | all-gather share | mem/rank CP (GB) | mem 1 dev T (GB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| case | fold | mode | 1 dev on T (ms) | 1 dev on T/P (ms) | CP per rank (ms) | "
+             "efficiency t1(T)/(P tP) | fold collectives share | mem/rank CP (GB) | mem 1 dev T (GB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["cases"]:
-        ag = res["allgather"][str(c["P"])]["ms"]
+        ag = res["scan" if c.get("fold") == "scan" else "allgather"][str(c["P"])]["ms"]
         for mode in ("fwd", "fwd+bwd"):
             r = c[mode]
             ms = lambda x: f"{x['ms']:.2f}" if "ms" in x else "OOM/err"
@@ -246,12 +276,16 @@ def table(res):
             eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
             share = (f"{100 * nag * ag / r['tP_T']['ms']:.2f}%" if "ms" in r["tP_T"] else "-")
             lines.append(
-                f"| {c['label']} | {mode} | {ms(r['t1_T'])} | {ms(r['t1_Tp'])} | "
+                f"| {c['label']} | {c.get('fold', '-')} | {mode} | {ms(r['t1_T'])} | {ms(r['t1_Tp'])} | "
                 f"{ms(r['tP_T'])} | {eff} | {share} | "
                 f"{gb(r['tP_T'].get('mem_bytes'))} | {gb(r['t1_T'].get('mem_bytes'))} |")
     lines += ["", "All-gather alone (per call): " + ", ".join(
         f"P={p}: {v['ms']:.3f} ms, {v['bytes_received_per_rank'] / 1e6:.2f} MB received per rank"
-        for p, v in res["allgather"].items()), "",
+        for p, v in res["allgather"].items()),
+        "Scan fold alone (per call): " + ", ".join(
+            f"P={p}: {v['ms']:.3f} ms, {v['rounds']} rounds, "
+            f"{v['bytes_received_per_rank'] / 1e6:.2f} MB received per rank"
+            for p, v in res.get("scan", {}).items()), "",
         "CP vs 1 device (relative RMS per rank slice): "]
     for k, v in res["checks"].items():
         lines.append(f"- {k}: " + ", ".join(f"{n} max {max(x):.2e}" for n, x in v.items()))

@@ -2,8 +2,9 @@
 
 Inside ``jax.shard_map`` over a mesh axis, pass ``cp_axis="<axis>"`` to
 :func:`gdp_jax.gated_delta_product`; the driver (:mod:`gdp_jax.cp.driver`) runs
-prepare -> one ``all_gather`` of float32 summaries -> fold -> apply, and the mirror image
-in the backward.
+prepare -> one ``all_gather`` of float32 summaries -> fold -> apply (or, for many ranks,
+the log-depth ppermute scan of :mod:`gdp_jax.cp.fold`), and the mirror image in the
+backward.
 """
 from gdp_jax.cp.protocol import (
     CuTeDSLGatedDeltaProductCPBackend,

@@ -7,6 +7,13 @@ Rank r of P holds tokens [r*Tl, (r+1)*Tl) of every row. Per call:
     backward: summary = prepare(do)     ->  all_gather (one more)      ->  fold the maps of
               ranks (r, f)  ->  apply with the composed outgoing-state gradient
 
+or, for many ranks, the log-depth fold (:mod:`gdp_jax.cp.fold`): a segmented prefix scan
+over ``lax.ppermute`` (1 + ceil(log2(P - 1)) rounds of ONE summary each) that hands apply
+the already composed map as a one-entry :class:`SummarySlice`. Which fold runs is chosen
+per call by a cost model (``fold.choose_fold``; override: ``fold=`` here or the
+environment variable GDP_CP_FOLD = auto | gather | scan) and recorded in the saved
+metadata (``GDPSavedMetadata.fold``), which the backward reads.
+
 a = ``preceding_rank_start`` (first rank holding a piece of this rank's first sequence),
 f = ``following_rank_stop`` (one past the last rank holding a piece of its last sequence).
 Everything is derived on device from the GLOBAL ``cu_seqlens`` and ``lax.axis_index``:
@@ -22,6 +29,7 @@ and the custom_vjp never assumes how a cotangent is replicated.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -30,8 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _vma
+from gdp_jax.cp import fold as scan_fold
 from gdp_jax.cp.protocol import (CuTeDSLGatedDeltaProductCPBackend, GDPInputs, SummarySlice,
-                                 XlaGatedDeltaProductCPBackend)
+                                 XlaGatedDeltaProductCPBackend, summary_dtype)
 
 
 class CPRankMetadata(NamedTuple):
@@ -109,42 +118,78 @@ def _mask_rows(x, keep):
     return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 1)), x, 0)
 
 
+# --- the two folds ----------------------------------------------------------------------
+
+def _gathered_slice(summary, mask, cp_axis, packed: bool):
+    """All P summaries, [P, F, HV, K, V + K], and which of them this rank composes."""
+    gathered = lax.all_gather(summary, cp_axis)
+    return SummarySlice(gathered[:, None] if packed else gathered, mask)
+
+
+def _scanned_slice(summary, meta, cu_seqlens, cp_axis, P: int, local_len: int,
+                   backward: bool):
+    """The composed map of the ranks this rank folds, as a one-entry [1, F, HV, K, V + K]
+    slice (masked off where nothing crosses the boundary), by the segmented scan."""
+    x = summary[None] if cu_seqlens is not None else summary      # [F, HV, K, V + K]
+    every = jax.vmap(lambda j: rank_metadata(cu_seqlens, j, P, local_len, x.shape[0]))(
+        jnp.arange(P, dtype=jnp.int32))
+    fwd_resets, bwd_resets = scan_fold.fold_resets(every.continues_in, every.continues_out,
+                                                   every.first_seq, every.last_seq)
+    rank = lax.axis_index(cp_axis)
+    resets, pos = (bwd_resets[::-1], P - 1 - rank) if backward else (fwd_resets, rank)
+    composed = scan_fold.exclusive_segmented_scan(
+        x, resets, pos, P, scan_fold.ppermute_shift(cp_axis, P, reverse=backward))
+    crosses = meta.continues_out if backward else meta.continues_in
+    return SummarySlice(composed[None], crosses[None])
+
+
+def _fold_slice(fold, summary, meta, cu_seqlens, cp_axis, local_len, backward):
+    P = axis_size(cp_axis)
+    if fold == "scan":
+        return _scanned_slice(summary, meta, cu_seqlens, cp_axis, P, local_len, backward)
+    mask = meta.bwd_mask if backward else meta.fwd_mask
+    return _gathered_slice(summary, mask, cp_axis, cu_seqlens is not None)
+
+
+def summary_nbytes(cfg, q, v, cu_seqlens) -> int:
+    """Bytes of one rank's summary: [F, HV, K, V + K] float32 (float64 for float64)."""
+    F = 1 if cu_seqlens is not None else q.shape[0]
+    K, V = q.shape[-1], v.shape[-1]
+    return F * cfg.HV * K * (V + K) * jnp.dtype(summary_dtype(cfg.cdt)).itemsize
+
+
 # --- the custom_vjp ---------------------------------------------------------------------
 # Residuals: the backend's SavedContext (its tensors are custom_vjp residuals, its frozen
 # metadata rides along as pytree aux data) and the rank metadata.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cp_op(backend, cp_axis, q, k, v, g, beta, h0, cu_seqlens):
-    return _cp_fwd(backend, cp_axis, q, k, v, g, beta, h0, cu_seqlens)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _cp_op(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
+    return _cp_fwd(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens)[0]
 
 
-def _cp_fwd(backend, cp_axis, q, k, v, g, beta, h0, cu_seqlens):
+def _cp_fwd(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
     P = axis_size(cp_axis)
     rank = lax.axis_index(cp_axis)
     meta = rank_metadata(cu_seqlens, rank, P, q.shape[1], q.shape[0])
     inputs = GDPInputs(q, k, v, g, beta, h0, meta.cu_local, meta.first_seq, meta.last_seq,
                        meta.continues_in, meta.continues_out)
     summary, local_ctx = backend.cp_forward_prepare(inputs)
-    gathered = lax.all_gather(summary, cp_axis)
-    if cu_seqlens is not None:
-        gathered = gathered[:, None]                 # [P, 1, HV, K, V + K]
-    o, final_local, saved = backend.cp_forward_apply(local_ctx,
-                                                     SummarySlice(gathered, meta.fwd_mask))
+    preceding = _fold_slice(fold, summary, meta, cu_seqlens, cp_axis, q.shape[1], False)
+    o, final_local, saved = backend.cp_forward_apply(local_ctx, preceding)
+    saved = dataclasses.replace(saved, metadata=dataclasses.replace(saved.metadata, fold=fold))
     final = _mask_rows(final_local, meta.owns_end).astype(h0.dtype)   # this rank's part
     h0_dtype_tag = jnp.zeros((0,), h0.dtype)     # carries the primal dtype to the backward
     return (o, final), (saved, meta, cu_seqlens, h0_dtype_tag)
 
 
-def _cp_bwd(backend, cp_axis, res, cts):
+def _cp_bwd(backend, cp_axis, fold, res, cts):
     saved, meta, cu_seqlens, h0_dtype_tag = res
     do, dfinal = cts
     dfinal_local = _mask_rows(dfinal, meta.owns_end)
     summary, bwd_ctx = backend.cp_backward_prepare((do, dfinal_local), saved)
-    gathered = lax.all_gather(summary, cp_axis)
-    if cu_seqlens is not None:
-        gathered = gathered[:, None]
-    dq, dk, dv, dg, dbeta, dh0 = backend.cp_backward_apply(
-        bwd_ctx, SummarySlice(gathered, meta.bwd_mask))
+    following = _fold_slice(saved.metadata.fold, summary, meta, cu_seqlens, cp_axis,
+                            do.shape[1], True)
+    dq, dk, dv, dg, dbeta, dh0 = backend.cp_backward_apply(bwd_ctx, following)
     dh0 = _mask_rows(dh0, meta.owns_start)        # this rank's part; summed outside
     return dq, dk, dv, dg, dbeta, dh0.astype(h0_dtype_tag.dtype), None
 
@@ -153,16 +198,22 @@ _cp_op.defvjp(_cp_fwd, _cp_bwd)
 
 
 def cp_gated_delta_product(cfg, q, k, v, g, beta, initial_state, cu_seqlens, *, cp_axis,
-                           backend="xla"):
-    """Context-parallel GDP on this rank's shard; returns (o, final_states replicated)."""
+                           backend="xla", fold=None):
+    """Context-parallel GDP on this rank's shard; returns (o, final_states replicated).
+
+    fold: 'auto' | 'gather' | 'scan', or None for the environment variable GDP_CP_FOLD
+    (default 'auto': :func:`gdp_jax.cp.fold.choose_fold`, by P and the summary size).
+    """
     check_split(cp_axis, q=q, k=k, v=v, g=g, beta=beta)
+    fold = scan_fold.choose_fold(axis_size(cp_axis), summary_nbytes(cfg, q, v, cu_seqlens),
+                                 fold)
     if initial_state is None:
         N = cfg.B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         initial_state = jnp.zeros((N, cfg.HV, q.shape[-1], v.shape[-1]), cfg.cdt)
     # Rank-varying inside the custom_vjp: each rank returns its own part of the gradient
     # and the cast's transpose (check_vma=True) or shard_map's (check_vma=False) sums them.
     h0 = _vma.vary(initial_state, cp_axis)
-    o, final_part = _cp_op(_backend_for(cfg, backend), cp_axis, q, k, v, g, beta, h0,
+    o, final_part = _cp_op(_backend_for(cfg, backend), cp_axis, fold, q, k, v, g, beta, h0,
                            cu_seqlens)
     return o, lax.psum(final_part, cp_axis)
 

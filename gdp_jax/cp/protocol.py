@@ -152,6 +152,7 @@ class GDPSavedMetadata:
     has_gate: bool
     config: Any                  # gdp_jax.ops.OpConfig (frozen, hashable)
     has_chunk_states: bool = False   # the forward kernel's chunk-state checkpoints saved
+    fold: str = "gather"         # the CP fold that ran: 'gather' (all_gather) or 'scan'
 
     @property
     def num_tensors(self) -> int:
