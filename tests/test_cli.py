@@ -106,11 +106,14 @@ def test_check_bf16_case_within_tolerance_on_xla():
     assert 1e-5 < eo < cli.TOLERANCE["bfloat16"][0]     # bf16 rounding is visible, bounded
 
 
-def test_check_passes_with_cp():
-    r = run_cli("check", "--devices", "2")
+def test_check_passes_with_cp(tmp_path):
+    r = run_cli("check", "--devices", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS: all 8 comparisons" in r.stdout
     assert "[1/8]" in r.stdout and "CP over 2 devices" in r.stdout
+    assert "PASS: all 8 comparisons" in (tmp_path / "check.md").read_text()
+    res = json.loads((tmp_path / "check.json").read_text())
+    assert res["passed"] and len(res["rows"]) == 8 and all(x["ok"] for x in res["rows"])
 
 
 def test_demo_tiny(tmp_path):
