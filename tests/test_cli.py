@@ -106,6 +106,16 @@ def test_check_bf16_case_within_tolerance_on_xla():
     assert 1e-5 < eo < cli.TOLERANCE["bfloat16"][0]     # bf16 rounding is visible, bounded
 
 
+def test_check_backend_cutedsl_fails_clearly_without_kernels(capsys):
+    from gdp_jax import backends
+    ok, why = backends.cutedsl_available()
+    if ok:
+        pytest.skip("the kernels can run here")
+    assert cli.main(["check", "--backend", "cutedsl"]) == 1
+    assert f"FAIL: --backend cutedsl, but cutedsl cannot run here: {why}" in \
+        capsys.readouterr().out
+
+
 def test_check_passes_with_cp(tmp_path):
     r = run_cli("check", "--devices", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
