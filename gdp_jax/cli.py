@@ -161,16 +161,20 @@ def run_check(args) -> int:
     devs = jax.devices()
     ok_cut, why = backends.cutedsl_available()
     auto = backends.resolve("auto")
-    print(f"gdp-jax {gdp_jax.__version__}, jax {jax.__version__}, "
-          f"{len(devs)} x {devs[0].platform} ({devs[0].device_kind})")
-    print(f"backend='auto' resolves to {auto!r}"
-          + ("" if ok_cut else f" (cutedsl unavailable: {why})"), flush=True)
+    header = [f"gdp-jax {gdp_jax.__version__}, jax {jax.__version__}, {len(devs)} x "
+              f"{devs[0].platform} ({devs[0].device_kind}), "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+              f"backend='auto' resolves to {auto!r}"
+              + ("" if ok_cut else f" (cutedsl unavailable: {why})")]
+    print("\n".join(header), flush=True)
     backend = args.backend
     if backend == "auto" and not ok_cut:
         backend = "xla"
     elif backend == "cutedsl" and not ok_cut:
         print(f"FAIL: --backend cutedsl, but cutedsl cannot run here: {why}")
         return 1
+    header.append(f"command: gdp-jax check --backend {args.backend} --devices {args.devices} "
+                  f"--seed {args.seed}")
     plan = _check_plan(backend)
     total = len(plan) + (2 if args.devices > 1 else 0)
     print(f"{total} comparisons against the float64 token recurrence (each compiles "
@@ -190,24 +194,33 @@ def run_check(args) -> int:
               "devices ...", end=" ", flush=True)
         rows += _check_cp(args.devices, args.seed)
         print("done", flush=True)
-    return _report(rows, time.perf_counter() - t0)
+    return _report(rows, time.perf_counter() - t0, header, args.out)
 
 
-def _report(rows, seconds) -> int:
+def _report(rows, seconds, header, out=None) -> int:
+    """Print the table and the PASS/FAIL line (also to ``out``/check.md and check.json)."""
     w = max(len(r[0]) for r in rows)
-    print(f"\n{'case':<{w}}  dtype     backend  out err   grad err  worst          ok")
+    lines = [f"{'case':<{w}}  dtype     backend  out err   grad err  worst          ok"]
     for name, dname, be, eo, eg, worst, ok in rows:
-        print(f"{name:<{w}}  {dname:<8}  {be:<7}  {eo:.1e}   {eg:.1e}   {worst:<13}  "
-              f"{'yes' if ok else 'NO'}")
+        lines.append(f"{name:<{w}}  {dname:<8}  {be:<7}  {eo:.1e}   {eg:.1e}   {worst:<13}  "
+                     f"{'yes' if ok else 'NO'}")
     tol = ", ".join(f"{d} {o:g}/{g:g}" for d, (o, g) in TOLERANCE.items())
-    print(f"\n(relative RMS error against the float64 token recurrence, outputs/gradients; "
-          f"tolerance {tol}; {seconds:.0f} s)")
+    lines += ["", f"(relative RMS error against the float64 token recurrence, outputs/"
+              f"gradients; tolerance {tol}; {seconds:.0f} s)"]
     failures = sum(not r[-1] for r in rows)
-    if failures:
-        print(f"FAIL: {failures} of {len(rows)} comparisons are outside tolerance")
-        return 1
-    print(f"PASS: all {len(rows)} comparisons agree with the reference")
-    return 0
+    lines.append(f"FAIL: {failures} of {len(rows)} comparisons are outside tolerance"
+                 if failures else f"PASS: all {len(rows)} comparisons agree with the reference")
+    print("\n" + "\n".join(lines))
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "check.md"), "w") as f:
+            f.write("\n".join(header + ["", "```"] + lines + ["```", ""]))
+        with open(os.path.join(out, "check.json"), "w") as f:
+            json.dump(dict(header=header, seconds=seconds, passed=not failures, rows=[
+                dict(case=r[0], dtype=r[1], backend=r[2], out_err=r[3], grad_err=r[4],
+                     worst=r[5], ok=r[6]) for r in rows]), f, indent=1)
+        print(f"wrote {out}/check.md and check.json")
+    return 1 if failures else 0
 
 
 def _check_cp(P: int, seed: int):
@@ -463,6 +476,9 @@ def _add_check(sub):
                    help="also check context parallelism over this many devices "
                         "(simulated CPU devices where there are fewer; 1: skip)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    c.add_argument("--out", default=os.environ.get("OUT") or None,
+                   help="also write check.md and check.json to this folder (default: $OUT "
+                        "when set, else nothing; here: %(default)s)")
     c.set_defaults(func=run_check, parser=c)
 
 

@@ -106,11 +106,24 @@ def test_check_bf16_case_within_tolerance_on_xla():
     assert 1e-5 < eo < cli.TOLERANCE["bfloat16"][0]     # bf16 rounding is visible, bounded
 
 
-def test_check_passes_with_cp():
-    r = run_cli("check", "--devices", "2")
+def test_check_backend_cutedsl_fails_clearly_without_kernels(capsys):
+    from gdp_jax import backends
+    ok, why = backends.cutedsl_available()
+    if ok:
+        pytest.skip("the kernels can run here")
+    assert cli.main(["check", "--backend", "cutedsl"]) == 1
+    assert f"FAIL: --backend cutedsl, but cutedsl cannot run here: {why}" in \
+        capsys.readouterr().out
+
+
+def test_check_passes_with_cp(tmp_path):
+    r = run_cli("check", "--devices", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS: all 8 comparisons" in r.stdout
     assert "[1/8]" in r.stdout and "CP over 2 devices" in r.stdout
+    assert "PASS: all 8 comparisons" in (tmp_path / "check.md").read_text()
+    res = json.loads((tmp_path / "check.json").read_text())
+    assert res["passed"] and len(res["rows"]) == 8 and all(x["ok"] for x in res["rows"])
 
 
 def test_demo_tiny(tmp_path):
@@ -128,3 +141,26 @@ def test_demo_tiny(tmp_path):
     assert len(res["results"][0]["acc_per_position"]) == 64
     assert r.stdout.count("context parallel over 2 CPU devices") == 2
     assert "FAIL" not in r.stdout and r.stdout.count(": PASS") == 2
+
+
+def test_check_on_emulated_kernels_runs_bf16_cutedsl_and_auto(monkeypatch, capsys, tmp_path):
+    """What `gdp-jax check` does on an H200, on CPU: the kernels swapped for their pure-JAX
+    contracts (tests/test_cutedsl_emulated.py), cutedsl available. The kernel rows are fed
+    bf16 (the H200 crash: float32 into cutedsl) and pass their tolerances."""
+    import argparse
+    from test_cutedsl_emulated import emulated_kernels  # noqa: F401  (the same swaps)
+    emulated_kernels.__wrapped__(monkeypatch)
+    # The same cases, shorter (CPU time): T = 70, K = V = 64, packed with empty/1-token rows.
+    short = tuple(c[:2] + (70,) + c[3:5] + (64, 64) + c[7:9]
+                  + ((0, 20, 20, 21, 50, 70) if c[9] else None,) + c[10:]
+                  for c in cli.KERNEL_CASES)
+    monkeypatch.setattr(cli, "KERNEL_CASES", short)
+    monkeypatch.setattr(cli, "CHECK_CASES", cli.CHECK_CASES[:1])   # xla: test_check_passes
+    args = argparse.Namespace(backend="auto", devices=1, seed=0, out=str(tmp_path))
+    assert cli.run_check(args) == 0
+    out = capsys.readouterr().out
+    assert f"[{len(cli._check_plan('auto'))}/{len(cli._check_plan('auto'))}]" in out
+    rows = json.loads((tmp_path / "check.json").read_text())["rows"]
+    kern = [r for r in rows if r["backend"] in ("cutedsl", "auto")]
+    assert len(kern) == len(cli.KERNEL_CASES) + 1
+    assert all(r["dtype"] == "bfloat16" and r["ok"] for r in kern), kern
