@@ -8,7 +8,7 @@ over ``--iters`` calls between ``block_until_ready``; the figure is the median p
 time over ``--reps`` such runs, after warm-up. FLA is timed the same way with
 ``torch.cuda.synchronize``. Decode is bound by the state's bytes: one read + one write of
 [B, HV, K, V] float32 (B = 64: 268 MB); the %-of-bound columns use 4.8 TB/s (H200 HBM3e
-nominal) and, for comparison with PERFORMANCE.md, 4.3 TB/s.
+nominal) and, for comparison with earlier notes, 4.3 TB/s (a practical HBM rate).
 
     python benchmarks/bench_step.py --out $OUT [--no-fla] [--iters 200] [--reps 15]
 

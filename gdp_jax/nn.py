@@ -1,6 +1,6 @@
 """Flax NNX ``GatedDeltaProduct`` layer: projections, short convolution, gates, the op, norm.
 
-The layer follows the Gated DeltaProduct mixer of FLA / Megatron-Core (ALGORITHMS.md 4.5)::
+The layer follows the Gated DeltaProduct mixer of FLA / Megatron-Core (docs/ALGORITHMS.md)::
 
     x [B, T, d_model]
       -> in_proj -> q [B,T,H*K], k [B,T,n*H*K], v [B,T,n*HV*V], b [B,T,n*HV], a [B,T,HV], z [B,T,HV*V]

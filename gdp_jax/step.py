@@ -1,4 +1,4 @@
-"""``gated_delta_product_step``: one decoding token of the recurrence (API.md "Decoding").
+"""``gated_delta_product_step``: one decoding token of the recurrence (docs/API.md, "Decoding").
 
 Per row b and value head h (state S [K, V], a = exp(g)):
 
