@@ -195,8 +195,8 @@ _STEP_RANKS = (("q", 3, "[B, H, K]"), ("k", 4, "[B, n, H, K]"), ("v", 4, "[B, n,
 
 
 def check_step_inputs(q, k, v, g, beta, state, *, scale=None, backend="xla") -> OpSpec:
-    """Validate the arguments of ``gated_delta_product_step`` (docs/API.md, "Decoding"): the op's
-    checks on one token (T = 1, N = B), with the step's shapes in every message."""
+    """Validate the arguments of ``gated_delta_product_step`` (docs/API.md, "Decoding"):
+    the op's checks on one token (T = 1, N = B), with the step's shapes in every message."""
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("state", state)):
         if x is None and name == "state":
             raise TypeError("state must be a [B, HV, K, V] float32 array (zeros for a fresh "
