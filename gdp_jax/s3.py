@@ -98,7 +98,9 @@ class S3Model(nnx.Module):
     def __call__(self, tokens, cache=None):
         """tokens [B, T] int32 -> logits [B, T, 6] float32; with ``cache`` (the mixer's
         :meth:`~gdp_jax.nn.GatedDeltaProduct.init_cache`) -> (logits, next cache)."""
-        h = self.embed(tokens)
+        # the table's own dtype (nnx.Embed returns float32 even for a float64 table, which
+        # would run a float64 check of the model in float32)
+        h = jnp.take(self.embed.embedding[...], tokens, axis=0)
         mixed = self.mixer(_rms(h), cache=cache) if cache is not None else self.mixer(_rms(h))
         if cache is not None:
             mixed, cache = mixed
