@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import gdp_jax
 from gdp_jax import cp as gcp
-from _util import make_inputs, random_lengths, rel_max, rel_rms
+from gdp_jax.testing import make_inputs, random_lengths, rel_max, rel_rms
 
 OP = gdp_jax.gated_delta_product
 REF = gdp_jax.gated_delta_product_reference

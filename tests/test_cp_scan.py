@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import gdp_jax
 from gdp_jax.cp import driver, fold, protocol
-from _util import make_inputs, rel_max
+from gdp_jax.testing import make_inputs, rel_max
 
 AXIS = "cp"
 F64_TOL = 1e-10

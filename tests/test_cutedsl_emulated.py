@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from gdp_jax import _checks, backends, chunked
-from gdp_jax.kernels import bwd, emulate, fwd, inverse
-from _util import loss_and_grads, make_inputs, rel_max
+from gdp_jax import chunked, testing
+from gdp_jax.kernels import bwd, fwd, inverse
+from gdp_jax.testing import loss_and_grads, make_inputs, rel_max
 import test_cp as tcp
 
 OP = gdp_jax.gated_delta_product
@@ -27,14 +27,10 @@ TOL = 1e-10
 
 
 @pytest.fixture(autouse=True)
-def emulated_kernels(monkeypatch):
+def emulated_kernels():
     # the raw custom calls: the vmap rule around them stays in the test
-    monkeypatch.setattr(fwd, "kernel_call", emulate.chunk_kernel_call)
-    monkeypatch.setattr(bwd, "kernel_call", emulate.dh_kernel_call)
-    monkeypatch.setattr(inverse, "kernel_call", emulate.inverse_kernel_call)
-    monkeypatch.setattr(fwd, "unsupported_reason", lambda **kw: None)
-    monkeypatch.setattr(_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES)
-    monkeypatch.setattr(backends, "cutedsl_available", lambda *a, **k: (True, "emulated"))
+    with testing.emulated_kernels():
+        yield
 
 
 def _compare(inp, cu=None, **kw):
@@ -206,19 +202,29 @@ def test_vmap_forward_and_grad(packed):
 
 def test_kernel_inverse_wrapper_matches_xla():
     """kernels.inverse (emulated kernel): value, closed-form vjp and vmap equal the XLA
-    inverse's; junk above the diagonal is ignored."""
+    inverse's, and both equal LAPACK's inverse and the analytic vjp (independent of the
+    blocked inverse that the emulation and chunked share); junk above the diagonal is
+    ignored."""
     key = jax.random.PRNGKey(3)
     A = jnp.tril(jax.random.uniform(key, (2, 3, 64, 64), jnp.float64, -1.0, 1.0), -1)
     junk = A + jnp.triu(jnp.ones((64, 64)), 0) * 7.0
     X = chunked.unit_lower_inverse(A)
+    eye = np.eye(64)
+    X_np = np.linalg.inv(eye + np.asarray(A))                 # LAPACK, on the host
+    np.testing.assert_allclose(X, X_np, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(inverse.unit_lower_inverse(junk), X_np, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(inverse.unit_lower_inverse(junk), X, rtol=1e-12, atol=1e-12)
-    eye = jnp.eye(64)
-    np.testing.assert_allclose((eye + A) @ X, jnp.broadcast_to(eye, X.shape), atol=1e-9)
     W = jax.random.normal(jax.random.PRNGKey(4), A.shape, jnp.float64)
     loss = lambda inv: lambda a: jnp.sum(jnp.sin(inv(a)) * W)
-    np.testing.assert_allclose(jax.grad(loss(inverse.unit_lower_inverse))(A),
-                               jax.grad(loss(chunked.unit_lower_inverse))(A), rtol=1e-10,
-                               atol=1e-10)
+    # d/dA of sum(sin(X) W) with X = (I + A)^-1: -X^T G X^T, G = cos(X) W, kept strictly
+    # lower (A's upper part is not an input of the inverse).
+    G = np.cos(X_np) * np.asarray(W)
+    Xt = np.swapaxes(X_np, -1, -2)
+    dA = np.tril(-(Xt @ G @ Xt), -1)
+    grad_kernel = jax.grad(loss(inverse.unit_lower_inverse))(A)
+    np.testing.assert_allclose(np.tril(grad_kernel, -1), dA, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(grad_kernel, jax.grad(loss(chunked.unit_lower_inverse))(A),
+                               rtol=1e-10, atol=1e-10)
     vm = jax.vmap(inverse.unit_lower_inverse, in_axes=1, out_axes=1)(A)
     np.testing.assert_allclose(vm, X, rtol=1e-12, atol=1e-12)
     # vmap of a function where only another argument is mapped (the inverse is unbatched)
@@ -233,7 +239,7 @@ def test_16bit_inputs_match_reference(dtype, mm, monkeypatch):
     """bf16/fp16 inputs through the whole cutedsl pipeline (emulated kernels): bf16/float32
     checkpoints, the kernel inverse's glue, and the optional bf16 matmul operands of the
     XLA parts (fwd.MATMUL_DTYPE), vs the float64 reference at FLA's 16-bit tolerance."""
-    from _util import DIFF_NAMES, rel_rms, upcast
+    from gdp_jax.testing import DIFF_NAMES, rel_rms, upcast
     monkeypatch.setattr(fwd, "MATMUL_DTYPE", mm)
     inp = make_inputs(12, 2, 150, 2, 2, 4, 32, 16, dtype, gate="normal")
     cu = None

@@ -41,12 +41,7 @@ if not _gpu_ok():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
 from gdp_jax import backends, gated_delta_product, gated_delta_product_reference  # noqa: E402
-
-
-def rel_rms(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
+from gdp_jax.testing import rel_rms  # noqa: E402
 
 
 def make(seed, B, T, n, H, HV, K, V, dtype, *, gate=True, N=None, h0=True):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gdp_jax
+from gdp_jax import backends
 
 OP = gdp_jax.gated_delta_product
 REF = gdp_jax.gated_delta_product_reference
@@ -221,8 +222,9 @@ def test_unknown_backend(backend):
     _raises(ValueError, r"\bbackend\b", backend=backend)
 
 
+@pytest.mark.skipif(backends.cutedsl_available()[0],
+                    reason="an sm_90 GPU with the CuTe DSL kernels is present: cutedsl runs")
 def test_cutedsl_on_cpu_raises_never_falls_back():
-    assert jax.devices()[0].platform == "cpu"
     _raises(ValueError, r"\bbackend\b", r"cutedsl", backend="cutedsl")
     # also for otherwise perfectly valid half-precision inputs
     _raises(ValueError, r"\bbackend\b", r"cutedsl", args=_args(dtype=jnp.bfloat16),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import gdp_jax
-from _util import make_inputs, rel_max
+from gdp_jax.testing import make_inputs, rel_max
 
 OP = gdp_jax.gated_delta_product
 B, T, n, H, HV, K, V = 1, 37, 2, 1, 2, 8, 12

@@ -9,6 +9,7 @@ nnx = pytest.importorskip("flax.nnx", reason="install the 'nn' extra (flax)")
 
 import gdp_jax  # noqa: E402
 from gdp_jax.nn import GatedDeltaProduct, causal_conv1d  # noqa: E402
+from gdp_jax.testing import rel_max  # noqa: E402
 
 F64 = jnp.float64
 D = 16
@@ -34,9 +35,7 @@ def fwd(layer, x, cu=None):
     return f(state, x, cu)
 
 
-def rel(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-300))
+rel = rel_max      # max |a - b| / max |b|
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(use_forget_gate=False, allow_neg_eigval=False),

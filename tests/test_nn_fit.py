@@ -14,6 +14,7 @@ from gdp_jax import backends  # noqa: E402
 from gdp_jax.fla_weights import fla_layer_kwargs, load_fla_weights  # noqa: E402
 from gdp_jax.nn import GatedDeltaProduct  # noqa: E402
 from gdp_jax.packing import cu_seqlens_from_mask, cu_seqlens_from_segment_ids  # noqa: E402
+from gdp_jax.testing import rel_max  # noqa: E402
 
 F64 = jnp.float64
 D = 16
@@ -25,9 +26,7 @@ def layer(**kw):
     return GatedDeltaProduct(D, args.pop("num_heads", 2), rngs=nnx.Rngs(0), **args)
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / (np.abs(b).max() + 1e-300))
+rel = rel_max      # max |a - b| / max |b|
 
 
 def call(m, x, *args, **kw):

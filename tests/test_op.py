@@ -1,7 +1,7 @@
 """The xla op against the token-by-token reference: outputs, final states, all gradients.
 
 Compilation dominates the run time on CPU, so each shape case compiles the op and the
-reference once (``_util.loss_and_grads`` caches the jitted functions) and then reuses
+reference once (``gdp_jax.testing.loss_and_grads`` caches the jitted functions) and then reuses
 them for several value sets (normal and strong gates, the no-NaN extremes).
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from _util import (Inputs, default_weights, loss_and_grads, make_inputs, rel_max, rel_rms,
-                   upcast)
+from gdp_jax.testing import (Inputs, default_weights, loss_and_grads, make_inputs, rel_max,
+                             rel_rms, upcast)
 
 OP = gdp_jax.gated_delta_product
 REF = gdp_jax.gated_delta_product_reference

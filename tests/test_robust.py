@@ -25,9 +25,9 @@ from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
 import gdp_jax
-from gdp_jax import _checks, backends
-from gdp_jax.kernels import bwd, emulate, fwd, inverse
-from _util import make_inputs, rel_max
+from gdp_jax import testing
+from gdp_jax.kernels import inverse
+from gdp_jax.testing import make_inputs, rel_max
 import test_cp as tcp
 
 OP = gdp_jax.gated_delta_product
@@ -255,15 +255,11 @@ def test_nonfinite_input_is_causal(name, t0, value, packed):
 
 
 @pytest.fixture
-def emulated_kernels(monkeypatch):
+def emulated_kernels():
     """The cutedsl pipeline on CPU with its kernels emulated (plain matmuls, like the
     kernels' MMAs: a non-finite later row would reach earlier ones without the glue)."""
-    monkeypatch.setattr(fwd, "kernel_call", emulate.chunk_kernel_call)
-    monkeypatch.setattr(bwd, "kernel_call", emulate.dh_kernel_call)
-    monkeypatch.setattr(inverse, "kernel_call", emulate.inverse_kernel_call)
-    monkeypatch.setattr(fwd, "unsupported_reason", lambda **kw: None)
-    monkeypatch.setattr(_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES)
-    monkeypatch.setattr(backends, "cutedsl_available", lambda *a, **k: (True, "emulated"))
+    with testing.emulated_kernels():
+        yield
 
 
 @pytest.mark.parametrize("name", FIELDS)

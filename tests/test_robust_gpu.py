@@ -42,6 +42,7 @@ if __name__ != "__main__" and not _gpu_ok():
 
 from gdp_jax import gated_delta_product as OP  # noqa: E402
 from gdp_jax import gated_delta_product_reference as REF  # noqa: E402
+from gdp_jax.testing import rel_rms  # noqa: E402
 
 FIELDS = ("q", "k", "v", "g", "beta")
 
@@ -57,11 +58,6 @@ def record(name, ok, **numbers):
             f.write(json.dumps({"name": name, "ok": bool(ok), **{k: str(v) for k, v in
                                                                  numbers.items()}}) + "\n")
     return ok
-
-
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
 
 
 def make(seed, B, T, n, H, HV, K, V, dtype, N=None):

@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from gdp_jax import _checks, backends
-from gdp_jax.kernels import emulate
-from gdp_jax.kernels import step as kernel_step
-from _util import make_inputs, rel_max
+from gdp_jax import backends, testing
+from gdp_jax.testing import make_inputs, rel_max
 
 STEP = gdp_jax.gated_delta_product_step
 OP = gdp_jax.gated_delta_product
@@ -23,11 +21,9 @@ TOL = 1e-10
 
 
 @pytest.fixture
-def emulated_step(monkeypatch):
-    monkeypatch.setattr(kernel_step, "kernel_call", emulate.step_kernel_call)
-    monkeypatch.setattr(_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES)
-    monkeypatch.setattr(backends, "step_available", lambda *a, **k: (True, "emulated"))
-    monkeypatch.setattr(backends, "cutedsl_available", lambda *a, **k: (True, "emulated"))
+def emulated_step():
+    with testing.emulated_step_kernel():
+        yield
 
 
 def _token(inp, t):
@@ -201,7 +197,7 @@ def test_scale_and_backend_errors():
 
 @pytest.mark.parametrize("backend", ["xla", "cutedsl"])
 def test_op_one_token_equals_reference_with_grads(backend, request):
-    from _util import loss_and_grads
+    from gdp_jax.testing import loss_and_grads
     if backend == "cutedsl":
         request.getfixturevalue("emulated_step")
     for init in (True, False):

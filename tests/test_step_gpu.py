@@ -28,14 +28,10 @@ if not _gpu_ok():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
 import gdp_jax  # noqa: E402
+from gdp_jax.testing import rel_rms  # noqa: E402
 
 REF = gdp_jax.gated_delta_product_reference
 ROWS = 2          # rows compared against the float64 reference (rows are independent)
-
-
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
 
 
 def make(seed, B, T, n, H, HV, K, V, dtype, gate=True):
