@@ -39,6 +39,15 @@ class Inputs(NamedTuple):
     initial_state: Optional[jax.Array]  # [N, HV, K, V] or None
 
 
+def sm90_gpu_present() -> bool:
+    """Is JAX's default device an sm_90 (Hopper) GPU? (The GPU test files skip otherwise.)"""
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")) == "9.0"
+
+
 def _rng(key) -> np.random.Generator:
     """Seeds are plain ints (numpy RNG: no per-shape XLA compilation for the inputs)."""
     if isinstance(key, np.random.Generator):

@@ -29,12 +29,7 @@ pytestmark = pytest.mark.gpu
 TOL = 5e-3
 
 
-def _gpu_ok():
-    try:
-        d = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")) == "9.0"
+from gdp_jax.testing import sm90_gpu_present as _gpu_ok  # noqa: E402
 
 
 if not _gpu_ok():

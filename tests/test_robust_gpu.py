@@ -29,12 +29,7 @@ OUT_ENV = "GDP_ROBUST_GPU_OUT"
 TOL = 5e-3           # FLA-style relative RMS vs the float64 reference (test_cutedsl_gpu.py)
 
 
-def _gpu_ok():
-    try:
-        d = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")) == "9.0"
+from gdp_jax.testing import sm90_gpu_present as _gpu_ok  # noqa: E402
 
 
 if __name__ != "__main__" and not _gpu_ok():
