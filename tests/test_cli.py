@@ -148,19 +148,19 @@ def test_check_on_emulated_kernels_runs_bf16_cutedsl_and_auto(monkeypatch, capsy
     contracts (tests/test_cutedsl_emulated.py), cutedsl available. The kernel rows are fed
     bf16 (the H200 crash: float32 into cutedsl) and pass their tolerances."""
     import argparse
-    from test_cutedsl_emulated import emulated_kernels  # noqa: F401  (the same swaps)
-    emulated_kernels.__wrapped__(monkeypatch)
-    # The same cases, shorter (CPU time): T = 70, K = V = 64, packed with empty/1-token rows.
-    short = tuple(c[:2] + (70,) + c[3:5] + (64, 64) + c[7:9]
-                  + ((0, 20, 20, 21, 50, 70) if c[9] else None,) + c[10:]
-                  for c in cli.KERNEL_CASES)
-    monkeypatch.setattr(cli, "KERNEL_CASES", short)
-    monkeypatch.setattr(cli, "CHECK_CASES", cli.CHECK_CASES[:1])   # xla: test_check_passes
-    args = argparse.Namespace(backend="auto", devices=1, seed=0, out=str(tmp_path))
-    assert cli.run_check(args) == 0
-    out = capsys.readouterr().out
-    assert f"[{len(cli._check_plan('auto'))}/{len(cli._check_plan('auto'))}]" in out
-    rows = json.loads((tmp_path / "check.json").read_text())["rows"]
-    kern = [r for r in rows if r["backend"] in ("cutedsl", "auto")]
-    assert len(kern) == len(cli.KERNEL_CASES) + 1
-    assert all(r["dtype"] == "bfloat16" and r["ok"] for r in kern), kern
+    from gdp_jax import testing
+    with testing.emulated_kernels():          # the same swaps as the emulated tests
+        # The same cases, shorter (CPU time): T = 70, K = V = 64, packed with empty/1-token rows.
+        short = tuple(c[:2] + (70,) + c[3:5] + (64, 64) + c[7:9]
+                      + ((0, 20, 20, 21, 50, 70) if c[9] else None,) + c[10:]
+                      for c in cli.KERNEL_CASES)
+        monkeypatch.setattr(cli, "KERNEL_CASES", short)
+        monkeypatch.setattr(cli, "CHECK_CASES", cli.CHECK_CASES[:1])   # xla: test_check_passes
+        args = argparse.Namespace(backend="auto", devices=1, seed=0, out=str(tmp_path))
+        assert cli.run_check(args) == 0
+        out = capsys.readouterr().out
+        assert f"[{len(cli._check_plan('auto'))}/{len(cli._check_plan('auto'))}]" in out
+        rows = json.loads((tmp_path / "check.json").read_text())["rows"]
+        kern = [r for r in rows if r["backend"] in ("cutedsl", "auto")]
+        assert len(kern) == len(cli.KERNEL_CASES) + 1
+        assert all(r["dtype"] == "bfloat16" and r["ok"] for r in kern), kern
