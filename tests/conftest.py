@@ -12,6 +12,19 @@ for _flag in _FLAGS:
         _xla_flags += " " + _flag
 os.environ["XLA_FLAGS"] = _xla_flags.strip()
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. XLA's CPU client maps memory for
+    each loaded executable (test_cp.py alone reaches ~16k mappings); the whole suite in one
+    process passed vm.max_map_count (65530) and segfaulted inside an XLA compile."""
+    yield
+    jax.clear_caches()
+    gc.collect()
