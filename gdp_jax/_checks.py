@@ -5,7 +5,6 @@ dtype/type) naming the argument, what it got and what was expected.
 """
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import Optional
 
@@ -13,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdp_jax.spec import MAX_RECOMPUTE_CHUNK_NUM, CallSpec
+
 BACKENDS = ("auto", "xla", "cutedsl")
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
-CUTEDSL_INPUT_DTYPES = INPUT_DTYPES[:3]     # no float64 tensor cores
 STATE_DTYPES = (jnp.float32, jnp.float64)
-MAX_RECOMPUTE_CHUNK_NUM = 64
 
 
 MAX_INT32 = 2 ** 31 - 1
@@ -56,29 +55,9 @@ def check_sizes(B, T, n, N, cp_size: int = 1, C: int = 64):
                          f"grid needs {steps} steps per row and {B * T_global} tokens; "
                          f"expected both <= 2**31 - 1 (32-bit offsets)")
 # The xla backend has no tile limits; this bound only keeps the [K, V] state and the
-# per-chunk K x K transition of context parallelism a sensible size.
-MAX_HEAD_DIM = {"xla": 1024, "cutedsl": 256}
-
-
-@dataclasses.dataclass(frozen=True)
-class OpSpec:
-    """Static facts about one call, derived from the shapes."""
-    B: int
-    T: int
-    n: int
-    H: int
-    HV: int
-    K: int
-    V: int
-    N: int                      # number of sequences: B, or len(cu_seqlens) - 1
-    scale: float
-    compute_dtype: object       # float32, or float64 when q is float64
-    has_gate: bool
-    packed: bool
-
-    @property
-    def state_dtype(self):
-        return self.compute_dtype
+# per-chunk K x K transition of context parallelism a sensible size. The kernels' own
+# limits are their ``can_implement`` (gdp_jax.kernels), applied by backend selection.
+MAX_HEAD_DIM = 1024
 
 
 def _shape(x):
@@ -106,8 +85,9 @@ def _require_shape(name, x, expected, what):
 
 
 def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
-                 backend="xla", cp_size: int = 1) -> OpSpec:
-    """Validate the op's arguments (docs/API.md) and return the derived :class:`OpSpec`.
+                 backend="xla", cp_size: int = 1, use_qk_l2norm: bool = False,
+                 recompute_chunk_num=None) -> CallSpec:
+    """Validate the op's arguments (docs/API.md) and return the derived :class:`CallSpec`.
 
     Under context parallelism the shapes are the LOCAL shard's (T = T_global / cp_size)
     while ``cu_seqlens`` holds GLOBAL offsets (ending at T * cp_size).
@@ -135,17 +115,15 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
         raise ValueError(f"v has {HV} value heads (shape {_shape(v)}); expected a multiple "
                          f"of the {H} key heads of q")
     _require_shape("beta", beta, (B, T, n, HV), "[B, T, n, HV]")
-    max_dim = MAX_HEAD_DIM["cutedsl" if backend == "cutedsl" else "xla"]
-    if K > max_dim or V > max_dim:
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
-                         f"{_shape(v)}) exceed the {backend} backend's maximum of {max_dim}")
-    allowed = INPUT_DTYPES if backend != "cutedsl" else CUTEDSL_INPUT_DTYPES
-    _require_float("q", q, allowed)
+                         f"{_shape(v)}) exceed the maximum of {MAX_HEAD_DIM}")
+    _require_float("q", q, INPUT_DTYPES)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {_dtype_name(x)}; expected q's dtype "
                             f"{_dtype_name(q)}")
-    _require_float("beta", beta, allowed)
+    _require_float("beta", beta, INPUT_DTYPES)
     if g is not None:
         _require_array("g", g)
         _require_shape("g", g, (B, T, HV), "[B, T, HV]: one log-decay per token and value head")
@@ -173,9 +151,13 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
                        "[N, HV, K, V], N = B or the number of packed sequences")
         _require_float("initial_state", initial_state, STATE_DTYPES)
 
-    cdt = jnp.float64 if jnp.dtype(q.dtype) == jnp.float64 else jnp.float32
-    return OpSpec(B=B, T=T, n=n, H=H, HV=HV, K=K, V=V, N=N, scale=check_scale(scale, K),
-                  compute_dtype=cdt, has_gate=g is not None, packed=packed)
+    cdt = "float64" if jnp.dtype(q.dtype) == jnp.float64 else "float32"
+    recompute = 0 if recompute_chunk_num is None else check_recompute_chunk_num(
+        recompute_chunk_num)
+    return CallSpec(B=B, T=T, n=n, H=H, HV=HV, K=K, V=V, N=N, scale=check_scale(scale, K),
+                    input_dtype=_dtype_name(q), compute_dtype=cdt, has_gate=g is not None,
+                    packed=packed, use_qk_l2norm=bool(use_qk_l2norm),
+                    recompute_chunk_num=recompute)
 
 
 def check_scale(scale, K: int) -> float:
@@ -194,7 +176,8 @@ _STEP_RANKS = (("q", 3, "[B, H, K]"), ("k", 4, "[B, n, H, K]"), ("v", 4, "[B, n,
                ("beta", 3, "[B, n, HV]"), ("state", 4, "[B, HV, K, V]"))
 
 
-def check_step_inputs(q, k, v, g, beta, state, *, scale=None, backend="xla") -> OpSpec:
+def check_step_inputs(q, k, v, g, beta, state, *, scale=None, backend="xla",
+                      use_qk_l2norm: bool = False) -> CallSpec:
     """Validate the arguments of ``gated_delta_product_step`` (docs/API.md, "Decoding"):
     the op's checks on one token (T = 1, N = B), with the step's shapes in every message."""
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("state", state)):
@@ -222,7 +205,7 @@ def check_step_inputs(q, k, v, g, beta, state, *, scale=None, backend="xla") -> 
     _require_float("state", state, STATE_DTYPES)
     add_t = lambda x: None if x is None else x[:, None]
     return check_inputs(add_t(q), add_t(k), add_t(v), add_t(g), add_t(beta), scale=scale,
-                        initial_state=state, backend=backend)
+                        initial_state=state, backend=backend, use_qk_l2norm=use_qk_l2norm)
 
 
 def _check_concrete_offsets(cu_seqlens, T):

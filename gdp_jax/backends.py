@@ -21,25 +21,31 @@ def _device_reason() -> tuple[bool, str]:
     if str(cc) != "9.0":
         return False, f"GPU compute capability {cc} is not sm_90"
     # Only now (an sm_90 GPU is present) pay for importing the CuTe DSL.
-    from gdp_jax.kernels import fwd
-    return fwd.cutlass_importable()
+    from gdp_jax.kernels import binding
+    return binding.cutlass_importable()
 
 
-def cutedsl_available(spec=None, dtype=None) -> tuple[bool, str]:
+def engine(backend: str):
+    """The engine of a resolved backend name ("xla" or "cutedsl")."""
+    if backend == "cutedsl":
+        from gdp_jax.kernels.pipeline import CUTEDSL
+        return CUTEDSL
+    from gdp_jax.engine import XLA
+    return XLA
+
+
+def cutedsl_available(spec=None) -> tuple[bool, str]:
     """(ok, reason): can the cutedsl backend run in this process (for this call)?
 
-    ``spec`` (a ``_checks.OpSpec``) and ``dtype`` (the inputs' dtype), when given, also
-    check the kernels' limits (16-bit inputs, K and V in {64, 128}).
+    ``spec`` (a :class:`gdp_jax.spec.CallSpec`), when given, is held against the kernels'
+    limits first (their ``can_implement``; no CuTe DSL import needed), then the device.
     """
-    ok, reason = _device_reason()
-    if not ok or spec is None:
-        return ok, reason
-    from gdp_jax import chunked
-    from gdp_jax.kernels import fwd
-    NC = chunked.num_chunks(spec.n * spec.T, spec.N, spec.packed)
-    why = fwd.unsupported_reason(K=spec.K, V=spec.V, dtype=dtype if dtype is not None
-                                 else spec.compute_dtype, B=spec.B, NC=NC, HV=spec.HV)
-    return (False, why) if why else (True, "ok")
+    if spec is not None:
+        from gdp_jax.kernels.pipeline import CuTeDSLEngine
+        why = CuTeDSLEngine.can_implement(spec)
+        if why:
+            return False, why
+    return _device_reason()
 
 
 def _default_platform() -> str:
@@ -49,15 +55,15 @@ def _default_platform() -> str:
         return "none"
 
 
-def step_available(spec, dtype) -> tuple[bool, str]:
-    """(ok, reason): can the cutedsl decoding step run this call (``spec``: a
-    ``_checks.OpSpec`` of one token, ``dtype``: the inputs' dtype)?"""
-    ok, reason = _device_reason()
-    if not ok:
-        return ok, reason
-    from gdp_jax.kernels import step
-    why = step.unsupported_reason(B=spec.B, HV=spec.HV, K=spec.K, V=spec.V, dtype=dtype)
-    return (False, why) if why else (True, "ok")
+def step_available(spec) -> tuple[bool, str]:
+    """(ok, reason): can the cutedsl decoding step run this call (``spec``: the
+    :class:`gdp_jax.spec.CallSpec` of one token)?"""
+    from gdp_jax.kernels.step import StepKernel
+    why = StepKernel.can_implement(dtype=spec.ab_dtype, B=spec.B, HV=spec.HV, K=spec.K,
+                                   V=spec.V)
+    if why:
+        return False, why
+    return _device_reason()
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,18 +74,18 @@ def _log_choice(choice: str, reason: str):
     log.log(level, "gdp_jax backend=auto picked %s (%s)", choice, reason)
 
 
-def resolve(backend: str, spec=None, dtype=None, cp: bool = False, available=None) -> str:
+def resolve(backend: str, spec=None, cp: bool = False, available=None) -> str:
     """Map "auto" to a concrete backend; raise ValueError where "cutedsl" cannot run.
 
     ``cp``: the call is context-parallel; "auto" then stays on xla (cutedsl under CP passes
     the GPU tests on 1 and 2 H200s but its summaries still run on xla and it has not been
     benchmarked against the xla CP path); pass backend="cutedsl" to use it.
-    ``available(spec, dtype) -> (ok, reason)``: which kernels the call needs
+    ``available(spec) -> (ok, reason)``: which kernels the call needs
     (default :func:`cutedsl_available`, the op's; :func:`step_available` for the step).
     """
     if backend == "xla":
         return "xla"
-    ok, reason = (available or cutedsl_available)(spec, dtype)
+    ok, reason = (available or cutedsl_available)(spec)
     if backend == "cutedsl":
         if not ok:
             raise ValueError(f"backend='cutedsl' cannot run here: {reason}")

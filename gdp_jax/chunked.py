@@ -1,15 +1,8 @@
-"""Chunkwise (WY) Gated DeltaProduct in plain jax.numpy: the ``xla`` backend's engine.
+"""Chunkwise (WY) Gated DeltaProduct in plain jax.numpy: the math of the ``xla`` engine.
 
-GDP with n Householder steps is the gated delta rule (GDN) on the interleaved sequence of
-L = n*T steps (docs/ALGORITHMS.md 1): step r = t*n + j carries key k[t, j], value v[t, j],
-step size beta[t, j]; the gate g[t] sits on sub-step j = 0 and the query q[t] on j = n-1.
-
-That sequence is cut into chunks of C = 64 steps on a static grid. Packed sequences are
-laid out so that every chunk belongs to ONE sequence (each sequence starts a new chunk and
-its tail chunk is padded with identity steps k = v = beta = g = 0); a chunk flagged
-``reset`` starts from its sequence's initial state instead of the previous chunk's end
-state. No -inf arithmetic is involved. Per chunk, with G the chunk-local cumsum of the
-gate, gam_i = exp(G_i), Gam_ij = exp(G_i - G_j) (i >= j) and S0 the chunk's start state:
+Works on the chunk grid of :mod:`gdp_jax.grid` (chunk tensors [B, NC, HV, C, X]). Per
+chunk, with G the chunk-local cumsum of the gate, gam_i = exp(G_i),
+Gam_ij = exp(G_i - G_j) (i >= j) and S0 the chunk's start state:
 
     (I + A) W = diag(beta gam) K,  (I + A) U = diag(beta) V,  A = tril(diag(beta) K K^T * Gam, -1)
     Delta = U - W S0                                    # the pseudo-values beta (v - S^T k)
@@ -21,167 +14,15 @@ on all chunks at once. Shapes inside: chunk tensors are [B, NC, HV, C, X].
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _vma
-from gdp_jax.reference import l2_normalize
-
-CHUNK = 64
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Contiguous:
-    """``src`` / ``out_slot`` of a batched (not packed) layout: row r of the chunk grid is
-    interleaved step r (n T of them, then padding), token t reads out at step n t + n - 1.
-    A static marker, so relayouts are pad/reshape/slice (no gather, and no scatter in the
-    backward, which XLA runs far slower on the GPU)."""
-    n: int
-    T: int
-
-
-class ChunkLayout(NamedTuple):
-    """Where each chunk row comes from and how chunks chain (int32/bool arrays).
-
-    src:          [B, NC*C] index into the interleaved step axis, -1 for padding rows
-                  (a :class:`Contiguous` marker for batched layouts).
-    reset:        [B, NC] chunk starts a sequence (start from its initial state).
-    seq_of_chunk: [B, NC] sequence (index into initial/final states) of each chunk.
-    is_last:      [B, NC] chunk is the last one of its sequence.
-    first_chunk:  [N] flat chunk index (b*NC + c) of each sequence's first chunk.
-    last_chunk:   [N] flat chunk index of each sequence's last chunk.
-    seq_len:      [N] tokens per sequence (0 allowed).
-    out_slot:     [B, T] flat row (c*C + i) holding token t's readout (sub-step n-1)
-                  (the :class:`Contiguous` marker for batched layouts).
-    """
-    src: jax.Array
-    reset: jax.Array
-    seq_of_chunk: jax.Array
-    is_last: jax.Array
-    first_chunk: jax.Array
-    last_chunk: jax.Array
-    seq_len: jax.Array
-    out_slot: jax.Array
-
-
-class ChunkInputs(NamedTuple):
-    """Per-chunk operands in the compute dtype, [B, NC, HV, C, X]; g and beta [B, NC, HV, C]."""
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    g: jax.Array
-    beta: jax.Array
-
-
-def num_chunks(L: int, N: int, packed: bool, C: int = CHUNK) -> int:
-    """Static chunk count: ceil(L/C) per row, plus at most one partial chunk per sequence."""
-    if not packed:
-        return -(-L // C)
-    return (L + N * (C - 1)) // C
-
-
-def make_layout(B, T, n, cu_seqlens: Optional[jax.Array], C: int = CHUNK) -> ChunkLayout:
-    """Chunk grid for B rows of T tokens (or one row of packed sequences at ``cu_seqlens``)."""
-    L = n * T
-    if cu_seqlens is None:
-        NC = num_chunks(L, B, False, C)
-        c = jnp.arange(NC)
-        reset = jnp.broadcast_to(c == 0, (B, NC))
-        seq_of_chunk = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC))
-        is_last = jnp.broadcast_to(c == NC - 1, (B, NC))
-        b = jnp.arange(B, dtype=jnp.int32)
-        flat = Contiguous(n, T)
-        return ChunkLayout(flat, reset, seq_of_chunk, is_last, b * NC, b * NC + NC - 1,
-                           jnp.full((B,), T, jnp.int32), flat)
-
-    cu = cu_seqlens.astype(jnp.int32)
-    N = cu.shape[0] - 1
-    NC = num_chunks(L, N, True, C)
-    seq_len = cu[1:] - cu[:-1]                                   # [N] tokens
-    steps = n * seq_len                                          # [N] interleaved steps
-    nchunks = (steps + C - 1) // C
-    chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(nchunks)[:-1]])
-    c = jnp.arange(NC, dtype=jnp.int32)
-    # Ties (zero-length sequences share a start) resolve to the later, non-empty one.
-    s = jnp.clip(jnp.searchsorted(chunk_start, c, side="right") - 1, 0, N - 1).astype(jnp.int32)
-    reset = (c == chunk_start[s]) & (steps[s] > 0)
-    is_last = (c == chunk_start[s] + nchunks[s] - 1) & (steps[s] > 0)
-    rows = jnp.arange(NC * C, dtype=jnp.int32)
-    rs = s[rows // C]
-    pos = (rows // C - chunk_start[rs]) * C + rows % C           # step within the sequence
-    src = jnp.where(pos < steps[rs], n * cu[rs] + pos, -1)
-    t = jnp.arange(T, dtype=jnp.int32)
-    ts = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, N - 1)
-    out_slot = chunk_start[ts] * C + n * (t - cu[ts]) + n - 1
-    last_chunk = jnp.maximum(chunk_start + nchunks - 1, 0)
-    return ChunkLayout(src[None], reset[None], s[None], is_last[None], chunk_start,
-                       last_chunk, seq_len, out_slot[None])
-
-
-def to_chunks(layout: ChunkLayout, x: jax.Array, C: int = CHUNK) -> jax.Array:
-    """[B, L, HV, ...] interleaved steps -> [B, NC, HV, C, ...] (padding rows are zero)."""
-    B = x.shape[0]
-    src = layout.src
-    if isinstance(src, Contiguous):
-        NC = layout.reset.shape[1]
-        pad = [(0, 0), (0, NC * C - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-        y = jnp.pad(x, pad).reshape((B, NC, C) + x.shape[2:])
-        return jnp.moveaxis(y, 2, 3)
-    idx = jnp.clip(src, 0, x.shape[1] - 1)
-    y = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
-    y = jnp.where((src >= 0).reshape(src.shape + (1,) * (x.ndim - 2)), y, 0)
-    NC = src.shape[1] // C
-    y = y.reshape((B, NC, C) + x.shape[2:])
-    return jnp.moveaxis(y, 2, 3)                                  # rows after the head axis
-
-
-def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
-    """Readout rows: [B, NC, HV, C, V] -> [B, T, HV, V] at each token's last sub-step."""
-    B, NC, HV, C, V = y.shape
-    flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * C, HV, V)
-    if isinstance(layout.out_slot, Contiguous):
-        n, T = layout.out_slot.n, layout.out_slot.T
-        return flat[:, :n * T].reshape(B, T, n, HV, V)[:, :, n - 1]
-    return jnp.take_along_axis(flat, layout.out_slot[:, :, None, None], axis=1)
-
-
-def interleave(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
-    """API tensors -> interleaved step tensors [B, L, HV, ...] in the compute dtype.
-
-    q: [B, T, H, K] (placed on sub-step n-1, zero elsewhere); k: [B, T, n, H, K];
-    v: [B, T, n, HV, V]; g: [B, T, HV] or None (placed on sub-step 0); beta: [B, T, n, HV].
-    Key heads are repeated to the HV value heads (GVA); autodiff sums them back.
-    """
-    B, T, n = k.shape[:3]
-    cdt = compute_dtype
-    qf, kf = q.astype(cdt), k.astype(cdt)
-    if use_qk_l2norm:
-        qf, kf = l2_normalize(qf), l2_normalize(kf)
-    group = HV // H
-    qf = jnp.repeat(qf, group, axis=2)
-    kf = jnp.repeat(kf, group, axis=3)
-    zeros_q = jnp.zeros((B, T, n - 1) + qf.shape[2:], cdt)
-    q_il = jnp.concatenate([zeros_q, qf[:, :, None]], axis=2)
-    gf = jnp.zeros((B, T, HV), cdt) if g is None else g.astype(cdt)
-    zeros_g = jnp.zeros((B, T, n - 1, HV), cdt)
-    g_il = jnp.concatenate([gf[:, :, None], zeros_g], axis=2)
-    L = n * T
-    flat = lambda x: x.reshape((B, L) + x.shape[3:])
-    return (flat(q_il), flat(kf), flat(v.astype(cdt)), flat(g_il), flat(beta.astype(cdt)))
-
-
-def chunk_inputs(layout, q, k, v, g, beta, **kw) -> ChunkInputs:
-    """API tensors -> :class:`ChunkInputs` on the layout's chunk grid."""
-    q_il, k_il, v_il, g_il, b_il = interleave(q, k, v, g, beta, **kw)
-    tc = lambda x: to_chunks(layout, x)
-    return ChunkInputs(tc(q_il), tc(k_il), tc(v_il), tc(g_il[..., None])[..., 0],
-                       tc(b_il[..., None])[..., 0])
-
+from gdp_jax._prefix import prefix_sum
+from gdp_jax.grid import ChunkInputs, ChunkLayout
 
 # ---------------------------------------------------------------------------------------
 # Per-chunk math (all chunks at once)
@@ -197,20 +38,11 @@ class Intra(NamedTuple):
     Kt: jax.Array         # [..., C, K] exp(G_last - G_i) k_i
 
 
-def mm(a, b, dtype=None):
-    """a @ b (batched). With a 16-bit ``dtype`` the operands are rounded to it and the
-    product accumulates in float32 (tensor-core operands; half the memory traffic of
-    float32 operands, which is what bounds these chunk-sized matmuls on a GPU)."""
-    if dtype is None:
-        return a @ b
-    return jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
-
-
 def _t(x):
     return jnp.swapaxes(x, -1, -2)
 
 
-def causal_mm(X, R, mm_dtype=None, strict=False):
+def causal_mm(X, R, strict=False):
     """X @ R for lower-triangular X [.., m, m] (strictly lower with ``strict``), such that
     row i reads only rows j <= i (j < i) of R [.., m, X].
 
@@ -221,7 +53,7 @@ def causal_mm(X, R, mm_dtype=None, strict=False):
     X's entries above the diagonal must be finite (zero) in the rows not set to NaN.
     """
     finite, bad = nonfinite_rows(R, strict)
-    out = mm(X, jnp.where(finite[..., None], R, 0), mm_dtype)
+    out = X @ jnp.where(finite[..., None], R, 0)
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
 
@@ -245,29 +77,6 @@ def causal_rows(f, A):
     finite, bad = nonfinite_rows(A)
     X = f(jnp.where(finite[..., None], A, 0))
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, X.dtype), X)
-
-
-def prefix_sum(x, axis=-1, reverse=False):
-    """Inclusive cumulative sum along ``axis`` (reverse: from the end), by doubling.
-
-    log2(size) shifted adds instead of ``jnp.cumsum``: on the GPU, XLA lowers cumsum to a
-    ``reduce_window`` whose fused emitter crashed for some tiny shapes (a T = 1 call, H200,
-    "RET_CHECK failure ... mlir_kernel_emitter.cc"). Shifts and adds lower to plain
-    elementwise fusions on every platform, and their transposes do too.
-    """
-    axis = axis % x.ndim
-    size = x.shape[axis]
-    shift = 1
-    while shift < size:
-        zeros = jnp.zeros(x.shape[:axis] + (shift,) + x.shape[axis + 1:], x.dtype)
-        if reverse:
-            moved = jnp.concatenate([lax.slice_in_dim(x, shift, size, axis=axis), zeros], axis)
-        else:
-            moved = jnp.concatenate([zeros, lax.slice_in_dim(x, 0, size - shift, axis=axis)],
-                                    axis)
-        x = x + moved
-        shift *= 2
-    return x
 
 
 def _reverse_cumsum(x, axis=-1):
@@ -347,11 +156,11 @@ unit_lower_inverse = with_closed_form_vjp(_blocked_inverse)
 (``gdp_jax.kernels.inverse``)."""
 
 
-def intra_chunk(ch: ChunkInputs, inverse=None, mm_dtype=None) -> Intra:
+def intra_chunk(ch: ChunkInputs, inverse=None) -> Intra:
     """WY factors and decays of every chunk (see the module docstring).
 
     ``inverse``: A -> (I + A)^-1 for the strictly lower [..., C, C] A (default: the XLA
-    :data:`unit_lower_inverse`). ``mm_dtype``: operand dtype of the matmuls (:func:`mm`).
+    :data:`unit_lower_inverse`).
     """
     inverse = unit_lower_inverse if inverse is None else inverse
     C = ch.k.shape[-2]
@@ -362,38 +171,38 @@ def intra_chunk(ch: ChunkInputs, inverse=None, mm_dtype=None) -> Intra:
     lower = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam = jnp.where(lower, jnp.exp(segment_sums(ch.g)), 0.0)
-    kk = mm(ch.k, _t(ch.k), mm_dtype)
+    kk = ch.k @ _t(ch.k)
     A = jnp.where(strict, ch.beta[..., :, None] * kk * Gam, 0.0)
     gam = jnp.exp(G)
     rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
-    wu = causal_mm(inverse(A), rhs, mm_dtype)
+    wu = causal_mm(inverse(A), rhs)
     K = ch.k.shape[-1]
     Kt = jnp.exp(to_end)[..., None] * ch.k
     return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt)
 
 
-def causal_scores(q, k, Gam, mm_dtype=None):
+def causal_scores(q, k, Gam):
     """tril(q k^T * Gam) [.., C, C], masked with ``where``: q_i . k_j for a later j may be
     inf, and inf * 0 (Gam's zeros) would be NaN in an earlier row."""
     C = q.shape[-2]
     lower = jnp.tril(jnp.ones((C, C), bool))
-    return jnp.where(lower, mm(q, _t(k), mm_dtype) * Gam, 0.0)
+    return jnp.where(lower, (q @ _t(k)) * Gam, 0.0)
 
 
-def advance(S, w, u, Kt, G_last, mm_dtype=None):
+def advance(S, w, u, Kt, G_last):
     """A chunk's map on its start state S [.., K, V]: (end state, Delta = u - w S).
 
     S_end = exp(G_last) S + Kt^T Delta (shapes of :class:`Intra`, one chunk per leading
     index)."""
-    delta = u - mm(w, S, mm_dtype)
-    return jnp.exp(G_last)[..., None, None] * S + mm(_t(Kt), delta, mm_dtype), delta
+    delta = u - w @ S
+    return jnp.exp(G_last)[..., None, None] * S + _t(Kt) @ delta, delta
 
 
-def chunk_map(ch: ChunkInputs, it: Intra, S0, scale, mm_dtype=None):
+def chunk_map(ch: ChunkInputs, it: Intra, S0, scale):
     """Output rows and end state of every chunk given its start state S0 [B, NC, HV, K, V]."""
-    S_end, delta = advance(S0, it.w, it.u, it.Kt, it.G_last, mm_dtype)
-    qk = causal_scores(ch.q, ch.k, it.Gam, mm_dtype)
-    o = scale * (mm(it.gam[..., None] * ch.q, S0, mm_dtype) + causal_mm(qk, delta, mm_dtype))
+    S_end, delta = advance(S0, it.w, it.u, it.Kt, it.G_last)
+    qk = causal_scores(ch.q, ch.k, it.Gam)
+    o = scale * ((it.gam[..., None] * ch.q) @ S0 + causal_mm(qk, delta))
     return o, S_end
 
 
@@ -532,15 +341,14 @@ def chunk_backward(ch: ChunkInputs, layout: ChunkLayout, h0, doc, dfinal, scale)
     return dch, initial_state_grads(layout, dS_start, dfinal)
 
 
-def local_grads(ch: ChunkInputs, it: Intra, it_pull, S0, doc, dS_end, scale,
-                mm_dtype=None) -> ChunkInputs:
+def local_grads(ch: ChunkInputs, it: Intra, it_pull, S0, doc, dS_end, scale) -> ChunkInputs:
     """Cotangents of the chunk inputs from those of every chunk's output rows ``doc`` and
     end state ``dS_end``, through the chunk-local map at start states ``S0``.
 
     ``(it, it_pull) = jax.vjp(intra_chunk, ch)`` is computed once by the caller and reused
     (the intra-chunk factors are the expensive part of both passes).
     """
-    _, pull = jax.vjp(lambda c, i, s: chunk_map(c, i, s, scale, mm_dtype), ch, it, S0)
+    _, pull = jax.vjp(lambda c, i, s: chunk_map(c, i, s, scale), ch, it, S0)
     # Under shard_map the cotangents must vary over the same mesh axes as the outputs.
     dch, dit, _ = pull(_vma.like((doc, dS_end), ch, S0))
     (dch_intra,) = it_pull(dit)

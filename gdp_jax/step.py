@@ -15,30 +15,20 @@ Decode is bound by the state's bytes, so both backends read S once for the produ
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdp_jax import _checks, _vma, backends
+from gdp_jax import _checks, backends
+from gdp_jax.spec import CallSpec
 from gdp_jax.reference import l2_normalize
 
 _HI = lax.Precision.HIGHEST     # small matvecs: full float32 (no TF32) costs nothing here
 
 
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Static part of one step call."""
-    H: int
-    HV: int
-    scale: float
-    use_qk_l2norm: bool
-    compute_dtype: str
-
-
-def step_operands(cfg: StepConfig, q, k, v, g, beta):
+def step_operands(cfg: CallSpec, q, k, v, g, beta):
     """The token's operands in the compute dtype, heads expanded to HV (GVA).
 
     q [B, H, K], k [B, n, H, K], v [B, n, HV, V], g [B, HV] or None, beta [B, n, HV] ->
@@ -76,23 +66,19 @@ def step_math(qs, ks, vs, bs, a, S):
     return o, S_next
 
 
-def xla_step(cfg: StepConfig, q, k, v, g, beta, state):
+def xla_step(cfg: CallSpec, q, k, v, g, beta, state):
     """(o [B, HV, V] in q.dtype, next state in state.dtype) on XLA."""
-    cdt = jnp.dtype(cfg.compute_dtype)
+    cdt = cfg.cdt
     o, S = step_math(*step_operands(cfg, q, k, v, g, beta), state.astype(cdt))
     return o.astype(q.dtype), S.astype(state.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def cutedsl_step(cfg: StepConfig, q, k, v, g, beta, state):
+def cutedsl_step(cfg: CallSpec, q, k, v, g, beta, state):
     """(o, next state) with the step kernel; gradient = autodiff of :func:`xla_step`."""
-    from gdp_jax.kernels import step as kernel_step
+    from gdp_jax.kernels.step import StepKernel
     # float32 (the kernel's only dtype; float64 only in the emulated CPU tests)
-    cdt = jnp.dtype(cfg.compute_dtype)
-    ops = step_operands(cfg, q, k, v, g, beta)
-    o, S = kernel_step.step_kernel_call(*ops, state.astype(cdt))
-    # the custom call's results carry no varying-axes type under shard_map: give them one
-    o, S = _vma.like((o, S), q, k, v, g, beta, state)
+    o, S = StepKernel.call(*step_operands(cfg, q, k, v, g, beta), state.astype(cfg.cdt))
     return o.astype(q.dtype), S.astype(state.dtype)
 
 
@@ -108,16 +94,14 @@ def _cutedsl_bwd(cfg, res, cts):
 cutedsl_step.defvjp(_cutedsl_fwd, _cutedsl_bwd)
 
 
-def one_token_op(backend: str, spec: _checks.OpSpec, use_qk_l2norm, q, k, v, g, beta,
-                 initial_state):
+def one_token_op(backend: str, spec: CallSpec, q, k, v, g, beta, initial_state):
     """The op on T = 1 unpacked rows (already checked) through the step: 1/62 of a chunk's
     work. Returns (o [B, 1, HV, V], final [B, HV, K, V] in the compute dtype)."""
-    cdt = jnp.dtype(spec.compute_dtype)
+    cdt = spec.cdt
     state = (jnp.zeros((spec.B, spec.HV, spec.K, spec.V), cdt) if initial_state is None
              else initial_state.astype(cdt))
-    cfg = StepConfig(spec.H, spec.HV, spec.scale, bool(use_qk_l2norm), cdt.name)
     run = cutedsl_step if backend == "cutedsl" else xla_step
-    o, final = run(cfg, q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0],
+    o, final = run(spec, q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0],
                    beta[:, 0], state)
     return o[:, None], final
 
@@ -146,9 +130,8 @@ def gated_delta_product_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2no
       (o [B, HV, V] in q.dtype, next state [B, HV, K, V] in state.dtype).
     """
     _checks.check_backend_name(backend)
-    spec = _checks.check_step_inputs(q, k, v, g, beta, state, scale=scale, backend=backend)
-    backend = backends.resolve(backend, spec, q.dtype, available=backends.step_available)
-    cfg = StepConfig(spec.H, spec.HV, spec.scale, bool(use_qk_l2norm),
-                     jnp.dtype(spec.compute_dtype).name)
+    spec = _checks.check_step_inputs(q, k, v, g, beta, state, scale=scale, backend=backend,
+                                     use_qk_l2norm=use_qk_l2norm)
+    backend = backends.resolve(backend, spec, available=backends.step_available)
     run = cutedsl_step if backend == "cutedsl" else xla_step
-    return run(cfg, q, k, v, g, beta, state)
+    return run(spec, q, k, v, g, beta, state)

@@ -219,7 +219,8 @@ def loss_and_grads(fn, inp: Inputs, weights=None, *, key=None, jit=True, cu_seql
 @contextlib.contextmanager
 def _patched(patches):
     """Set ``(module, attribute, value)`` for the block; restore the old values after."""
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    # vars(), not getattr(): a class's staticmethod must be restored as a staticmethod
+    saved = [(mod, name, vars(mod)[name]) for mod, name, _ in patches]
     try:
         for mod, name, value in patches:
             setattr(mod, name, value)
@@ -233,6 +234,10 @@ def _emulated_available(*args, **kwargs):
     return True, "emulated"
 
 
+def _no_limits(**kwargs):
+    return None
+
+
 def emulated_kernels():
     """Context manager: the chunked ``cutedsl`` pipeline with emulated kernels.
 
@@ -241,33 +246,40 @@ def emulated_kernels():
     [num, 64, ...], reverse dh, WY inverse [num, 64, 64]) are replaced by their contracts
     in :mod:`gdp_jax.kernels.emulate` (plain matmuls, like the kernels' MMAs), the kernels'
     shape/dtype limits and the device check are lifted. The glue around the calls (vmap
-    rule, layouts, vma typing) is the real one. Not thread-safe (module attributes).
+    rule, layouts, vma typing) is the real one. Not thread-safe (class attributes).
 
         with gdp_jax.testing.emulated_kernels():
             o, s = gdp_jax.gated_delta_product(..., backend="cutedsl")
     """
-    from gdp_jax import _checks, backends
-    from gdp_jax.kernels import bwd, emulate, fwd, inverse
+    from gdp_jax import backends
+    from gdp_jax.kernels import emulate
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    from gdp_jax.kernels.state_grad import StateGradKernel
+    from gdp_jax.kernels.wy_inverse import WYInverseKernel
     return _patched([
-        (fwd, "kernel_call", emulate.chunk_kernel_call),
-        (bwd, "kernel_call", emulate.dh_kernel_call),
-        (inverse, "kernel_call", emulate.inverse_kernel_call),
-        (fwd, "unsupported_reason", lambda **kw: None),
-        (_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES),
-        (backends, "cutedsl_available", _emulated_available),
+        (ChunkForwardKernel, "raw_call", staticmethod(emulate.chunk_kernel_call)),
+        (StateGradKernel, "raw_call", staticmethod(emulate.dh_kernel_call)),
+        (WYInverseKernel, "raw_call", staticmethod(emulate.inverse_kernel_call)),
+        (ChunkForwardKernel, "can_implement", staticmethod(_no_limits)),
+        (backends, "_device_reason", _emulated_available),
     ])
 
 
 def emulated_step_kernel():
     """Context manager: the ``cutedsl`` decoding step (:func:`gdp_jax.gated_delta_product_step`)
     with its kernel emulated (:func:`gdp_jax.kernels.emulate.step_kernel_call`) and the
-    device check lifted; the step kernel's own shape limits still apply."""
-    from gdp_jax import _checks, backends
+    device check lifted; the step kernel's own shape limits still apply, except that
+    float64 inputs are let through (exact CPU tests)."""
+    from gdp_jax import backends
     from gdp_jax.kernels import emulate
-    from gdp_jax.kernels import step as kernel_step
+    from gdp_jax.kernels.step import StepKernel
+    limits = StepKernel.can_implement
+
+    def step_limits(*, dtype, **kw):
+        return limits(dtype=jnp.float32 if dtype == jnp.float64 else dtype, **kw)
+
     return _patched([
-        (kernel_step, "kernel_call", emulate.step_kernel_call),
-        (_checks, "CUTEDSL_INPUT_DTYPES", _checks.INPUT_DTYPES),
-        (backends, "step_available", _emulated_available),
-        (backends, "cutedsl_available", _emulated_available),
+        (StepKernel, "raw_call", staticmethod(emulate.step_kernel_call)),
+        (StepKernel, "can_implement", staticmethod(step_limits)),
+        (backends, "_device_reason", _emulated_available),
     ])

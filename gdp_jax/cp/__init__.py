@@ -18,7 +18,6 @@ from gdp_jax.cp.protocol import (
     pack_backward_summary,
     pack_forward_summary,
     restore_saved_context,
-    saved_chunk_states,
     unpack_summary,
     validate_summary,
 )
@@ -28,5 +27,5 @@ __all__ = [
     "CPRankMetadata", "CuTeDSLGatedDeltaProductCPBackend", "GDPInputs", "GDPSavedMetadata",
     "SavedContext", "SummarySlice", "XlaGatedDeltaProductCPBackend", "fold_backward",
     "fold_forward", "pack_backward_summary", "pack_forward_summary", "rank_metadata",
-    "restore_saved_context", "saved_chunk_states", "unpack_summary", "validate_summary",
+    "restore_saved_context", "unpack_summary", "validate_summary",
 ]

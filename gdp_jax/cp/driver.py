@@ -108,10 +108,10 @@ def axis_size(cp_axis) -> int:
                          f"inside jax.shard_map over a mesh with that axis ({e})") from None
 
 
-def _backend_for(cfg, backend: str):
+def _backend_for(spec, backend: str):
     if backend == "cutedsl":
-        return CuTeDSLGatedDeltaProductCPBackend(cfg, cfg.recompute_chunk_num)
-    return XlaGatedDeltaProductCPBackend(cfg)
+        return CuTeDSLGatedDeltaProductCPBackend(spec, spec.recompute_chunk_num)
+    return XlaGatedDeltaProductCPBackend(spec)
 
 
 def _mask_rows(x, keep):
@@ -151,11 +151,11 @@ def _fold_slice(fold, summary, meta, cu_seqlens, cp_axis, local_len, backward):
     return _gathered_slice(summary, mask, cp_axis, cu_seqlens is not None)
 
 
-def summary_nbytes(cfg, q, v, cu_seqlens) -> int:
+def summary_nbytes(spec) -> int:
     """Bytes of one rank's summary: [F, HV, K, V + K] float32 (float64 for float64)."""
-    F = 1 if cu_seqlens is not None else q.shape[0]
-    K, V = q.shape[-1], v.shape[-1]
-    return F * cfg.HV * K * (V + K) * jnp.dtype(summary_dtype(cfg.cdt)).itemsize
+    F = 1 if spec.packed else spec.B
+    return (F * spec.HV * spec.K * (spec.V + spec.K)
+            * jnp.dtype(summary_dtype(spec.cdt)).itemsize)
 
 
 # --- the custom_vjp ---------------------------------------------------------------------
@@ -197,7 +197,7 @@ def _cp_bwd(backend, cp_axis, fold, res, cts):
 _cp_op.defvjp(_cp_fwd, _cp_bwd)
 
 
-def cp_gated_delta_product(cfg, q, k, v, g, beta, initial_state, cu_seqlens, *, cp_axis,
+def cp_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *, cp_axis,
                            backend="xla", fold=None):
     """Context-parallel GDP on this rank's shard; returns (o, final_states replicated).
 
@@ -205,15 +205,13 @@ def cp_gated_delta_product(cfg, q, k, v, g, beta, initial_state, cu_seqlens, *, 
     (default 'auto': :func:`gdp_jax.cp.fold.choose_fold`, by P and the summary size).
     """
     check_split(cp_axis, q=q, k=k, v=v, g=g, beta=beta)
-    fold = scan_fold.choose_fold(axis_size(cp_axis), summary_nbytes(cfg, q, v, cu_seqlens),
-                                 fold)
+    fold = scan_fold.choose_fold(axis_size(cp_axis), summary_nbytes(spec), fold)
     if initial_state is None:
-        N = cfg.B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        initial_state = jnp.zeros((N, cfg.HV, q.shape[-1], v.shape[-1]), cfg.cdt)
+        initial_state = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
     # Rank-varying inside the custom_vjp: each rank returns its own part of the gradient
     # and the cast's transpose (check_vma=True) or shard_map's (check_vma=False) sums them.
     h0 = _vma.vary(initial_state, cp_axis)
-    o, final_part = _cp_op(_backend_for(cfg, backend), cp_axis, fold, q, k, v, g, beta, h0,
+    o, final_part = _cp_op(_backend_for(spec, backend), cp_axis, fold, q, k, v, g, beta, h0,
                            cu_seqlens)
     return o, lax.psum(final_part, cp_axis)
 

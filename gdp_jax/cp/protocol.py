@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdp_jax import _vma, chunked
+from gdp_jax import _vma
+from gdp_jax.engine import XLA, backward_problem, forward_problem, outputs
+from gdp_jax.spec import CallSpec
 
 SUMMARY_DTYPE = jnp.float32        # float64 only when the whole op runs in float64
 SUMMARY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
@@ -139,10 +141,26 @@ class GDPInputs(NamedTuple):
     continues_in: jax.Array
     continues_out: jax.Array
 
+    def spec(self, *, scale: float, num_householder: int, use_qk_l2norm: bool,
+             recompute_chunk_num: int) -> CallSpec:
+        """The local shard's :class:`CallSpec`, from these tensors' shapes and dtypes."""
+        B, T, H, K = self.q.shape
+        HV, V = self.v.shape[3], self.v.shape[4]
+        if self.k.shape[2] != num_householder:
+            raise ValueError(f"saved CP context: k has shape {self.k.shape}; expected "
+                             f"n = num_householder = {num_householder}")
+        cdt = "float64" if jnp.dtype(self.q.dtype) == jnp.float64 else "float32"
+        return CallSpec(B=B, T=T, n=num_householder, H=H, HV=HV, K=K, V=V,
+                        N=self.initial_state.shape[0], scale=scale,
+                        input_dtype=jnp.dtype(self.q.dtype).name, compute_dtype=cdt,
+                        has_gate=self.g is not None, packed=self.cu_seqlens is not None,
+                        use_qk_l2norm=use_qk_l2norm, recompute_chunk_num=recompute_chunk_num)
+
 
 @dataclasses.dataclass(frozen=True)
 class GDPSavedMetadata:
-    """Non-tensor facts needed to rebuild the saved CP context in the backward."""
+    """Non-tensor facts needed to rebuild the saved CP context in the backward (the
+    backward's spec is rebuilt from these and the saved tensors' shapes)."""
     scale: float
     num_householder: int
     use_qk_l2norm_in_kernel: bool
@@ -150,127 +168,101 @@ class GDPSavedMetadata:
     has_initial_states: bool
     has_cu_seqlens: bool
     has_gate: bool
-    config: Any                  # gdp_jax.ops.OpConfig (frozen, hashable)
     has_chunk_states: bool = False   # the forward kernel's chunk-state checkpoints saved
     fold: str = "gather"         # the CP fold that ran: 'gather' (all_gather) or 'scan'
 
-    @property
-    def num_tensors(self) -> int:
-        return (9 + int(self.has_gate) + int(self.has_cu_seqlens)
-                + int(self.has_chunk_states))
+    @classmethod
+    def of(cls, spec: CallSpec, *, has_chunk_states: bool, fold: str = "gather"):
+        return cls(scale=spec.scale, num_householder=spec.n,
+                   use_qk_l2norm_in_kernel=spec.use_qk_l2norm,
+                   recompute_chunk_num=spec.recompute_chunk_num, has_initial_states=True,
+                   has_cu_seqlens=spec.packed, has_gate=spec.has_gate,
+                   has_chunk_states=has_chunk_states, fold=fold)
+
+    def spec(self, inputs: GDPInputs) -> CallSpec:
+        return inputs.spec(scale=self.scale, num_householder=self.num_householder,
+                           use_qk_l2norm=self.use_qk_l2norm_in_kernel,
+                           recompute_chunk_num=self.recompute_chunk_num)
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class SavedContext:
-    """Residual tensors (custom_vjp residuals) plus static metadata (the pytree aux data)."""
-    tensors: tuple
+    """Residual tensors (custom_vjp residuals) plus static metadata (the pytree aux data).
+
+    inputs: the rank's :class:`GDPInputs` with the COMPOSED incoming state as
+    initial_state (None entries: absent g / cu_seqlens); chunk_states: the forward
+    kernel's checkpoints [B, ceil(NC / (N + 1)), HV, K, V], or None.
+    """
+    inputs: GDPInputs
+    chunk_states: Optional[jax.Array]
     metadata: GDPSavedMetadata
 
     def tree_flatten(self):
-        return self.tensors, self.metadata
+        return (self.inputs, self.chunk_states), self.metadata
 
     @classmethod
-    def tree_unflatten(cls, metadata, tensors):
-        return cls(tuple(tensors), metadata)
-
-
-def save_context(inputs: GDPInputs, metadata: GDPSavedMetadata,
-                 chunk_states=None) -> SavedContext:
-    """Tensor order: q, k, v, beta, initial_state (composed), first_seq, last_seq,
-    continues_in, continues_out, [g], [cu_seqlens], [chunk-state checkpoints]."""
-    t = (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.initial_state, inputs.first_seq,
-         inputs.last_seq, inputs.continues_in, inputs.continues_out)
-    if metadata.has_gate:
-        t += (inputs.g,)
-    if metadata.has_cu_seqlens:
-        t += (inputs.cu_seqlens,)
-    if metadata.has_chunk_states:
-        t += (chunk_states,)
-    return SavedContext(t, metadata)
+    def tree_unflatten(cls, metadata, children):
+        return cls(*children, metadata)
 
 
 def restore_saved_context(saved: SavedContext, metadata_type=None):
-    """SavedContext -> (GDPInputs, metadata), checking the metadata type and tensor count."""
+    """SavedContext -> (GDPInputs, metadata), checking the metadata's type and that the
+    tensors are the ones it describes."""
     metadata_type = metadata_type or GDPSavedMetadata
     if not isinstance(saved.metadata, metadata_type):
         raise TypeError(f"saved CP context metadata is {type(saved.metadata).__name__}; "
                         f"expected {metadata_type.__name__}")
-    md = saved.metadata
-    if len(saved.tensors) != md.num_tensors:
-        raise ValueError(f"saved CP context holds {len(saved.tensors)} tensors; expected "
-                         f"{md.num_tensors} for has_gate={md.has_gate}, "
-                         f"has_cu_seqlens={md.has_cu_seqlens}")
-    q, k, v, beta, h0, first, last, cin, cout, *rest = saved.tensors
-    g = rest.pop(0) if md.has_gate else None
-    cu = rest.pop(0) if md.has_cu_seqlens else None
-    return GDPInputs(q, k, v, g, beta, h0, cu, first, last, cin, cout), md
+    md, inputs = saved.metadata, saved.inputs
+    for name, has, x in (("g", md.has_gate, inputs.g),
+                         ("cu_seqlens", md.has_cu_seqlens, inputs.cu_seqlens),
+                         ("chunk_states", md.has_chunk_states, saved.chunk_states)):
+        if has != (x is not None):
+            raise ValueError(f"saved CP context: {name} is {'absent' if x is None else 'present'}"
+                             f" but the metadata says has_{name}={has}")
+    return inputs, md
 
 
-def saved_chunk_states(saved: SavedContext):
-    """The chunk-state checkpoints of a restored context (None if it keeps none)."""
-    return saved.tensors[-1] if saved.metadata.has_chunk_states else None
-
-
-# --- the xla backend ----------------------------------------------------------------------
+# --- the backends: the protocol, once, on an engine ---------------------------------------
 
 class _LocalForward(NamedTuple):
+    spec: CallSpec
     inputs: GDPInputs
-    layout: chunked.ChunkLayout
-    ch: chunked.ChunkInputs
-    shared: Any = None          # backend work done in prepare and reused in apply
+    layout: object
+    ch: object
+    work: Any = None            # engine work done in prepare and reused in apply
 
 
 class _LocalBackward(NamedTuple):
+    spec: CallSpec
     inputs: GDPInputs
-    metadata: GDPSavedMetadata
-    layout: chunked.ChunkLayout
-    ch: chunked.ChunkInputs
-    pull_inputs: Any
-    doc: jax.Array
-    dfinal: jax.Array
+    problem: Any                # gdp_jax.engine.BackwardProblem
     chunk_states: Optional[jax.Array]
-    shared: Any = None
+    work: Any = None
 
 
 class XlaGatedDeltaProductCPBackend:
-    """The CP protocol on the pure-JAX chunkwise engine (:mod:`gdp_jax.chunked`)."""
+    """The CP protocol on the pure-JAX engine (:class:`gdp_jax.engine.XlaEngine`).
+
+    ``config``: the LOCAL shard's :class:`gdp_jax.spec.CallSpec` (the driver passes it).
+    Subclasses change only :attr:`engine`.
+    """
 
     name = "xla"
-    recompute_chunk_num = 0
+    engine = XLA
 
-    def _forward_summaries(self, ch, layout, q_dtype):
-        """((E, M) of every local sequence, work to reuse in apply): here the parallel
-        composition of the chunk maps (no extra sequential pass over chunks)."""
-        return chunked.forward_summaries(ch, layout), None
+    def __init__(self, config: Optional[CallSpec] = None):
+        self.config = config
 
-    def _backward_summaries(self, ch, layout, doc, dfinal, q_dtype):
-        """((gamma, M^T) of every local sequence, work to reuse in apply)."""
-        return chunked.backward_summaries(ch, layout, doc, dfinal, self.config.scale), None
-
-    def __init__(self, config):
-        self.config = config          # gdp_jax.ops.OpConfig of the LOCAL shard
+    @property
+    def recompute_chunk_num(self) -> int:
+        return 0 if self.config is None else self.config.recompute_chunk_num
 
     def __hash__(self):
-        return hash((type(self), self.config, self.recompute_chunk_num))
+        return hash((type(self), self.config))
 
     def __eq__(self, other):
-        return (type(self) is type(other) and self.config == other.config
-                and self.recompute_chunk_num == other.recompute_chunk_num)
-
-    def _local_forward(self, ch, layout, h0, q_dtype, shared):
-        """(output rows, final states, chunk-state checkpoints or None) of the local shard
-        from start states h0 (``shared``: what :meth:`_forward_summaries` computed)."""
-        oc, final, _ = chunked.chunk_forward(ch, layout, h0, self.config.scale)
-        return oc, final, None
-
-    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype, shared):
-        """(chunk-input cotangents, start-state gradients) of the local shard."""
-        return chunked.chunk_backward(ch, layout, h0, doc, dfinal, self.config.scale)
-
-    def _chunks(self, inputs: GDPInputs, layout):
-        cfg = self.config
-        return cfg.chunk_inputs(layout, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+        return type(self) is type(other) and self.config == other.config
 
     @staticmethod
     def _pack_shape(x, packed_layout: bool):
@@ -279,55 +271,46 @@ class XlaGatedDeltaProductCPBackend:
 
     def cp_forward_prepare(self, inputs: GDPInputs):
         """Trailing-fragment summary [E | M] (zero incoming state) and the local context."""
-        cfg = self.config
-        layout = cfg.layout(inputs.cu_seqlens)
-        ch = self._chunks(inputs, layout)
-        (E, M), shared = self._forward_summaries(ch, layout, inputs.q.dtype)
+        spec = self.config
+        layout, ch = forward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g,
+                                     inputs.beta, inputs.cu_seqlens)
+        (E, M), work = self.engine.forward_summaries(spec, ch, layout)
         E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
-        return summary, _LocalForward(inputs, layout, ch, shared)
+        return summary, _LocalForward(spec, inputs, layout, ch, work)
 
     def cp_forward_apply(self, local_ctx: _LocalForward, preceding: SummarySlice):
         """Fold the preceding maps into the incoming state, then run the local forward.
 
         Returns (o [B, T, HV, V], local final states [N, HV, K, V], SavedContext).
         """
-        cfg = self.config
-        inputs, layout, ch, shared = local_ctx
-        h0 = inputs.initial_state.astype(cfg.cdt)
-        S_in = fold_forward(preceding, h0[inputs.first_seq]).astype(cfg.cdt)
+        spec, inputs, layout, ch, work = local_ctx
+        h0 = inputs.initial_state.astype(spec.cdt)
+        S_in = fold_forward(preceding, h0[inputs.first_seq]).astype(spec.cdt)
         h0 = h0.at[inputs.first_seq].set(
             jnp.where(inputs.continues_in, S_in, h0[inputs.first_seq]))
-        oc, final, states = self._local_forward(ch, layout, h0, inputs.q.dtype, shared)
-        o = chunked.from_chunks(layout, oc).astype(inputs.q.dtype)
-        md = GDPSavedMetadata(
-            scale=cfg.scale, num_householder=cfg.n, use_qk_l2norm_in_kernel=cfg.use_qk_l2norm,
-            recompute_chunk_num=self.recompute_chunk_num, has_initial_states=True,
-            has_cu_seqlens=inputs.cu_seqlens is not None, has_gate=inputs.g is not None,
-            config=cfg, has_chunk_states=states is not None)
-        return o, final, save_context(inputs._replace(initial_state=h0), md, states)
+        oc, final, states = self.engine.forward(spec, ch, layout, h0, keep_states=True,
+                                                work=work)
+        md = GDPSavedMetadata.of(spec, has_chunk_states=states is not None)
+        saved = SavedContext(inputs._replace(initial_state=h0), states, md)
+        return outputs(layout, oc, inputs.q.dtype), final.astype(spec.cdt), saved
 
     def cp_backward_prepare(self, output_grad, saved_ctx: SavedContext):
         """Leading-fragment summary [gamma | M^T] (zero outgoing-state gradient).
 
         output_grad: (do [B, T, HV, V], dfinal [N, HV, K, V] for sequences ending here).
         """
-        from gdp_jax.ops import chunk_shape, readout_cotangent
         inputs, md = restore_saved_context(saved_ctx)
-        cfg = md.config
+        spec = md.spec(inputs)
         do, dfinal = output_grad
-        layout = cfg.layout(inputs.cu_seqlens)
-        ch, pull = jax.vjp(lambda *a: cfg.chunk_inputs(layout, *a),
-                           inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-        doc = readout_cotangent(layout, do.astype(cfg.cdt),
-                                chunk_shape(cfg, layout, inputs.v.shape[-1]))
-        dfinal = dfinal.astype(cfg.cdt)
-        (gamma, Mt), shared = self._backward_summaries(ch, layout, doc, dfinal, inputs.q.dtype)
+        p = backward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
+                             inputs.cu_seqlens, do, dfinal)
+        (gamma, Mt), work = self.engine.backward_summaries(spec, p.ch, p.layout, p.doc,
+                                                           p.dfinal)
         gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
         summary = self._pack_shape(pack_backward_summary(gamma, Mt),
                                    inputs.cu_seqlens is not None)
-        return summary, _LocalBackward(inputs, md, layout, ch, pull, doc, dfinal,
-                                       saved_chunk_states(saved_ctx), shared)
+        return summary, _LocalBackward(spec, inputs, p, saved_ctx.chunk_states, work)
 
     def cp_backward_apply(self, bwd_ctx: _LocalBackward, following: SummarySlice):
         """Fold the following maps into the outgoing-state gradient; all local gradients.
@@ -336,66 +319,43 @@ class XlaGatedDeltaProductCPBackend:
         w.r.t. the LOCAL start states (the driver keeps the entries of sequences that
         start on this rank).
         """
-        inputs, md, layout, ch, pull, doc, dfinal, states, shared = bwd_ctx
-        cfg = md.config
-        V = inputs.v.shape[-1]
-        dS_out = fold_backward(following, V).astype(cfg.cdt)
-        dfinal = dfinal.at[inputs.last_seq].add(
+        spec, inputs, p, states, work = bwd_ctx
+        dS_out = fold_backward(following, spec.V).astype(spec.cdt)
+        dfinal = p.dfinal.at[inputs.last_seq].add(
             jnp.where(inputs.continues_out, dS_out, 0.0))
-        dch, dh0 = self._local_backward(ch, layout, inputs.initial_state, doc, dfinal, states,
-                                        inputs.q.dtype, shared)
-        dq, dk, dv, dg, dbeta = pull(dch)
+        dch, dh0 = self.engine.backward(spec, p.ch, p.layout, inputs.initial_state, p.doc,
+                                        dfinal, states, work=work)
+        dq, dk, dv, dg, dbeta = p.pull_inputs(dch)
         return dq, dk, dv, dg, dbeta, dh0
 
 
 class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
-    """The CP protocol with the local passes on the Hopper CuTe DSL kernels (sm_90a).
+    """The CP protocol on the Hopper CuTe DSL engine (sm_90a,
+    :class:`gdp_jax.kernels.pipeline.CuTeDSLEngine`).
 
     ``cp_forward_apply`` runs the fused forward chunk kernel, which also keeps the start
     state of every (N + 1)-th chunk, N = ``recompute_chunk_num`` in [0, 64] (saved in the
-    SavedContext, [B, ceil(NC / (N + 1)), HV, K, V], bf16 for bf16 inputs else float32).
-    ``cp_backward_apply`` recomputes the missing states from those checkpoints and runs
-    the reverse dS kernel (:mod:`gdp_jax.kernels.bwd`). The two prepare steps run the
-    same kernels on V + K state columns: [E | M] and [gamma | M^T] come out of one forward
-    / one reverse pass (``kernels.fwd.forward_summaries``, ``kernels.bwd.backward_summaries``).
+    SavedContext); ``cp_backward_apply`` recomputes the missing states and runs the
+    reverse state-gradient kernel. The prepare steps run the same kernels on V + K state
+    columns and hand their XLA work (WY factors, kernel operands) to the apply steps.
     """
 
     name = "cutedsl"
 
-    # prepare and apply share the XLA work (WY factors, kernel operands): computed once.
-    def _forward_summaries(self, ch, layout, q_dtype):
-        from gdp_jax.kernels import fwd as kernel_fwd
-        operands = kernel_fwd.chunk_operands(ch, self.config.scale, q_dtype)
-        E, M = kernel_fwd.forward_summaries(ch, layout, self.config.scale, q_dtype, operands)
-        return _vma.like((E, M), ch), operands
-
-    def _backward_summaries(self, ch, layout, doc, dfinal, q_dtype):
-        from gdp_jax.kernels import bwd as kernel_bwd
-        shared = kernel_bwd.shared_backward_work(ch, doc, self.config.scale, q_dtype)
-        gamma, Mt = kernel_bwd.backward_summaries(ch, layout, doc, dfinal, self.config.scale,
-                                                  q_dtype, shared)
-        return _vma.like((gamma.astype(dfinal.dtype), Mt.astype(dfinal.dtype)), ch, doc,
-                         dfinal), shared
-
-    def __init__(self, config=None, recompute_chunk_num: int = 0):
+    def __init__(self, config: Optional[CallSpec] = None, recompute_chunk_num: int = 0):
         from gdp_jax import _checks, backends
-        _checks.check_recompute_chunk_num(recompute_chunk_num)
-        ok, reason = backends.cutedsl_available()
+        N = _checks.check_recompute_chunk_num(recompute_chunk_num)
+        ok, reason = backends.cutedsl_available(config)
         if not ok:
             raise ValueError(f"CuTeDSLGatedDeltaProductCPBackend cannot run here: {reason}")
-        super().__init__(config)
-        self.recompute_chunk_num = recompute_chunk_num
+        super().__init__(None if config is None else config.replace(recompute_chunk_num=N))
+        self._N = N
 
-    def _local_forward(self, ch, layout, h0, q_dtype, shared):
-        from gdp_jax.kernels import fwd as kernel_fwd
-        oc, final, states = kernel_fwd.chunk_forward(ch, layout, h0, self.config.scale,
-                                                     q_dtype, ckpt=self.recompute_chunk_num + 1,
-                                                     operands=shared)
-        # The custom call's results carry no varying-axes type: give them the inputs'.
-        return _vma.like((oc, final.astype(h0.dtype), states), ch, h0)
+    @property
+    def engine(self):
+        from gdp_jax.kernels.pipeline import CUTEDSL
+        return CUTEDSL
 
-    def _local_backward(self, ch, layout, h0, doc, dfinal, chunk_states, q_dtype, shared):
-        from gdp_jax.kernels import bwd as kernel_bwd
-        return kernel_bwd.chunk_backward(ch, layout, h0, chunk_states,
-                                         self.recompute_chunk_num + 1, doc, dfinal,
-                                         self.config.scale, q_dtype, shared)
+    @property
+    def recompute_chunk_num(self) -> int:
+        return self._N

@@ -1,0 +1,121 @@
+"""The engine interface: how one backend runs the chunk grid, forward and backward.
+
+Two users are written ONCE against it: the single-device ``custom_vjp`` of the op
+(:mod:`gdp_jax.ops`) and the CP protocol (:mod:`gdp_jax.cp.protocol`). An engine sees
+only chunk tensors (:class:`gdp_jax.grid.ChunkInputs`, [B, NC, HV, C, X]), the layout and
+per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax.grid`.
+
+    forward(spec, ch, layout, h0, keep_states, work)       -> (o rows, final states, states)
+    backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (chunk-input cotangents, dh0)
+    forward_summaries(spec, ch, layout)                    -> ((E, M), work)
+    backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
+
+``states``: what the forward keeps for the backward under differentiation (the cutedsl
+chunk-state checkpoints; None for the xla engine, which recomputes them). ``work``: what
+a summary pass computed that the matching apply pass can reuse (None: compute it).
+Summaries: S_end = M S_start + E per sequence, [N, HV, K, V] and [N, HV, K, K]; and
+dS_start = M^T dS_end + gamma with no gradient from beyond the sequence's end.
+
+The xla engine is here; the CuTe DSL engine is :class:`gdp_jax.kernels.pipeline.CuTeDSLEngine`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from gdp_jax import chunked, grid
+from gdp_jax.spec import CallSpec
+
+
+class Engine:
+    """Base class (the interface above). Engines are stateless singletons: hashable, so
+    they can be ``custom_vjp`` static arguments."""
+
+    name = "engine"
+
+    @staticmethod
+    def can_implement(spec: CallSpec) -> Optional[str]:
+        """None if this engine runs the call, else a sentence saying why not."""
+        return None
+
+    def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
+        raise NotImplementedError
+
+    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
+        raise NotImplementedError
+
+    def forward_summaries(self, spec, ch, layout):
+        raise NotImplementedError
+
+    def backward_summaries(self, spec, ch, layout, doc, dfinal):
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<{type(self).__name__}>"
+
+
+class XlaEngine(Engine):
+    """Pure JAX (:mod:`gdp_jax.chunked`): any device and dtype, float64 included. Keeps
+    no chunk states (the backward recomputes them); the CP summaries compose the per-chunk
+    affine maps in parallel (no extra sequential pass)."""
+
+    name = "xla"
+
+    def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
+        oc, final, _ = chunked.chunk_forward(ch, layout, h0, spec.scale)
+        return oc, final, None
+
+    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
+        return chunked.chunk_backward(ch, layout, h0, doc, dfinal, spec.scale)
+
+    def forward_summaries(self, spec, ch, layout):
+        return chunked.forward_summaries(ch, layout), None
+
+    def backward_summaries(self, spec, ch, layout, doc, dfinal):
+        return chunked.backward_summaries(ch, layout, doc, dfinal, spec.scale), None
+
+
+XLA = XlaEngine()
+
+
+# --- the grid around an engine: shared by the single-device op and the CP backends --------
+
+class ForwardProblem(NamedTuple):
+    layout: grid.ChunkLayout
+    ch: grid.ChunkInputs
+
+
+class BackwardProblem(NamedTuple):
+    layout: grid.ChunkLayout
+    ch: grid.ChunkInputs
+    pull_inputs: object          # chunk-input cotangents -> (dq, dk, dv, dg, dbeta)
+    doc: jax.Array               # [B, NC, HV, C, V] output-row cotangents
+    dfinal: jax.Array            # [N, HV, K, V] final-state cotangents (compute dtype)
+
+
+def forward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens) -> ForwardProblem:
+    layout = grid.layout_of(spec, cu_seqlens)
+    return ForwardProblem(layout, grid.chunks_of(spec, layout, q, k, v, g, beta))
+
+
+def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal):
+    """The chunk inputs with their vjp, and the cotangents on the grid."""
+    layout = grid.layout_of(spec, cu_seqlens)
+    ch, pull = jax.vjp(lambda *a: grid.chunks_of(spec, layout, *a), q, k, v, g, beta)
+    doc = grid.readout_cotangent(layout, do.astype(spec.cdt))
+    return BackwardProblem(layout, ch, pull, doc, dfinal.astype(spec.cdt))
+
+
+def outputs(layout, oc, dtype):
+    """Output rows [B, NC, HV, C, V] -> o [B, T, HV, V] in ``dtype``."""
+    return grid.from_chunks(layout, oc).astype(dtype)
+
+
+def start_states(spec: CallSpec, h0):
+    """h0 [N, HV, K, V] in the compute dtype, or zeros for None: made here, inside the
+    op, so they are never kept as a custom_vjp residual."""
+    if h0 is not None:
+        return h0.astype(spec.cdt)
+    return jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)

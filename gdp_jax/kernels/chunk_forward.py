@@ -1,0 +1,115 @@
+"""The forward chunk kernel (:mod:`gdp_jax.kernels.chunk_fwd_sm90`): its limits and its call.
+
+One CTA per (value tile of BV state columns, head, row) walks that row's chunks in order
+with the state in registers: Delta = u - w S, o = qg S + P Delta, S <- decay S + Kt^T Delta,
+restarting from the sequence's initial state at ``reset`` chunks; it writes the output
+rows, the final state of every sequence and, with ``ckpt`` > 0, the start state of every
+ckpt-th chunk (the backward's checkpoints). The per-chunk start states never reach HBM.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax.numpy as jnp
+
+from gdp_jax.kernels import binding
+
+C = 64
+
+
+class ChunkForwardKernel:
+    """Limits, tile choice and the (vmappable) call of the forward chunk kernel."""
+
+    DTYPES = ("bfloat16", "float16")
+    HEAD_DIMS = (64, 128)
+
+    @staticmethod
+    def can_implement(*, dtype, K: int, V: int, rows: int, NC: int, HV: int,
+                      extra_columns: int = 0) -> Optional[str]:
+        """None if the kernel runs these shapes (``extra_columns``: state columns beyond
+        V, as the CP summaries use), else a sentence saying why not."""
+        name = jnp.dtype(dtype).name
+        if name not in ChunkForwardKernel.DTYPES:
+            return (f"the cutedsl kernels take bfloat16/float16 inputs (16-bit tensor-core "
+                    f"operands); got {name}")
+        dims = ChunkForwardKernel.HEAD_DIMS
+        if K not in dims or V not in dims:
+            return f"the cutedsl kernels support K, V in {dims}; got K={K}, V={V}"
+        Vx = V + extra_columns
+        if rows * NC * HV * max(C * max(K, Vx, C), K * Vx) > binding.MAX_ELEMS:
+            return "the problem is too large for the kernel's 32-bit offsets"
+        return None
+
+    @staticmethod
+    def pick_bv(rows: int, HV: int, V: int) -> int:
+        """Value-tile width: 32, the configuration verified on the H200 (BV = 64 compiles,
+        tests/test_kernels_compile.py, but has not run on a GPU)."""
+        del rows, HV, V
+        return 32
+
+    @staticmethod
+    def default_split(dtype) -> bool:
+        """Split the recurrent operands into hi + lo parts for bfloat16 (8-bit mantissa);
+        float16 (11-bit) is accurate enough without."""
+        return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+
+    @staticmethod
+    def num_checkpoints(NC: int, ckpt: int) -> int:
+        """Chunk-state checkpoints kept for ``ckpt`` = recompute_chunk_num + 1 (0: none)."""
+        return -(-NC // ckpt) if ckpt > 0 else 0
+
+    @classmethod
+    def call(cls, w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
+             split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32):
+        """:meth:`raw_call`, ``jax.vmap``-able."""
+        f = binding.vmappable(
+            lambda *a: cls.raw_call(*a, BV=BV, split=split, ckpt=ckpt,
+                                    states_dtype=states_dtype),
+            seq_arg=7, table_arg=9, out_kinds=("rows", "rows", "rows" if ckpt else "dummy"))
+        return f(w, kt, qg, p, u, decay, reset, seq, last, h0)
+
+    @staticmethod
+    def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
+                 split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32):
+        """Per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V], states
+        [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
+        or a [1] float32 placeholder when ckpt = 0).
+
+        w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
+        [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC]
+        int32; h0: [N, HV, K, V] float32. Final rows of sequences without a last chunk are
+        left unwritten. ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ...
+        """
+        B, NC, HV, C_, K = w.shape
+        V = u.shape[-1]
+        ab_name = jnp.dtype(w.dtype).name
+        split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
+        n_ckpt = ChunkForwardKernel.num_checkpoints(NC, ckpt)
+        states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
+        if states_dtype.name not in ("float32", ab_name):
+            raise ValueError(f"states_dtype must be float32 or {ab_name}; got {states_dtype}")
+        outputs = (binding.out((B, NC, HV, C_, V), w.dtype), binding.out(h0.shape, jnp.float32),
+                   binding.out((B, n_ckpt, HV, K, V) if ckpt else (1,), states_dtype))
+        return binding.custom_call(_launcher(), "gdp_chunk_fwd_sm90", outputs,
+                                   (w, kt, qg, p, u, decay, reset, seq, last, h0),
+                                   key=(states_dtype.name,), K=K, V=V, BV=BV,
+                                   ab_name=ab_name, split=split, ckpt=ckpt)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_fwd_sm90 as mod
+
+    @cute.jit
+    def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, *,
+               K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+               ckpt: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt)(
+            stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
+
+    return launch

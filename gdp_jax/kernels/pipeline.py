@@ -1,0 +1,203 @@
+"""The ``cutedsl`` engine: XLA glue around the Hopper kernels (one jit-able pipeline each way).
+
+Forward:
+  XLA, all chunks at once (batched float32 matmuls): chunk-local cumsum, the WY factors
+    w, u (the inverse (I + A)^-1 on its kernel, :mod:`gdp_jax.kernels.wy_inverse`),
+    Kt = exp(G_last - G) k, the readout operands qg = scale exp(G) q and
+    P = scale tril(q k^T Gam); cast to the 16-bit input dtype (u, decay stay float32);
+  kernel (:class:`~gdp_jax.kernels.chunk_forward.ChunkForwardKernel`): the state recursion
+    fused with the output and the final states, and under differentiation the start state
+    of every (N + 1)-th chunk (N = recompute_chunk_num).
+Backward:
+  XLA: chunk states from the checkpoints (N recompute steps, all groups at once) and the
+    reverse kernel's operands (ddo = P^T dO);
+  kernel (:class:`~gdp_jax.kernels.state_grad.StateGradKernel`): the reverse state-gradient
+    recursion, dS_end of every chunk and the initial-state gradients;
+  XLA: the vjp of the chunk-local map for all chunks at once (dq, dk, dv, dg, dbeta).
+CP summaries: the same two recursion kernels on V + K state columns. Columns of the state
+never mix, so [E | M] is the final state from the start [0 | I] with u = [u | 0], and
+[gamma | M^T] the start-state gradient with dfinal = [dfinal | I], dO = [dO | 0]: one pass
+each, exact.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from gdp_jax import chunked, grid
+from gdp_jax.engine import Engine
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+from gdp_jax.kernels.state_grad import StateGradKernel
+from gdp_jax.kernels import wy_inverse
+
+
+def acc_dtype(ab_dtype):
+    """Accumulator / state dtype of the kernels: float32 (float64 only in emulated tests)."""
+    return jnp.promote_types(jnp.float32, ab_dtype)
+
+
+def checkpoint_dtype(ab_dtype):
+    """dtype of the chunk-state checkpoints: bfloat16 for bfloat16 inputs (half the
+    memory; what FLA and Megatron keep), float32 for float16 (states can exceed float16's
+    range, 65504), the accumulator dtype otherwise."""
+    if jnp.dtype(ab_dtype) == jnp.dtype(jnp.bfloat16):
+        return jnp.dtype(jnp.bfloat16)
+    return acc_dtype(ab_dtype)
+
+
+def intra_chunk(ch: grid.ChunkInputs) -> chunked.Intra:
+    """:func:`gdp_jax.chunked.intra_chunk` with the WY inverse on its kernel."""
+    return chunked.intra_chunk(ch, inverse=wy_inverse.unit_lower_inverse)
+
+
+def readout_matrix(ch: grid.ChunkInputs, it: chunked.Intra, scale: float):
+    """P = scale * tril(q k^T * Gam): [B, NC, HV, C, C] (Gam is 0 above the diagonal)."""
+    return scale * chunked.causal_scores(ch.q, ch.k, it.Gam)
+
+
+def forward_operands(ch: grid.ChunkInputs, scale: float, ab_dtype):
+    """(w, kt, qg, p, u, decay) of the forward kernel: 16-bit, u and decay float32."""
+    it = intra_chunk(ch)
+    acc = acc_dtype(ab_dtype)
+    p = readout_matrix(ch, it, scale).astype(ab_dtype)
+    qg = (scale * it.gam[..., None] * ch.q).astype(ab_dtype)
+    return (it.w.astype(ab_dtype), it.Kt.astype(ab_dtype), qg, p, it.u.astype(acc),
+            jnp.exp(it.G_last).astype(acc))
+
+
+def causal_operands(operands):
+    """The forward kernel's operands made safe for its plain MMAs (``P @ Delta`` multiplies
+    P's zeros above the diagonal by later rows of Delta = u - w S): a row i with a
+    non-finite entry in w or u enters as zeros and its Kt row as NaN (so the chunk's end
+    state, and everything after it, is NaN); a non-finite readout row (qg, P) enters as
+    zeros. ``bad`` [B, NC, HV, C] marks the output rows to set to NaN: from the first
+    non-finite w/u row on, and every non-finite readout row. Exact when all is finite."""
+    w, kt, qg, p, u, decay = operands
+    rows = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
+    state_ok, bad = chunked.nonfinite_rows(None, finite=rows(w) & rows(u))
+    read_ok = rows(qg) & rows(p)
+    keep = lambda x, ok, fill: jnp.where(ok[..., None], x, jnp.asarray(fill, x.dtype))
+    operands = (keep(w, state_ok, 0), keep(kt, state_ok, jnp.nan), keep(qg, read_ok, 0),
+                keep(p, read_ok, 0), keep(u, state_ok, 0), decay)
+    return operands, bad | ~read_ok
+
+
+class BackwardWork:
+    """What the backward and the CP backward summary both need, computed once: the
+    intra-chunk factors, their vjp and the reverse kernel's operands
+    (kt, w, qg, ddo, do, decay); ddo = P^T dO is what the output sends to Delta directly."""
+
+    def __init__(self, ch: grid.ChunkInputs, doc, scale: float, ab_dtype):
+        self.it, self.it_pull = jax.vjp(intra_chunk, ch)
+        acc = acc_dtype(ab_dtype)
+        p = readout_matrix(ch, self.it, scale)
+        ddo = jnp.swapaxes(p, -1, -2) @ doc
+        qg = scale * self.it.gam[..., None] * ch.q
+        cast = lambda x: x.astype(ab_dtype)
+        self.operands = (cast(self.it.Kt), cast(self.it.w), cast(qg), ddo.astype(acc),
+                         cast(doc), jnp.exp(self.it.G_last).astype(acc))
+
+
+def _flags(layout: grid.ChunkLayout):
+    """(reset, seq, last) as the kernels' int32 [B, NC] flags."""
+    i32 = lambda x: x.astype(jnp.int32)
+    return i32(layout.reset), i32(layout.seq_of_chunk), i32(layout.is_last)
+
+
+def _zero_columns(x, K: int):
+    """[..., V] -> [..., V + K]: x next to K zero columns (the summaries' extra columns)."""
+    return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], axis=-1)
+
+
+def _identity_columns(x, K: int):
+    """[..., K, V] -> [..., K, V + K]: x next to an identity (the summaries' M columns)."""
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=x.dtype), x.shape[:-1] + (K,))
+    return jnp.concatenate([x, eye], axis=-1)
+
+
+def _where_has_tokens(layout, x, fallback):
+    """x per sequence, ``fallback`` for sequences without tokens (no chunk wrote them)."""
+    return jnp.where((layout.seq_len > 0)[:, None, None, None], x, fallback)
+
+
+def _bv(ch, extra_columns=0):
+    return ChunkForwardKernel.pick_bv(ch.k.shape[0], ch.k.shape[2],
+                                      ch.v.shape[-1] + extra_columns)
+
+
+class CuTeDSLEngine(Engine):
+    """The Hopper (sm_90a) engine: every sequential pass on a CuTe DSL kernel."""
+
+    name = "cutedsl"
+
+    @staticmethod
+    def can_implement(spec) -> Optional[str]:
+        """The kernels' limits for this call (the forward, reverse and inverse kernels
+        share them; the CP summaries' K extra state columns included)."""
+        NC = grid.num_chunks(spec.n * spec.T, spec.N, spec.packed)
+        kw = dict(dtype=spec.ab_dtype, K=spec.K, V=spec.V, rows=spec.B, NC=NC, HV=spec.HV)
+        return (ChunkForwardKernel.can_implement(**kw)
+                or StateGradKernel.can_implement(**kw, extra_columns=spec.K))
+
+    @staticmethod
+    def _check(spec, ch, extra_columns=0):
+        B, NC, HV, _, K = ch.k.shape
+        why = ChunkForwardKernel.can_implement(dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1],
+                                               rows=B, NC=NC, HV=HV,
+                                               extra_columns=extra_columns)
+        if why is not None:
+            raise ValueError(f"backend='cutedsl' cannot run this call: {why}")
+
+    def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
+        self._check(spec, ch)
+        operands = work if work is not None else forward_operands(ch, spec.scale,
+                                                                  spec.ab_dtype)
+        operands, bad = causal_operands(operands)
+        h0 = h0.astype(acc_dtype(spec.ab_dtype))
+        ckpt = spec.checkpoint_stride if keep_states else 0
+        oc, final, states = ChunkForwardKernel.call(
+            *operands, *_flags(layout), h0, BV=_bv(ch), ckpt=ckpt,
+            states_dtype=checkpoint_dtype(spec.ab_dtype))
+        oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
+        final = _where_has_tokens(layout, final, h0).astype(spec.cdt)
+        return oc, final, states if keep_states else None
+
+    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
+        self._check(spec, ch)
+        work = work if work is not None else BackwardWork(ch, doc, spec.scale, spec.ab_dtype)
+        S0 = chunked.states_from_checkpoints(work.it, layout, h0, states,
+                                             spec.checkpoint_stride)
+        ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
+                                           dfinal.astype(acc_dtype(spec.ab_dtype)),
+                                           BV=_bv(ch))
+        dch = chunked.local_grads(ch, work.it, work.it_pull, S0, doc,
+                                  ds_end.astype(ch.k.dtype), spec.scale)
+        return dch, _where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
+
+    def forward_summaries(self, spec, ch, layout):
+        K, V = ch.k.shape[-1], ch.v.shape[-1]
+        self._check(spec, ch, extra_columns=K)
+        operands = forward_operands(ch, spec.scale, spec.ab_dtype)
+        (w, kt, qg, p, u, decay), _ = causal_operands(operands)  # non-finite: NaN summaries
+        N, HV = layout.seq_len.shape[0], ch.k.shape[2]
+        h0 = _identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(spec.ab_dtype)), K)
+        _, final, _ = ChunkForwardKernel.call(w, kt, qg, p, _zero_columns(u, K), decay,
+                                              *_flags(layout), h0, BV=_bv(ch, K))
+        final = _where_has_tokens(layout, final, h0)
+        return (final[..., :V], final[..., V:]), operands
+
+    def backward_summaries(self, spec, ch, layout, doc, dfinal):
+        K, V = ch.k.shape[-1], ch.v.shape[-1]
+        self._check(spec, ch, extra_columns=K)
+        work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype)
+        kt, w, qg, ddo, do, decay = work.operands
+        df = _identity_columns(dfinal.astype(acc_dtype(spec.ab_dtype)), K)
+        _, dh0 = StateGradKernel.call(kt, w, qg, _zero_columns(ddo, K), _zero_columns(do, K),
+                                      decay, *_flags(layout), df, BV=_bv(ch, K))
+        dh0 = _where_has_tokens(layout, dh0, df).astype(dfinal.dtype)
+        return (dh0[..., :V], dh0[..., V:]), work
+
+
+CUTEDSL = CuTeDSLEngine()

@@ -1,0 +1,72 @@
+"""The reverse state-gradient kernel (:mod:`gdp_jax.kernels.chunk_bwd_sm90`): limits, call.
+
+One CTA per (value tile, head, row) walks that row's chunks backwards with dS in
+registers (dS does not depend on S): dS_end = carry (+ dfinal on a sequence's last chunk),
+dDelta = ddo + Kt dS_end, dS_start = decay dS_end + qg^T dO - w^T dDelta, restarting at
+``reset`` chunks. It writes dS_end of every chunk and the initial-state gradients.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax.numpy as jnp
+
+from gdp_jax.kernels import binding
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+
+
+class StateGradKernel:
+    """Limits and the (vmappable) call of the reverse state-gradient kernel."""
+
+    @staticmethod
+    def can_implement(*, dtype, K: int, V: int, rows: int, NC: int, HV: int,
+                      extra_columns: int = 0) -> Optional[str]:
+        """The forward kernel's limits: the same operands, tiles and 32-bit offsets."""
+        return ChunkForwardKernel.can_implement(dtype=dtype, K=K, V=V, rows=rows, NC=NC,
+                                                HV=HV, extra_columns=extra_columns)
+
+    @classmethod
+    def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
+             split: Optional[bool] = None):
+        """:meth:`raw_call`, ``jax.vmap``-able."""
+        f = binding.vmappable(lambda *a: cls.raw_call(*a, BV=BV, split=split), seq_arg=7,
+                              table_arg=9, out_kinds=("rows", "rows"))
+        return f(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
+
+    @staticmethod
+    def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
+                 split: Optional[bool] = None):
+        """-> (dS_end [B, NC, HV, K, V] float32, dh0 [N, HV, K, V] float32).
+
+        kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, V] in one 16-bit dtype; ddo:
+        [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC]
+        int32; dfinal: [N, HV, K, V] float32. Rows of dh0 for sequences without chunks
+        stay unwritten.
+        """
+        B, NC, HV, C, K = kt.shape
+        V = do.shape[-1]
+        ab_name = jnp.dtype(kt.dtype).name
+        split = ChunkForwardKernel.default_split(kt.dtype) if split is None else bool(split)
+        outputs = (binding.out((B, NC, HV, K, V), jnp.float32),
+                   binding.out(dfinal.shape, jnp.float32))
+        return binding.custom_call(_launcher(), "gdp_chunk_bwd_dh_sm90", outputs,
+                                   (kt, w, qg, ddo, do, decay, reset, seq, last, dfinal),
+                                   K=K, V=V, BV=BV, ab_name=ab_name, split=split)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_bwd_sm90 as mod
+
+    @cute.jit
+    def launch(stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0, *,
+               K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split)(stream, kt, w, qg, ddo, do, decay, reset, seq,
+                                                 last, dfinal, ds_end, dh0)
+
+    return launch
