@@ -117,7 +117,8 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
     _require_shape("beta", beta, (B, T, n, HV), "[B, T, n, HV]")
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
-                         f"{_shape(v)}) exceed the maximum of {MAX_HEAD_DIM}")
+                         f"{_shape(v)}) exceed the maximum of {MAX_HEAD_DIM} (the xla "
+                         f"backend's; the cutedsl kernels take less)")
     _require_float("q", q, INPUT_DTYPES)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:

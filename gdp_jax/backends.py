@@ -88,7 +88,8 @@ def resolve(backend: str, spec=None, cp: bool = False, available=None) -> str:
     ok, reason = (available or cutedsl_available)(spec)
     if backend == "cutedsl":
         if not ok:
-            raise ValueError(f"backend='cutedsl' cannot run here: {reason}")
+            raise getattr(reason, "error", ValueError)(
+                f"backend='cutedsl' cannot run here: {reason}")
         return "cutedsl"
     if ok and cp:
         ok, reason = False, "context parallelism runs on the xla backend"

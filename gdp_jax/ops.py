@@ -144,7 +144,9 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
                                 cu_seqlens=cu_seqlens, backend=backend, cp_size=cp_size,
                                 use_qk_l2norm=use_qk_l2norm,
                                 recompute_chunk_num=recompute_chunk_num)
-    backend = backends.resolve(backend, spec, cp=cp_axis is not None)
+    one_token = spec.T == 1 and cu_seqlens is None and cp_axis is None
+    backend = backends.resolve(backend, spec, cp=cp_axis is not None,
+                               available=backends.step_available if one_token else None)
     ok = None
     if cu_seqlens is not None:
         traced = not _guard.is_concrete(cu_seqlens)     # concrete ones were checked above
@@ -153,7 +155,7 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
             ok = _guard.offsets_ok(cu_seqlens, spec.T * cp_size, cp_axis)
             q, k, v, g, beta, initial_state = _guard.poison_all(
                 ok, q, k, v, g, beta, initial_state)
-    if spec.T == 1 and cu_seqlens is None and cp_axis is None:
+    if one_token:
         from gdp_jax import step           # one token: the decoding step, not a chunk
         o, final = step.one_token_op(backend, spec, q, k, v, g, beta, initial_state)
     elif cp_axis is not None:

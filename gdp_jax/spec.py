@@ -76,3 +76,16 @@ class CallSpec:
 
     def replace(self, **changes) -> "CallSpec":
         return dataclasses.replace(self, **changes)
+
+
+class Unsupported(str):
+    """Why a kernel cannot run a call (a sentence), and which error a user who asked for
+    that kernel gets: TypeError for a dtype it does not take, else ValueError.
+    ``can_implement`` methods return one of these, or None."""
+
+    error: type
+
+    def __new__(cls, message: str, error: type = ValueError):
+        obj = super().__new__(cls, message)
+        obj.error = error
+        return obj

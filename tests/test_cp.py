@@ -13,7 +13,9 @@ several packings of one shape share one compilation.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 from typing import NamedTuple, Optional
 
 import jax
@@ -453,38 +455,46 @@ def test_validate_summary_errors():
         gcp.unpack_summary(good.astype(jnp.float16), 5)
 
 
-def _metadata(has_gate=False, has_cu=False):
+def _metadata(has_gate=False, has_cu=False, has_states=False):
     return gcp.GDPSavedMetadata(scale=0.5, num_householder=2, use_qk_l2norm_in_kernel=False,
                                 recompute_chunk_num=0, has_initial_states=True,
-                                has_cu_seqlens=has_cu, has_gate=has_gate, config=None)
+                                has_cu_seqlens=has_cu, has_gate=has_gate,
+                                has_chunk_states=has_states)
+
+
+def _saved_inputs(has_gate, has_cu):
+    z = lambda *s: jnp.zeros(s)
+    return gcp.GDPInputs(z(1, 4, 1, 8), z(1, 4, 2, 1, 8), z(1, 4, 2, 1, 8),
+                         z(1, 4, 1) if has_gate else None, z(1, 4, 2, 1), z(1, 1, 8, 8),
+                         jnp.array([0, 4]) if has_cu else None, jnp.array([0]),
+                         jnp.array([0]), jnp.array(False), jnp.array(False))
 
 
 def test_restore_saved_context_errors():
     class OtherMetadata:
         pass
 
+    inputs = _saved_inputs(False, False)
     with pytest.raises(TypeError, match="metadata"):
-        gcp.restore_saved_context(gcp.SavedContext(tuple(range(9)), OtherMetadata()))
+        gcp.restore_saved_context(gcp.SavedContext(inputs, None, OtherMetadata()))
     with pytest.raises(TypeError, match="GDPSavedMetadata"):
-        gcp.restore_saved_context(gcp.SavedContext(tuple(range(9)), _metadata()),
+        gcp.restore_saved_context(gcp.SavedContext(inputs, None, _metadata()),
                                   metadata_type=OtherMetadata)
-    for has_gate, has_cu in ((False, False), (True, False), (False, True), (True, True)):
-        md = _metadata(has_gate, has_cu)
-        n = 9 + has_gate + has_cu
-        assert md.num_tensors == n
-        for bad in (n - 1, n + 1):
-            with pytest.raises(ValueError, match="tensors"):
-                gcp.restore_saved_context(gcp.SavedContext(tuple(range(bad)), md))
-        inputs, md2 = gcp.restore_saved_context(gcp.SavedContext(tuple(range(n)), md))
-        assert md2 is md
-        assert (inputs.q, inputs.k, inputs.v, inputs.beta, inputs.initial_state) == \
-            (0, 1, 2, 3, 4)
-        assert (inputs.g is None) == (not has_gate)
-        assert (inputs.cu_seqlens is None) == (not has_cu)
-        if has_gate:
-            assert inputs.g == 9
-        if has_cu:
-            assert inputs.cu_seqlens == n - 1
+    for has_gate, has_cu, has_states in itertools.product((False, True), repeat=3):
+        md = _metadata(has_gate, has_cu, has_states)
+        states = jnp.zeros((1, 1, 1, 8, 8)) if has_states else None
+        good = _saved_inputs(has_gate, has_cu)
+        for bad_inputs, bad_states in ((_saved_inputs(not has_gate, has_cu), states),
+                                       (_saved_inputs(has_gate, not has_cu), states),
+                                       (good, None if has_states else jnp.zeros(3))):
+            with pytest.raises(ValueError, match="saved CP context"):
+                gcp.restore_saved_context(gcp.SavedContext(bad_inputs, bad_states, md))
+        inputs, md2 = gcp.restore_saved_context(gcp.SavedContext(good, states, md))
+        assert md2 is md and inputs is good
+        spec = md.spec(inputs)         # the backward's spec, from metadata + shapes
+        assert (spec.scale, spec.n, spec.packed, spec.has_gate) == (0.5, 2, has_cu, has_gate)
+    with pytest.raises(ValueError, match="num_householder"):
+        dataclasses.replace(_metadata(), num_householder=3).spec(_saved_inputs(False, False))
 
 
 def test_saved_metadata_is_hashable_and_frozen():
@@ -492,9 +502,9 @@ def test_saved_metadata_is_hashable_and_frozen():
     assert hash(md) == hash(_metadata()) and md == _metadata()
     with pytest.raises(Exception):
         md.scale = 1.0                                            # frozen
-    ctx = gcp.SavedContext(tuple(jnp.zeros(i + 1) for i in range(9)), md)
+    ctx = gcp.SavedContext(_saved_inputs(True, True), jnp.zeros(3), md)
     leaves, tree = jax.tree_util.tree_flatten(ctx)
-    assert len(leaves) == 9
+    assert len(leaves) == 12
     assert jax.tree_util.tree_unflatten(tree, leaves).metadata == md
 
 

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from gdp_jax import chunked, testing
-from gdp_jax.kernels import bwd, fwd, inverse
+from gdp_jax import _checks, chunked, grid, testing
+from gdp_jax.engine import XLA
+from gdp_jax.kernels import wy_inverse
+from gdp_jax.kernels.pipeline import CUTEDSL
 from gdp_jax.testing import loss_and_grads, make_inputs, rel_max
 import test_cp as tcp
 
@@ -80,8 +82,8 @@ def test_recompute_chunk_num_checked():
 def test_states_from_checkpoints_equals_state_scan(stride):
     inp = make_inputs(5, 1, 150, 2, 1, 2, 4, 4, N=4, gate="normal")
     cu = jnp.array([0, 30, 31, 31, 150], jnp.int32)
-    layout = chunked.make_layout(1, 150, 2, cu)
-    ch = chunked.chunk_inputs(layout, *inp[:5], H=1, HV=2, compute_dtype=jnp.float64,
+    layout = grid.make_layout(1, 150, 2, cu)
+    ch = grid.chunk_inputs(layout, *inp[:5], H=1, HV=2, compute_dtype=jnp.float64,
                               use_qk_l2norm=False)
     it = chunked.intra_chunk(ch)
     S0 = chunked.state_scan(it, layout, inp.initial_state)
@@ -151,11 +153,9 @@ def test_cp_equals_single_device(packed, N):
 
 def test_cp_saved_context_holds_checkpoints():
     from gdp_jax import cp as gcp
-    from gdp_jax.ops import OpConfig
-    from gdp_jax import _checks
     inp = make_inputs(8, 1, 100, 2, 1, 2, 8, 8)           # 200 steps -> 4 chunks
     spec = _checks.check_inputs(*inp[:5])
-    be = gcp.CuTeDSLGatedDeltaProductCPBackend(OpConfig.from_spec(spec, False), 1)
+    be = gcp.CuTeDSLGatedDeltaProductCPBackend(spec, 1)
     layout_inputs = gcp.GDPInputs(*inp[:5], inp.initial_state, None,
                                   jnp.array([0]), jnp.array([0]), jnp.array(False),
                                   jnp.array(False))
@@ -163,8 +163,10 @@ def test_cp_saved_context_holds_checkpoints():
     none = gcp.SummarySlice(jnp.zeros((1, 1, 2, 8, 16)), jnp.zeros((1,), bool))
     _, _, saved = be.cp_forward_apply(ctx, none)
     assert saved.metadata.has_chunk_states and saved.metadata.recompute_chunk_num == 1
-    assert len(saved.tensors) == saved.metadata.num_tensors == 11
-    assert gcp.saved_chunk_states(saved).shape == (1, 2, 2, 8, 8)
+    assert saved.chunk_states.shape == (1, 2, 2, 8, 8)
+    assert len(jax.tree_util.tree_leaves(saved)) == 11    # 9 tensors + g + checkpoints
+    inputs, md = gcp.restore_saved_context(saved)
+    assert md.spec(inputs) == spec.replace(recompute_chunk_num=1)   # rebuilt, not stored
 
 
 # --- jax.vmap: the kernels' batching rule folds the mapped axis into the batch rows ------
@@ -201,7 +203,7 @@ def test_vmap_forward_and_grad(packed):
 
 
 def test_kernel_inverse_wrapper_matches_xla():
-    """kernels.inverse (emulated kernel): value, closed-form vjp and vmap equal the XLA
+    """kernels.wy_inverse (emulated kernel): value, closed-form vjp and vmap equal the XLA
     inverse's, and both equal LAPACK's inverse and the analytic vjp (independent of the
     blocked inverse that the emulation and chunked share); junk above the diagonal is
     ignored."""
@@ -212,8 +214,8 @@ def test_kernel_inverse_wrapper_matches_xla():
     eye = np.eye(64)
     X_np = np.linalg.inv(eye + np.asarray(A))                 # LAPACK, on the host
     np.testing.assert_allclose(X, X_np, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(inverse.unit_lower_inverse(junk), X_np, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(inverse.unit_lower_inverse(junk), X, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(wy_inverse.unit_lower_inverse(junk), X_np, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(wy_inverse.unit_lower_inverse(junk), X, rtol=1e-12, atol=1e-12)
     W = jax.random.normal(jax.random.PRNGKey(4), A.shape, jnp.float64)
     loss = lambda inv: lambda a: jnp.sum(jnp.sin(inv(a)) * W)
     # d/dA of sum(sin(X) W) with X = (I + A)^-1: -X^T G X^T, G = cos(X) W, kept strictly
@@ -221,37 +223,33 @@ def test_kernel_inverse_wrapper_matches_xla():
     G = np.cos(X_np) * np.asarray(W)
     Xt = np.swapaxes(X_np, -1, -2)
     dA = np.tril(-(Xt @ G @ Xt), -1)
-    grad_kernel = jax.grad(loss(inverse.unit_lower_inverse))(A)
+    grad_kernel = jax.grad(loss(wy_inverse.unit_lower_inverse))(A)
     np.testing.assert_allclose(np.tril(grad_kernel, -1), dA, rtol=1e-8, atol=1e-8)
     np.testing.assert_allclose(grad_kernel, jax.grad(loss(chunked.unit_lower_inverse))(A),
                                rtol=1e-10, atol=1e-10)
-    vm = jax.vmap(inverse.unit_lower_inverse, in_axes=1, out_axes=1)(A)
+    vm = jax.vmap(wy_inverse.unit_lower_inverse, in_axes=1, out_axes=1)(A)
     np.testing.assert_allclose(vm, X, rtol=1e-12, atol=1e-12)
     # vmap of a function where only another argument is mapped (the inverse is unbatched)
-    f = jax.vmap(lambda a, s: inverse.unit_lower_inverse(a) * s, in_axes=(None, 0))
+    f = jax.vmap(lambda a, s: wy_inverse.unit_lower_inverse(a) * s, in_axes=(None, 0))
     np.testing.assert_allclose(f(A[0], jnp.arange(2.0)),
                                X[0][None] * jnp.arange(2.0)[:, None, None, None], atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype,mm", [(jnp.bfloat16, None), (jnp.bfloat16, "bfloat16"),
-                                      (jnp.float16, None)])
-def test_16bit_inputs_match_reference(dtype, mm, monkeypatch):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16bit_inputs_match_reference(dtype):
     """bf16/fp16 inputs through the whole cutedsl pipeline (emulated kernels): bf16/float32
-    checkpoints, the kernel inverse's glue, and the optional bf16 matmul operands of the
-    XLA parts (fwd.MATMUL_DTYPE), vs the float64 reference at FLA's 16-bit tolerance."""
+    checkpoints and the kernel inverse's glue, vs the float64 reference at FLA's 16-bit
+    tolerance."""
     from gdp_jax.testing import DIFF_NAMES, rel_rms, upcast
-    monkeypatch.setattr(fwd, "MATMUL_DTYPE", mm)
     inp = make_inputs(12, 2, 150, 2, 2, 4, 32, 16, dtype, gate="normal")
     cu = None
-    # jit=False: the module knob is read at trace time (a cached jit would ignore it)
-    got = loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl", use_qk_l2norm=True,
-                         jit=False)
+    got = loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl", use_qk_l2norm=True)
     ref = loss_and_grads(REF, upcast(inp, jnp.float64)._replace(
         g=inp.g.astype(jnp.float64), initial_state=inp.initial_state.astype(jnp.float64)),
         cu_seqlens=cu, use_qk_l2norm=True)
     errs = {"o": rel_rms(got[0], ref[0]), "final": rel_rms(got[1], ref[1])}
     errs.update({n: rel_rms(got[3][n], ref[3][n]) for n in DIFF_NAMES})
-    print(jnp.dtype(dtype).name, mm, {k: f"{e:.1e}" for k, e in errs.items()})
+    print(jnp.dtype(dtype).name, {k: f"{e:.1e}" for k, e in errs.items()})
     assert max(errs.values()) < 1e-2, errs
 
 
@@ -267,17 +265,17 @@ def test_kernel_summaries_equal_xla_summaries(packed):
     else:
         cu, B, T, N = None, 2, 70, 2
     inp = make_inputs(21, B, T, n, H, HV, K, V, N=N, gate="normal")
-    layout = chunked.make_layout(B, T, n, cu)
-    ch = chunked.chunk_inputs(layout, inp.q, inp.k, inp.v, inp.g, inp.beta, H=H, HV=HV,
-                              compute_dtype=jnp.float64, use_qk_l2norm=False)
-    for got, want in zip(fwd.forward_summaries(ch, layout, 0.3, jnp.float64),
-                         chunked.forward_summaries(ch, layout)):
+    spec = _checks.check_inputs(*inp[:5], scale=0.3, cu_seqlens=cu)
+    layout = grid.layout_of(spec, cu)
+    ch = grid.chunks_of(spec, layout, inp.q, inp.k, inp.v, inp.g, inp.beta)
+    for got, want in zip(CUTEDSL.forward_summaries(spec, ch, layout)[0],
+                         XLA.forward_summaries(spec, ch, layout)[0]):
         assert got.shape == want.shape
         assert rel_max(got, want) < TOL
     rng = np.random.default_rng(3)
     doc = jnp.asarray(rng.standard_normal(ch.v.shape))
     dfinal = jnp.asarray(rng.standard_normal((N, HV, K, V)))
-    for got, want in zip(bwd.backward_summaries(ch, layout, doc, dfinal, 0.3, jnp.float64),
-                         chunked.backward_summaries(ch, layout, doc, dfinal, 0.3)):
+    for got, want in zip(CUTEDSL.backward_summaries(spec, ch, layout, doc, dfinal)[0],
+                         XLA.backward_summaries(spec, ch, layout, doc, dfinal)[0]):
         assert got.shape == want.shape
         assert rel_max(got, want) < TOL

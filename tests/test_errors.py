@@ -127,9 +127,9 @@ def test_head_dim_over_xla_maximum(K_, V_, culprit, arg):
 
 
 def test_head_dim_over_cutedsl_maximum():
-    """The cutedsl limit (256) is checked even where cutedsl cannot run."""
-    a = _args(B=1, T=1, n=1, H=1, HV=1, K=257, V=4)
-    _raises(ValueError, r"\bK=257", r"256", r"cutedsl", args=a, backend="cutedsl")
+    """The cutedsl kernels' head-dim limit is checked even where cutedsl cannot run."""
+    a = _args(B=1, T=2, n=1, H=1, HV=1, K=256, V=64)
+    _raises(ValueError, r"\bK=256", r"\(64, 128\)", r"cutedsl", args=a, backend="cutedsl")
 
 
 # --- dtypes ------------------------------------------------------------------------------

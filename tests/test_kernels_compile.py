@@ -16,8 +16,12 @@ import pytest  # noqa: E402
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (the 'kernels' extra; "
                                        "its wheels exist for Linux x86-64 only)")
 
-from gdp_jax import _checks, chunked, ops  # noqa: E402
-from gdp_jax.kernels import bwd, fwd, inverse  # noqa: E402
+from gdp_jax import _checks, grid, ops  # noqa: E402
+from gdp_jax.kernels import wy_inverse  # noqa: E402
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel  # noqa: E402
+from gdp_jax.kernels.pipeline import CUTEDSL, CuTeDSLEngine  # noqa: E402
+from gdp_jax.kernels.state_grad import StateGradKernel  # noqa: E402
+from gdp_jax.kernels.step import StepKernel  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 CUDA = ("cuda",)
@@ -37,27 +41,27 @@ def test_arch_is_sm90a():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("K,V,BV", [(128, 128, 64), (64, 64, 32), (64, 128, 32), (128, 64, 64)])
 def test_chunk_kernel_compiles(dtype, K, V, BV, split):
-    B, NC, HV, C, N = 2, 3, 4, chunked.CHUNK, 2
+    B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
     avals = (S((B, NC, HV, C, K), dtype), S((B, NC, HV, C, K), dtype),
              S((B, NC, HV, C, K), dtype), S((B, NC, HV, C, C), dtype),
              S((B, NC, HV, C, V), jnp.float32), S((B, NC, HV), jnp.float32),
              S((B, NC), jnp.int32), S((B, NC), jnp.int32), S((B, NC), jnp.int32),
              S((N, HV, K, V), jnp.float32))
-    txt = _lower(lambda *a: fwd.chunk_kernel_call(*a, BV=BV, split=split), *avals)
+    txt = _lower(lambda *a: ChunkForwardKernel.call(*a, BV=BV, split=split), *avals)
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
 
 
 @pytest.mark.parametrize("ckpt", [1, 3])
 def test_chunk_kernel_with_checkpoints_compiles(ckpt):
-    B, NC, HV, C, N, K, V = 1, 4, 2, chunked.CHUNK, 1, 128, 128
+    B, NC, HV, C, N, K, V = 1, 4, 2, grid.CHUNK, 1, 128, 128
     dtype = jnp.bfloat16
     avals = (S((B, NC, HV, C, K), dtype),) * 3 + (
         S((B, NC, HV, C, C), dtype), S((B, NC, HV, C, V), jnp.float32),
         S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
         S((N, HV, K, V), jnp.float32),)
-    out = jax.eval_shape(lambda *a: fwd.chunk_kernel_call(*a, BV=32, ckpt=ckpt), *avals)
+    out = jax.eval_shape(lambda *a: ChunkForwardKernel.call(*a, BV=32, ckpt=ckpt), *avals)
     assert out[2].shape == (B, -(-NC // ckpt), HV, K, V)
-    txt = _lower(lambda *a: fwd.chunk_kernel_call(*a, BV=32, ckpt=ckpt), *avals)
+    txt = _lower(lambda *a: ChunkForwardKernel.call(*a, BV=32, ckpt=ckpt), *avals)
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
 
 
@@ -65,31 +69,31 @@ def test_chunk_kernel_with_checkpoints_compiles(ckpt):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 64, 32), (64, 128, 64), (128, 64, 32)])
 def test_dh_kernel_compiles(dtype, K, V, BV, split):
-    B, NC, HV, C, N = 2, 3, 4, chunked.CHUNK, 2
+    B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
     avals = ((S((B, NC, HV, C, K), dtype),) * 3
              + (S((B, NC, HV, C, V), jnp.float32), S((B, NC, HV, C, V), dtype),
                 S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3
              + (S((N, HV, K, V), jnp.float32),))
-    txt = _lower(lambda *a: bwd.dh_kernel_call(*a, BV=BV, split=split), *avals)
+    txt = _lower(lambda *a: StateGradKernel.call(*a, BV=BV, split=split), *avals)
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
 
 
 @pytest.mark.parametrize("shape", [(3, 64, 64), (2, 5, 3, 64, 64)])
 def test_inverse_kernel_compiles(shape):
     """The WY inverse kernel (odd matrix counts: a tail CTA), its vjp and a vmap of it."""
-    txt = _lower(inverse.unit_lower_inverse, S(shape, jnp.float32))
+    txt = _lower(wy_inverse.unit_lower_inverse, S(shape, jnp.float32))
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
-    grad = lambda A: jax.grad(lambda a: jnp.sum(inverse.unit_lower_inverse(a) ** 2))(A)
+    grad = lambda A: jax.grad(lambda a: jnp.sum(wy_inverse.unit_lower_inverse(a) ** 2))(A)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(grad, S(shape, jnp.float32))
-    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(jax.vmap(inverse.unit_lower_inverse),
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(jax.vmap(wy_inverse.unit_lower_inverse),
                                                   S((4,) + shape, jnp.float32))
 
 
 def test_inverse_kernel_rejects_other_shapes():
     with pytest.raises(ValueError, match="float32"):
-        inverse.kernel_call(jnp.zeros((2, 32, 32), jnp.float32))
+        wy_inverse.WYInverseKernel.raw_call(jnp.zeros((2, 32, 32), jnp.float32))
     with pytest.raises(ValueError, match="float32"):
-        inverse.kernel_call(jnp.zeros((2, 64, 64), jnp.float64))
+        wy_inverse.WYInverseKernel.raw_call(jnp.zeros((2, 64, 64), jnp.float64))
 
 
 def _op_avals(B, T, n, H, HV, K, V, dtype):
@@ -104,11 +108,11 @@ def test_cutedsl_op_forward_and_grad_lower(n):
     B, T, H, HV, K, V = 1, 100, 1, 2, 64, 64
     dtype = jnp.bfloat16
     avals = _op_avals(B, T, n, H, HV, K, V, dtype)
-    spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in avals[:5]])
-    cfg = ops.OpConfig.from_spec(spec, True)
+    spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in avals[:5]],
+                                use_qk_l2norm=True)
 
     def f(q, k, v, g, beta, h0):
-        o, final = ops._cutedsl_op(cfg, q, k, v, g, beta, h0, None)
+        o, final = ops._op(CUTEDSL, spec, q, k, v, g, beta, h0, None)
         return o, final
 
     txt = _lower(f, *avals)
@@ -127,9 +131,9 @@ def test_cutedsl_op_packed_lowers():
     avals = _op_avals(B, T, n, H, HV, K, V, jnp.bfloat16)[:5] + (
         S((3, HV, K, V), jnp.float32), S((4,), jnp.int32))
     spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in avals[:5]],
-                                cu_seqlens=jnp.array([0, 50, 50, 200], jnp.int32))
-    cfg = ops.OpConfig.from_spec(spec, True)
-    txt = _lower(lambda *a: ops._cutedsl_op(cfg, *a), *avals)
+                                cu_seqlens=jnp.array([0, 50, 50, 200], jnp.int32),
+                                use_qk_l2norm=True)
+    txt = _lower(lambda *a: ops._op(CUTEDSL, spec, *a), *avals)
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
 
 
@@ -137,34 +141,47 @@ def test_cutedsl_op_packed_lowers():
 def test_cp_summary_kernels_lower(K, V):
     """The CP summaries run the forward / reverse kernels on V + K state columns."""
     B, T, n, HV = 1, 200, 2, 2
-    layout = chunked.make_layout(B, T, n, None)
+    layout = grid.make_layout(B, T, n, None)
     NC = layout.reset.shape[1]
-    ch = chunked.ChunkInputs(*(S((B, NC, HV, chunked.CHUNK, d), jnp.float32)
+    ch = grid.ChunkInputs(*(S((B, NC, HV, grid.CHUNK, d), jnp.float32)
                                for d in (K, K, V)),
-                             S((B, NC, HV, chunked.CHUNK), jnp.float32),
-                             S((B, NC, HV, chunked.CHUNK), jnp.float32))
-    txt = _lower(lambda c: fwd.forward_summaries(c, layout, 0.1, jnp.bfloat16), ch)
+                             S((B, NC, HV, grid.CHUNK), jnp.float32),
+                             S((B, NC, HV, grid.CHUNK), jnp.float32))
+    spec = _checks.check_inputs(jnp.zeros((B, T, 1, K), jnp.bfloat16),
+                                jnp.zeros((B, T, n, 1, K), jnp.bfloat16),
+                                jnp.zeros((B, T, n, HV, V), jnp.bfloat16), None,
+                                jnp.zeros((B, T, n, HV), jnp.bfloat16), scale=0.1)
+    txt = _lower(lambda c: CUTEDSL.forward_summaries(spec, c, layout)[0], ch)
     assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # inverse + forward
-    doc = S((B, NC, HV, chunked.CHUNK, V), jnp.float32)
+    doc = S((B, NC, HV, grid.CHUNK, V), jnp.float32)
     dfinal = S((B, HV, K, V), jnp.float32)
-    txt = _lower(lambda c, d, f: bwd.backward_summaries(c, layout, d, f, 0.1, jnp.bfloat16),
+    txt = _lower(lambda c, d, f: CUTEDSL.backward_summaries(spec, c, layout, d, f)[0],
                  ch, doc, dfinal)
     assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # inverse + reverse
 
 
-def test_unsupported_reasons():
-    assert fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=1, NC=4, HV=2) is None
-    assert "bfloat16/float16" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.float32,
-                                                        B=1, NC=4, HV=2)
-    assert "K, V" in fwd.unsupported_reason(K=256, V=128, dtype=jnp.bfloat16, B=1, NC=4, HV=2)
-    assert "32-bit" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=64,
-                                              NC=8192, HV=64)
+def test_can_implement():
+    ok = dict(K=128, V=128, dtype=jnp.bfloat16, rows=1, NC=4, HV=2)
+    assert ChunkForwardKernel.can_implement(**ok) is None
+    assert "bfloat16/float16" in ChunkForwardKernel.can_implement(**{**ok, "dtype": jnp.float32})
+    assert "K, V" in ChunkForwardKernel.can_implement(**{**ok, "K": 256})
+    assert "32-bit" in ChunkForwardKernel.can_implement(**{**ok, "rows": 64, "NC": 8192,
+                                                           "HV": 64})
     # rows [C, V] fit (200000 * 64 * 128 < 2^31) but the [K, V] chunk states do not
-    assert "32-bit" in fwd.unsupported_reason(K=128, V=128, dtype=jnp.bfloat16, B=1,
-                                              NC=200000, HV=1)
+    assert "32-bit" in ChunkForwardKernel.can_implement(**{**ok, "NC": 200000, "HV": 1})
     # the CP summaries run V + K state columns
-    assert fwd.size_reason(B=1, NC=100000, HV=1, K=128, V=128) is None
-    assert "32-bit" in fwd.size_reason(B=1, NC=100000, HV=1, K=128, V=256)
+    big = {**ok, "NC": 100000, "HV": 1}
+    assert StateGradKernel.can_implement(**big) is None
+    assert "32-bit" in StateGradKernel.can_implement(**big, extra_columns=128)
+    # the engine's statement is the kernels' (and it includes the summaries' columns)
+    T, bf = 5_000_000, jnp.bfloat16         # 78125 chunks: V fits, V + K does not
+    spec = _checks.check_inputs(S((1, T, 1, 128), bf), S((1, T, 1, 1, 128), bf),
+                                S((1, T, 1, 1, 128), bf), None, S((1, T, 1, 1), bf))
+    assert ChunkForwardKernel.can_implement(**{**ok, "NC": T // 64, "HV": 1}) is None
+    assert "32-bit" in CuTeDSLEngine.can_implement(spec)
+    assert CuTeDSLEngine.can_implement(spec.replace(T=64)) is None
+    assert "bfloat16/float16" in CuTeDSLEngine.can_implement(spec.replace(
+        T=64, input_dtype="float32"))
 
 
 def test_cutedsl_op_vmap_and_grad_lower():
@@ -173,11 +190,11 @@ def test_cutedsl_op_vmap_and_grad_lower():
     B, T, n, H, HV, K, V = 1, 100, 2, 1, 2, 64, 64
     avals = tuple(S((3,) + a.shape, a.dtype) for a in _op_avals(B, T, n, H, HV, K, V,
                                                                  jnp.bfloat16))
-    spec = _checks.check_inputs(*[jnp.zeros(a.shape[1:], a.dtype) for a in avals[:5]])
-    cfg = ops.OpConfig.from_spec(spec, True, 1)
+    spec = _checks.check_inputs(*[jnp.zeros(a.shape[1:], a.dtype) for a in avals[:5]],
+                                use_qk_l2norm=True, recompute_chunk_num=1)
 
     def loss(q, k, v, g, beta, h0):
-        o, final = ops._cutedsl_op(cfg, q, k, v, g, beta, h0, None)
+        o, final = ops._op(CUTEDSL, spec, q, k, v, g, beta, h0, None)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final)
 
     txt = _lower(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))), *avals)
@@ -195,8 +212,7 @@ def _step_kernel_avals(B, HV, n, K, V):
 @pytest.mark.parametrize("n,K,V", [(1, 128, 128), (2, 128, 128), (3, 64, 128), (2, 128, 64),
                                    (2, 96, 32), (2, 16, 96)])
 def test_step_kernel_compiles(n, K, V):
-    from gdp_jax.kernels import step
-    txt = _lower(step.step_kernel_call, *_step_kernel_avals(2, 3, n, K, V))
+    txt = _lower(StepKernel.call, *_step_kernel_avals(2, 3, n, K, V))
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
     assert "output_operand_aliases" in txt          # the state is updated in place
 
@@ -207,9 +223,10 @@ def test_cutedsl_step_grad_vmap_and_one_token_op_lower(dtype):
     of it, and the cutedsl op at T = 1 (which runs the step kernel) lower for cuda."""
     from gdp_jax import step
     B, n, H, HV, K, V = 4, 2, 2, 4, 128, 128
-    cfg = step.StepConfig(H, HV, K ** -0.5, True, "float32")
     avals = (S((B, H, K), dtype), S((B, n, H, K), dtype), S((B, n, HV, V), dtype),
              S((B, HV), jnp.float32), S((B, n, HV), dtype), S((B, HV, K, V), jnp.float32))
+    cfg = _checks.check_step_inputs(*[jnp.zeros(a.shape, a.dtype) for a in avals],
+                                    use_qk_l2norm=True)
     run = lambda *a: step.cutedsl_step(cfg, *a)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(run, *avals)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(jax.vmap(run), *(
@@ -222,18 +239,18 @@ def test_cutedsl_step_grad_vmap_and_one_token_op_lower(dtype):
     _lower(jax.grad(loss, argnums=tuple(range(6))), *avals)
     if dtype == jnp.bfloat16:
         op_avals = _op_avals(B, 1, n, H, HV, K, V, dtype)
-        spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in op_avals[:5]])
+        spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in op_avals[:5]],
+                                    use_qk_l2norm=True)
         txt = _lower(lambda q, k, v, g, beta, h0: step.one_token_op(
-            "cutedsl", spec, True, q, k, v, g, beta, h0), *op_avals)
+            "cutedsl", spec, q, k, v, g, beta, h0), *op_avals)
         assert "CuteDSLRT_NvJaxCutlassCall" in txt
 
 
 def test_step_unsupported_reasons():
-    from gdp_jax.kernels import step
     ok = dict(B=64, HV=32, K=128, V=128, dtype=jnp.bfloat16)
-    assert step.unsupported_reason(**ok) is None
-    assert step.unsupported_reason(**{**ok, "dtype": jnp.float32}) is None
-    assert "K <= 128" in step.unsupported_reason(**{**ok, "K": 256})
-    assert "multiple of 32" in step.unsupported_reason(**{**ok, "V": 48})
-    assert "float64" in step.unsupported_reason(**{**ok, "dtype": jnp.float64})
-    assert "32-bit" in step.unsupported_reason(**{**ok, "B": 4096})
+    assert StepKernel.can_implement(**ok) is None
+    assert StepKernel.can_implement(**{**ok, "dtype": jnp.float32}) is None
+    assert "K <= 128" in StepKernel.can_implement(**{**ok, "K": 256})
+    assert "multiple of 32" in StepKernel.can_implement(**{**ok, "V": 48})
+    assert "float64" in StepKernel.can_implement(**{**ok, "dtype": jnp.float64})
+    assert "32-bit" in StepKernel.can_implement(**{**ok, "B": 4096})

@@ -6,11 +6,11 @@ uses function-level imports deliberately to defer heavy or device-only imports (
 DSL kernel bodies ``kernels/*_sm90.py``, ``kernels.*`` from ``backends`` only once an
 sm_90 GPU is seen, flax-backed ``s3`` from ``cli``); deferring changes when a module
 loads, not which layer it depends on, so they obey the same table. An import of a
-submodule (``gdp_jax.kernels.fwd``) is an edge to that module only, not to the packages
+submodule (``gdp_jax.kernels.binding``) is an edge to that module only, not to the packages
 above it.
 
-The known violations are listed in ``KNOWN_BACK_EDGES`` (issue 13 removes them): the test
-fails on any new one, and on a listed one that no longer exists (delete it from the list).
+``KNOWN_BACK_EDGES`` lists allowed violations (none today): the test fails on any new one,
+and on a listed one that no longer exists (delete it from the list).
 """
 from __future__ import annotations
 
@@ -24,39 +24,34 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "gdp_jax"
 # Layer of every module, bottom (0) to top; a module may import its own layer or below.
 # Same-layer imports are allowed here and policed by the cycle check.
 LAYERS = {
-    # 0: leaf helpers, no gdp_jax imports: argument checks, varying-axes typing, packing
-    "gdp_jax._vma": 0, "gdp_jax._checks": 0, "gdp_jax.packing": 0,
+    # 0: leaf helpers: the call spec and argument checks, varying-axes typing, packing
+    "gdp_jax.spec": 0, "gdp_jax._checks": 0, "gdp_jax._vma": 0, "gdp_jax._prefix": 0,
+    "gdp_jax.packing": 0,
     # 1: the float64 token recurrence, the NaN guard, the CP fold algebra
     "gdp_jax.reference": 1, "gdp_jax._guard": 1, "gdp_jax.cp.fold": 1,
-    # 2: the XLA chunked algorithm
-    "gdp_jax.chunked": 2,
-    # 3: CuTe DSL kernel bodies and the vmap folding helper
-    "gdp_jax.kernels._batching": 3, "gdp_jax.kernels.chunk_fwd_sm90": 3,
-    "gdp_jax.kernels.chunk_bwd_sm90": 3, "gdp_jax.kernels.wy_inverse_sm90": 3,
-    "gdp_jax.kernels.step_sm90": 3,
-    # 4: the kernels' XLA glue and bindings, and their emulation
-    "gdp_jax.kernels": 4, "gdp_jax.kernels.fwd": 4, "gdp_jax.kernels.bwd": 4,
-    "gdp_jax.kernels.inverse": 4, "gdp_jax.kernels.step": 4, "gdp_jax.kernels.emulate": 4,
-    # 5: backend selection; 6: the decoding step (the op's T = 1 path uses it)
-    "gdp_jax.backends": 5, "gdp_jax.step": 6,
-    # 7: context parallelism (protocol + driver); 8: the op (dispatches to CP for cp_axis)
-    "gdp_jax.cp.protocol": 7, "gdp_jax.cp.driver": 7, "gdp_jax.cp": 7, "gdp_jax.ops": 8,
-    # 9: the flax layer and FLA weight loading; 10: the S3 model built from it
-    "gdp_jax.nn": 9, "gdp_jax.fla_weights": 9, "gdp_jax.s3": 10,
-    # 11: the public facade; 12: its users (command line, testing helpers); 13: entry point
-    "gdp_jax": 11, "gdp_jax.cli": 12, "gdp_jax.testing": 12, "gdp_jax.__main__": 13,
+    # 2: the chunk grid; 3: the XLA chunked algorithm; 4: the engine interface + XLA engine
+    "gdp_jax.grid": 2, "gdp_jax.chunked": 3, "gdp_jax.engine": 4,
+    # 5: CuTe DSL device code and the one binding module
+    "gdp_jax.kernels.sm90": 5, "gdp_jax.kernels.chunk_fwd_sm90": 5,
+    "gdp_jax.kernels.chunk_bwd_sm90": 5, "gdp_jax.kernels.wy_inverse_sm90": 5,
+    "gdp_jax.kernels.step_sm90": 5, "gdp_jax.kernels.binding": 5,
+    # 6: kernel classes (limits + calls), and their emulation
+    "gdp_jax.kernels.chunk_forward": 6, "gdp_jax.kernels.state_grad": 6,
+    "gdp_jax.kernels.wy_inverse": 6, "gdp_jax.kernels.step": 6, "gdp_jax.kernels.emulate": 6,
+    # 7: the CuTe DSL engine (the pipeline's XLA glue)
+    "gdp_jax.kernels.pipeline": 7, "gdp_jax.kernels": 7,
+    # 8: backend selection; 9: the decoding step (the op's T = 1 path uses it)
+    "gdp_jax.backends": 8, "gdp_jax.step": 9,
+    # 10: context parallelism (protocol + driver); 11: the op (dispatches to CP for cp_axis)
+    "gdp_jax.cp.protocol": 10, "gdp_jax.cp.driver": 10, "gdp_jax.cp": 10, "gdp_jax.ops": 11,
+    # 12: the flax layer and FLA weight loading; 13: the S3 model built from it
+    "gdp_jax.nn": 12, "gdp_jax.fla_weights": 12, "gdp_jax.s3": 13,
+    # 14: the public facade; 15: its users (command line, testing helpers); 16: entry point
+    "gdp_jax": 14, "gdp_jax.cli": 15, "gdp_jax.testing": 15, "gdp_jax.__main__": 16,
 }
 
-# Edges (importer, imported) known to break the rules, left for issue 13's restructure:
-# each closes a cycle and points upward (or back within the kernels' glue).
-KNOWN_BACK_EDGES = {
-    # issue 13: the chunk grid helpers (chunk_shape, readout_cotangent) live in ops.py;
-    # they belong in one chunk-grid module below both (imported inside a method).
-    ("gdp_jax.cp.protocol", "gdp_jax.ops"),
-    # issue 13: kernels/fwd.py is a grab-bag that inverse.py takes shared helpers from,
-    # while fwd.py calls the inverse (function-level import to load at all).
-    ("gdp_jax.kernels.fwd", "gdp_jax.kernels.inverse"),
-}
+# Edges (importer, imported) allowed to break the rules: none.
+KNOWN_BACK_EDGES: set = set()
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -69,8 +64,8 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def _resolve(name: str, modules) -> str:
-    """The module an imported dotted name lives in: ``gdp_jax.kernels.fwd`` itself,
-    ``gdp_jax.ops.chunk_shape`` -> ``gdp_jax.ops``."""
+    """The module an imported dotted name lives in: ``gdp_jax.kernels.binding`` itself,
+    ``gdp_jax.grid.CHUNK`` -> ``gdp_jax.grid``."""
     while name not in modules:
         name = name.rpartition(".")[0]
     return name
@@ -131,7 +126,7 @@ def _without_known(graph):
 
 def test_every_module_has_a_layer():
     graph = import_graph()
-    assert "gdp_jax.ops" in graph and "gdp_jax.kernels.fwd" in graph    # the parse works
+    assert "gdp_jax.ops" in graph and "gdp_jax.kernels.pipeline" in graph   # the parse works
     missing = sorted(set(graph) - set(LAYERS))
     assert not missing, f"place these modules in tests/test_layers.py LAYERS: {missing}"
     stale = sorted(set(LAYERS) - set(graph))

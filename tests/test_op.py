@@ -304,26 +304,26 @@ def test_no_nan_extreme_finite_gate():
 
 @pytest.mark.parametrize("T,n", [(1, 1), (31, 2), (32, 2), (100, 3)])
 def test_contiguous_relayout_equals_gather(T, n):
-    """Batched layouts relayout by pad/reshape/slice (chunked.Contiguous); the general
+    """Batched layouts relayout by pad/reshape/slice (grid.Contiguous); the general
     gather with explicit row indices must give the same chunk grid and readout, incl. a
     partial last chunk and its zero padding rows, and the same transposes (gradients)."""
-    from gdp_jax import chunked
+    from gdp_jax import grid
     B, HV, X = 2, 3, 5
-    lay = chunked.make_layout(B, T, n, None)
-    assert isinstance(lay.src, chunked.Contiguous)
+    lay = grid.make_layout(B, T, n, None)
+    assert isinstance(lay.src, grid.Contiguous)
     NC = lay.reset.shape[1]
-    rows = jnp.arange(NC * chunked.CHUNK, dtype=jnp.int32)
+    rows = jnp.arange(NC * grid.CHUNK, dtype=jnp.int32)
     explicit = lay._replace(
-        src=jnp.broadcast_to(jnp.where(rows < n * T, rows, -1), (B, NC * chunked.CHUNK)),
+        src=jnp.broadcast_to(jnp.where(rows < n * T, rows, -1), (B, NC * grid.CHUNK)),
         out_slot=jnp.broadcast_to(n * jnp.arange(T, dtype=jnp.int32) + n - 1, (B, T)))
     x = jnp.asarray(np.random.default_rng(T).standard_normal((B, n * T, HV, X)))
-    y_fast, pull_fast = jax.vjp(lambda a: chunked.to_chunks(lay, a), x)
-    y_gather, pull_gather = jax.vjp(lambda a: chunked.to_chunks(explicit, a), x)
+    y_fast, pull_fast = jax.vjp(lambda a: grid.to_chunks(lay, a), x)
+    y_gather, pull_gather = jax.vjp(lambda a: grid.to_chunks(explicit, a), x)
     np.testing.assert_array_equal(y_fast, y_gather)
     ct = jnp.asarray(np.random.default_rng(1).standard_normal(y_fast.shape))
     np.testing.assert_array_equal(pull_fast(ct)[0], pull_gather(ct)[0])
-    o_fast, back_fast = jax.vjp(lambda c: chunked.from_chunks(lay, c), ct)
-    o_gather, back_gather = jax.vjp(lambda c: chunked.from_chunks(explicit, c), ct)
+    o_fast, back_fast = jax.vjp(lambda c: grid.from_chunks(lay, c), ct)
+    o_gather, back_gather = jax.vjp(lambda c: grid.from_chunks(explicit, c), ct)
     np.testing.assert_array_equal(o_fast, o_gather)
     do = jnp.asarray(np.random.default_rng(2).standard_normal(o_fast.shape))
     np.testing.assert_array_equal(back_fast(do)[0], back_gather(do)[0])

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import gdp_jax
 from gdp_jax import testing
-from gdp_jax.kernels import inverse
+from gdp_jax.kernels import wy_inverse
 from gdp_jax.testing import make_inputs, rel_max
 import test_cp as tcp
 
@@ -274,7 +274,7 @@ def test_inverse_kernel_wrapper_is_row_causal(emulated_kernels):
     rng = np.random.default_rng(0)
     A = np.tril(rng.standard_normal((2, 64, 64)) * 0.1, -1)
     A[1, 40, 3] = np.inf
-    X = np.asarray(inverse.unit_lower_inverse(jnp.asarray(A, jnp.float32)))
+    X = np.asarray(wy_inverse.unit_lower_inverse(jnp.asarray(A, jnp.float32)))
     want = np.linalg.inv(np.eye(64) + A[0])
     assert np.abs(X[0] - want).max() < 1e-4
     assert np.isfinite(X[1, :40]).all() and np.isnan(X[1, 40:]).all()

@@ -163,7 +163,7 @@ def test_backend_auto_picks_the_step_kernel():
     from gdp_jax import backends
     q, k, v, g, beta, s0 = make(0, 2, 1, 2, 2, 2, 128, 128, jnp.bfloat16)
     spec = gdp_jax._checks.check_step_inputs(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
-    assert backends.resolve("auto", spec, q.dtype, available=backends.step_available) == "cutedsl"
+    assert backends.resolve("auto", spec, available=backends.step_available) == "cutedsl"
 
 
 def test_layer_prefill_and_decode_on_gpu():

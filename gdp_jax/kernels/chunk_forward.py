@@ -14,6 +14,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from gdp_jax.kernels import binding
+from gdp_jax.spec import Unsupported
 
 C = 64
 
@@ -26,19 +27,22 @@ class ChunkForwardKernel:
 
     @staticmethod
     def can_implement(*, dtype, K: int, V: int, rows: int, NC: int, HV: int,
-                      extra_columns: int = 0) -> Optional[str]:
+                      extra_columns: int = 0) -> Optional[Unsupported]:
         """None if the kernel runs these shapes (``extra_columns``: state columns beyond
-        V, as the CP summaries use), else a sentence saying why not."""
+        V, as the CP summaries use), else why not."""
         name = jnp.dtype(dtype).name
         if name not in ChunkForwardKernel.DTYPES:
-            return (f"the cutedsl kernels take bfloat16/float16 inputs (16-bit tensor-core "
-                    f"operands); got {name}")
+            return Unsupported(f"q, k, v have dtype {name}; the cutedsl kernels take "
+                               f"bfloat16/float16 inputs (16-bit tensor-core operands)",
+                               TypeError)
         dims = ChunkForwardKernel.HEAD_DIMS
         if K not in dims or V not in dims:
-            return f"the cutedsl kernels support K, V in {dims}; got K={K}, V={V}"
+            return Unsupported(f"the cutedsl kernels support head dims K, V in {dims}; got "
+                               f"K={K} (q, k), V={V} (v)")
         Vx = V + extra_columns
         if rows * NC * HV * max(C * max(K, Vx, C), K * Vx) > binding.MAX_ELEMS:
-            return "the problem is too large for the kernel's 32-bit offsets"
+            return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "
+                               f"the kernel's 32-bit offsets")
         return None
 
     @staticmethod

@@ -21,7 +21,7 @@ class StateGradKernel:
 
     @staticmethod
     def can_implement(*, dtype, K: int, V: int, rows: int, NC: int, HV: int,
-                      extra_columns: int = 0) -> Optional[str]:
+                      extra_columns: int = 0):
         """The forward kernel's limits: the same operands, tiles and 32-bit offsets."""
         return ChunkForwardKernel.can_implement(dtype=dtype, K=K, V=V, rows=rows, NC=NC,
                                                 HV=HV, extra_columns=extra_columns)

@@ -14,6 +14,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from gdp_jax.kernels import binding
+from gdp_jax.spec import Unsupported
 
 
 class StepKernel:
@@ -22,18 +23,20 @@ class StepKernel:
     MAX_K = 128                 # K float32 registers per thread hold the state column
 
     @staticmethod
-    def can_implement(*, dtype, B: int, HV: int, K: int, V: int) -> Optional[str]:
-        """None if the step kernel runs this call, else a sentence saying why not."""
+    def can_implement(*, dtype, B: int, HV: int, K: int, V: int) -> Optional[Unsupported]:
+        """None if the step kernel runs this call, else why not."""
         name = jnp.dtype(dtype).name
         if name not in ("bfloat16", "float16", "float32"):
-            return f"the cutedsl step takes bfloat16/float16/float32 inputs; got {name}"
+            return Unsupported(f"q, k, v have dtype {name}; the cutedsl step takes "
+                               f"bfloat16/float16/float32 inputs", TypeError)
         if K > StepKernel.MAX_K:
-            return (f"the cutedsl step holds a K-long state column per thread: "
-                    f"K <= {StepKernel.MAX_K}, got {K}")
+            return Unsupported(f"the cutedsl step holds a K-long state column per thread: "
+                               f"K <= {StepKernel.MAX_K}, got K={K}")
         if V % 32:
-            return f"the cutedsl step needs V a multiple of 32, got V={V}"
+            return Unsupported(f"the cutedsl step needs V a multiple of 32, got V={V}")
         if B * HV * K * V > binding.MAX_ELEMS:
-            return "the state is too large for the step kernel's 32-bit offsets"
+            return Unsupported(f"the state [{B}, {HV}, {K}, {V}] is too large for the step "
+                               f"kernel's 32-bit offsets")
         return None
 
     @staticmethod
