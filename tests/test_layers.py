@@ -33,7 +33,7 @@ LAYERS = {
     # 3: CuTe DSL kernel bodies and the vmap folding helper
     "gdp_jax.kernels._batching": 3, "gdp_jax.kernels.chunk_fwd_sm90": 3,
     "gdp_jax.kernels.chunk_bwd_sm90": 3, "gdp_jax.kernels.wy_inverse_sm90": 3,
-    "gdp_jax.kernels.step_sm90": 3,
+    "gdp_jax.kernels.step_sm90": 3, "gdp_jax.kernels.sm90": 3,
     # 4: the kernels' XLA glue and bindings, and their emulation
     "gdp_jax.kernels": 4, "gdp_jax.kernels.fwd": 4, "gdp_jax.kernels.bwd": 4,
     "gdp_jax.kernels.inverse": 4, "gdp_jax.kernels.step": 4, "gdp_jax.kernels.emulate": 4,
