@@ -25,7 +25,8 @@ import cutlass.memory
 import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
-                                  g2s_copy, ldmatrix_copies, make_acc, mma, operand,
+                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
+                                  operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
 # Bump on ANY change to this file or to gdp_jax.kernels.sm90 (part of the compile key).
@@ -136,29 +137,15 @@ class ChunkBwdDhSm90:
 
             # ---- dDelta = ddo + Kt dS   (kept negated in smem: the next MMA subtracts it)
             acc_D.fill(0.0)
-            for kb in cutlass.range_constexpr(K // MMA_K):
-                Kt.load(kb)
-                S.load(kb)
-                mma(tiled_mma, acc_D, Kt, S, kb)
-                if cutlass.const_expr(self.split):
-                    Sl.load(kb)
-                    mma(tiled_mma, acc_D, Kt, Sl, kb)
+            mma_split_b(tiled_mma, K // MMA_K, [(acc_D, Kt)], S, Sl, self.split)
             toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
             cute.arch.sync_threads()
 
             # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
             decay = mDecay[b, c, hv]
             acc_S.store(acc_S.load() * decay)
-            for kb in cutlass.range_constexpr(C // MMA_K):
-                QT.load(kb)
-                WT.load(kb)
-                O.load(kb)
-                D.load(kb)
-                mma(tiled_mma, acc_S, QT, O, kb)
-                mma(tiled_mma, acc_S, WT, D, kb)
-                if cutlass.const_expr(self.split):
-                    Dl.load(kb)
-                    mma(tiled_mma, acc_S, WT, Dl, kb)
+            mma_split_b(tiled_mma, C // MMA_K, [(acc_S, WT)], D, Dl, self.split,
+                        plain=[(acc_S, QT, O)])
 
             if mReset[b, c] != 0:
                 c_tile(thr_mma, mDh0[seq, hv, None, None], (K, BV), (0, vt)).store(acc_S.load())

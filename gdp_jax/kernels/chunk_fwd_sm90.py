@@ -36,7 +36,8 @@ import cutlass.memory
 import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
-                                  g2s_copy, ldmatrix_copies, make_acc, mma, operand,
+                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
+                                  operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
 # Bump on ANY change to this file or to gdp_jax.kernels.sm90: it is part of the compile key
@@ -159,32 +160,14 @@ class ChunkFwdSm90:
             # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
             acc_D.fill(0.0)
             acc_O.fill(0.0)
-            for kb in cutlass.range_constexpr(K // MMA_K):
-                W.load(kb)
-                Q.load(kb)
-                S.load(kb)
-                mma(tiled_mma, acc_D, W, S, kb)
-                mma(tiled_mma, acc_O, Q, S, kb)
-                if cutlass.const_expr(self.split):
-                    Sl.load(kb)
-                    mma(tiled_mma, acc_D, W, Sl, kb)
-                    mma(tiled_mma, acc_O, Q, Sl, kb)
+            mma_split_b(tiled_mma, K // MMA_K, [(acc_D, W), (acc_O, Q)], S, Sl, self.split)
             toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
             cute.arch.sync_threads()
 
             # ---- S <- decay S + Kt^T Delta ;  o += P Delta  (shared B operand Delta)
             decay = mDecay[b, c, hv]
             acc_S.store(acc_S.load() * decay)
-            for kb in cutlass.range_constexpr(C // MMA_K):
-                KtT.load(kb)
-                P.load(kb)
-                D.load(kb)
-                mma(tiled_mma, acc_S, KtT, D, kb)
-                mma(tiled_mma, acc_O, P, D, kb)
-                if cutlass.const_expr(self.split):
-                    Dl.load(kb)
-                    mma(tiled_mma, acc_S, KtT, Dl, kb)
-                    mma(tiled_mma, acc_O, P, Dl, kb)
+            mma_split_b(tiled_mma, C // MMA_K, [(acc_S, KtT), (acc_O, P)], D, Dl, self.split)
 
             c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
                 acc_O.load().to(ab))

@@ -106,7 +106,7 @@ def ldmatrix_copies(tiled_mma, ab, tidx):
 class Operand:
     """One MMA operand of this thread: its register fragment ``frag`` and the ldmatrix copy
     that fills it from an smem view, one k-block of MMA_K at a time: ``op.load(kb)``, then
-    ``op[kb]`` (see ``mma``). Build it with ``operand``."""
+    ``op[kb]`` (see ``mma_split_b``). Build it with ``operand``."""
     copy: object
     src: object
     dst: object
@@ -129,9 +129,30 @@ def operand(thr_mma, copy, s, is_a: bool) -> Operand:
     return Operand(copy, copy.partition_S(s), copy.retile(frag), frag)
 
 
-def mma(tiled_mma, acc, a: Operand, b: Operand, kb: int):
-    """acc += a[:, k-block kb] b[:, k-block kb]^T (both operands loaded for ``kb``)."""
-    cute.gemm(tiled_mma, acc, a[kb], b[kb], acc)
+def mma_split_b(tiled_mma, k_blocks: int, products, b: Operand, b_lo: Operand, split: bool,
+                plain=()):
+    """Warp MMAs over ``k_blocks`` k-blocks of MMA_K: acc += a B for each (acc, a) of
+    ``products``, where the B operand (shared by all) is ``b``, plus ``b_lo`` in split mode
+    (each product done again with the lo part); first acc += a b2 for each (acc, a, b2) of
+    ``plain`` (a B operand that is not split). Per k-block, in this order: ldmatrix of the
+    A operands (plain's, then products'), of the B operands (plain's, then ``b``), the
+    MMAs, then in split mode ldmatrix of ``b_lo`` and its MMAs."""
+    for kb in range(k_blocks):
+        for _, a, _ in plain:
+            a.load(kb)
+        for _, a in products:
+            a.load(kb)
+        for _, _, b2 in plain:
+            b2.load(kb)
+        b.load(kb)
+        for acc, a, b2 in plain:
+            cute.gemm(tiled_mma, acc, a[kb], b2[kb], acc)
+        for acc, a in products:
+            cute.gemm(tiled_mma, acc, a[kb], b[kb], acc)
+        if split:
+            b_lo.load(kb)
+            for acc, a in products:
+                cute.gemm(tiled_mma, acc, a[kb], b_lo[kb], acc)
 
 
 @dataclasses.dataclass(frozen=True)
