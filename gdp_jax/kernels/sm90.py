@@ -6,7 +6,8 @@ Both kernels run the same machinery: 16-bit operand tiles in swizzled shared mem
 m16n8k16, 4 warps split M, float32 accumulators) fed through ldmatrix, and float32
 accumulators written back to shared memory as 16-bit MMA operands, optionally split into
 hi + lo parts. These helpers are plain Python run at trace time: each call emits its CuTe
-ops in place, exactly as if written out in the kernel (the generated code is the same).
+ops in place, as if written out in the kernel. Both kernels' compile keys carry only
+their own KERNEL_VERSION: a change here must bump both.
 
 Shapes: ``C`` is the chunk length (steps), tiles are row-major [rows, cols] of the 16-bit
 operand dtype ``ab`` unless a docstring says otherwise.
@@ -62,7 +63,8 @@ def g2s_copy(ab, cols: int):
 
 def warp_mma(ab):
     """Tiled warp MMA: mma.sync m16n8k16 on ``ab`` operands with float32 accumulation, the
-    NUM_THREADS // 32 warps stacked along M (one MMA tile covers [64, 16] x [16, 16])."""
+    NUM_THREADS // 32 warps stacked along M (one step of the tiled MMA: M, N, K = 64, 16,
+    16)."""
     return cute.make_tiled_mma(
         warp.MmaF16BF16Op(ab, cutlass.Float32, (16, 8, 16)),
         (NUM_THREADS // 32, 1, 1),
@@ -172,6 +174,7 @@ class G2S:
 
 
 def g2s(tiled_copy, tidx) -> G2S:
+    """This thread's ``G2S`` of the tiled copy ``tiled_copy`` (a ``g2s_copy``)."""
     return G2S(tiled_copy, tiled_copy.get_slice(tidx))
 
 
