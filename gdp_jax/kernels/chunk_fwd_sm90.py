@@ -34,30 +34,15 @@ from __future__ import annotations
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
 
-# Bump on ANY change to this file: it is part of the compile key (a stale key silently
-# reuses the old binary inside one process).
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
+                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
+                                  operand,
+                                  smem_layout, smem_tile, transpose_view, warp_mma)
+
+# Bump on ANY change to this file or to gdp_jax.kernels.sm90: it is part of the compile key
+# (a stale key silently reuses the old binary inside one process).
 KERNEL_VERSION = 4
-
-C = 64            # chunk length (steps)
-NUM_THREADS = 128  # 4 warps
-
-
-def _smem_layout(rows: int, cols: int):
-    """Swizzled row-major [rows, cols] 16-bit tile (cols a multiple of 32): conflict-free
-    ldmatrix and 128-bit cp.async."""
-    assert cols % 32 == 0 and rows % 8 == 0
-    w = 64 if cols % 64 == 0 else 32
-    atom = cute.make_composed_layout(
-        cute.make_swizzle(3 if w == 64 else 2, 3, 3), 0,
-        cute.make_layout((8, w), stride=(w, 1)))
-    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-
-
-def _transpose_view(t, rows: int, cols: int):
-    """View of a [rows, cols] smem tensor as [cols, rows] (no data movement)."""
-    return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))
 
 
 class ChunkFwdSm90:
@@ -75,44 +60,27 @@ class ChunkFwdSm90:
     def __call__(self, stream, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0,
                  mO, mFinal, mStates):
         K, BV, ab = self.K, self.BV, self.ab
-        sK_layout = _smem_layout(C, K)        # w, Kt, qg: [C, K]
-        sP_layout = _smem_layout(C, C)        # P: [C, C]
-        sS_layout = _smem_layout(K, BV)       # S (16-bit copy): [K, BV]
-        sD_layout = _smem_layout(C, BV)       # Delta (16-bit): [C, BV]
+        sK_layout = smem_layout(C, K)         # w, Kt, qg: [C, K]
+        sP_layout = smem_layout(C, C)         # P: [C, C]
+        sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
+        sD_layout = smem_layout(C, BV)        # Delta (16-bit): [C, BV]
 
         @cute.struct
         class Storage:
-            sW: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sK_layout)], 1024]
-            sKt: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sK_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sP_layout)], 1024]
-            sS: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sS_layout)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sD_layout)], 1024]
-            sSl: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sS_layout)], 1024]
-            sDl: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sD_layout)], 1024]
+            sW: smem_tile(ab, sK_layout)
+            sKt: smem_tile(ab, sK_layout)
+            sQ: smem_tile(ab, sK_layout)
+            sP: smem_tile(ab, sP_layout)
+            sS: smem_tile(ab, sS_layout)
+            sD: smem_tile(ab, sD_layout)
+            sSl: smem_tile(ab, sS_layout)
+            sDl: smem_tile(ab, sD_layout)
 
-        # gmem -> smem: 128-bit cp.async, one row of `cols` elements per cols/8 threads
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                  ab, num_bits_per_copy=128)
-
-        def tiled_g2s(cols):
-            tpr = cols // 8
-            return cute.make_tiled_copy_tv(
-                g2s, cute.make_layout((NUM_THREADS // tpr, tpr), stride=(tpr, 1)),
-                cute.make_layout((1, 8)))
-
-        copy_K = tiled_g2s(K)
-        copy_P = tiled_g2s(C)
-
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(ab, cutlass.Float32, (16, 8, 16)),
-            (NUM_THREADS // 32, 1, 1),
-            permutation_mnk=(NUM_THREADS // 32 * 16, 16, 16),
-        )
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
         self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                    mStates, sK_layout, sP_layout, sS_layout, sD_layout, copy_K, copy_P, tiled_mma,
+                    mStates, sK_layout, sP_layout, sS_layout, sD_layout, g2s_copy(ab, K),
+                    g2s_copy(ab, C), warp_mma(ab),
                     Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -137,144 +105,80 @@ class ChunkFwdSm90:
         sD = st.sD.get_tensor(sD_layout)        # Delta: [C, BV]
         sSl = st.sSl.get_tensor(sS_layout)      # low parts (split mode): S - S_hi
         sDl = st.sDl.get_tensor(sD_layout)      # Delta - Delta_hi
-        sStl = _transpose_view(sSl, K, BV)
-        sDtl = _transpose_view(sDl, C, BV)
-        sKtT = _transpose_view(sKt, C, K)       # A operand Kt^T: [K, C]  (M-major)
-        sSt = _transpose_view(sS, K, BV)        # B operand S as [BV, K]  (N-major)
-        sDt = _transpose_view(sD, C, BV)        # B operand Delta as [BV, C]  (N-major)
 
         thr_mma = tiled_mma.get_slice(tidx)
-        # accumulators
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((K, BV)), cutlass.Float32)
-        acc_D = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, BV)), cutlass.Float32)
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, BV)), cutlass.Float32)
+        acc_S = make_acc(thr_mma, (K, BV))
+        acc_D = make_acc(thr_mma, (C, BV))
+        acc_O = make_acc(thr_mma, (C, BV))
         acc_S.fill(0.0)
 
-        # MMA operand fragments (registers)
-        rW = thr_mma.make_fragment_A(thr_mma.partition_A(sW))
-        rQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        rS = thr_mma.make_fragment_B(thr_mma.partition_B(sSt))
-        rKtT = thr_mma.make_fragment_A(thr_mma.partition_A(sKtT))
-        rP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
-        rD = thr_mma.make_fragment_B(thr_mma.partition_B(sDt))
-        rSl = thr_mma.make_fragment_B(thr_mma.partition_B(sStl))
-        rDl = thr_mma.make_fragment_B(thr_mma.partition_B(sDtl))
+        # MMA operands: smem -> registers by ldmatrix (Kt^T is M-major, hence transposed;
+        # the B operands S and Delta are read as [BV, K] / [BV, C] views)
+        cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
+        W = operand(thr_mma, cA, sW, True)
+        Q = operand(thr_mma, cA, sQ, True)
+        P = operand(thr_mma, cA, sP, True)
+        KtT = operand(thr_mma, cAt, transpose_view(sKt, C, K), True)     # Kt^T: [K, C]
+        S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
+        D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
+        Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
+        Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
 
-        # smem -> register copies (ldmatrix; Kt^T is M-major, hence transposed)
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), ab)
-        cA = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
-        cAt = cute.make_tiled_copy_A(ldsm_t, tiled_mma).get_slice(tidx)
-        cBt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
-        tsW, trW = cA.partition_S(sW), cA.retile(rW)
-        tsQ, trQ = cA.partition_S(sQ), cA.retile(rQ)
-        tsP, trP = cA.partition_S(sP), cA.retile(rP)
-        tsKtT, trKtT = cAt.partition_S(sKtT), cAt.retile(rKtT)
-        tsS, trS = cBt.partition_S(sSt), cBt.retile(rS)
-        tsD, trD = cBt.partition_S(sDt), cBt.retile(rD)
-        tsSl, trSl = cBt.partition_S(sStl), cBt.retile(rSl)
-        tsDl, trDl = cBt.partition_S(sDtl), cBt.retile(rDl)
+        # accumulators -> smem operands (16-bit, hi + lo in split mode)
+        toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
+        toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
+        tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
+        tCsD, tCsDl = toD.dest(sD), toD.dest(sDl)
 
-        # accumulators -> smem operands (16-bit staging in registers)
-        rS16 = cute.make_fragment_like(acc_S, ab)
-        rD16 = cute.make_fragment_like(acc_D, ab)
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), ab)
-        cC = cute.make_tiled_copy_C(st_atom, tiled_mma).get_slice(tidx)
-        tCsS, trS16 = cC.partition_D(sS), cC.retile(rS16)
-        tCsD, trD16 = cC.partition_D(sD), cC.retile(rD16)
-        tCsSl, tCsDl = cC.partition_D(sSl), cC.partition_D(sDl)
-
-        thr_cK = copy_K.get_slice(tidx)
-        thr_cP = copy_P.get_slice(tidx)
-        tKsW = thr_cK.partition_D(sW)
-        tKsKt = thr_cK.partition_D(sKt)
-        tKsQ = thr_cK.partition_D(sQ)
-        tPsP = thr_cP.partition_D(sP)
+        gK, gP = g2s(copy_K, tidx), g2s(copy_P, tidx)
+        tKsW, tKsKt, tKsQ = gK.dest(sW), gK.dest(sKt), gK.dest(sQ)
+        tPsP = gP.dest(sP)
 
         for c in cutlass.range(NC, unroll=1):
             # ---- operands of chunk c -> smem (async)
-            gW = cute.local_tile(mW[b, c, hv, None, None], (C, K), (0, 0))
-            gKt = cute.local_tile(mKt[b, c, hv, None, None], (C, K), (0, 0))
-            gQ = cute.local_tile(mQg[b, c, hv, None, None], (C, K), (0, 0))
-            gP = cute.local_tile(mP[b, c, hv, None, None], (C, C), (0, 0))
-            cute.copy(copy_K, thr_cK.partition_S(gW), tKsW)
-            cute.copy(copy_K, thr_cK.partition_S(gKt), tKsKt)
-            cute.copy(copy_K, thr_cK.partition_S(gQ), tKsQ)
-            cute.copy(copy_P, thr_cP.partition_S(gP), tPsP)
+            gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
+            gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
+            gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
+            gP.load(mP[b, c, hv, None, None], (C, C), tPsP)
             cute.arch.cp_async_commit_group()
 
             # ---- chunk start state (reset -> the sequence's initial state)
             seq = mSeq[b, c]
             if mReset[b, c] != 0:
-                gH0 = cute.local_tile(mH0[seq, hv, None, None], (K, BV), (0, vt))
-                acc_S.store(thr_mma.partition_C(gH0).load())
+                acc_S.store(c_tile(thr_mma, mH0[seq, hv, None, None], (K, BV), (0, vt)).load())
             if cutlass.const_expr(self.ckpt > 0):
                 # checkpoint for the backward (recompute_chunk_num = ckpt - 1)
                 if c % self.ckpt == 0:
-                    gSt = cute.local_tile(mStates[b, c // self.ckpt, hv, None, None], (K, BV),
-                                          (0, vt))
-                    thr_mma.partition_C(gSt).store(acc_S.load().to(mStates.element_type))
-            s_hi = acc_S.load().to(ab)
-            rS16.store(s_hi)
-            cute.copy(st_atom, trS16, tCsS)
-            if cutlass.const_expr(self.split):
-                rS16.store((acc_S.load() - s_hi.to(cutlass.Float32)).to(ab))
-                cute.copy(st_atom, trS16, tCsSl)
-            gU = cute.local_tile(mU[b, c, hv, None, None], (C, BV), (0, vt))
-            u = thr_mma.partition_C(gU).load().to(cutlass.Float32)
+                    c_tile(thr_mma, mStates[b, c // self.ckpt, hv, None, None], (K, BV),
+                           (0, vt)).store(acc_S.load().to(mStates.element_type))
+            toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
+            u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
+                cutlass.Float32)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
             acc_D.fill(0.0)
             acc_O.fill(0.0)
-            for kb in cutlass.range_constexpr(K // 16):
-                cute.copy(cA, tsW[None, None, kb], trW[None, None, kb])
-                cute.copy(cA, tsQ[None, None, kb], trQ[None, None, kb])
-                cute.copy(cBt, tsS[None, None, kb], trS[None, None, kb])
-                cute.gemm(tiled_mma, acc_D, rW[None, None, kb], rS[None, None, kb], acc_D)
-                cute.gemm(tiled_mma, acc_O, rQ[None, None, kb], rS[None, None, kb], acc_O)
-                if cutlass.const_expr(self.split):
-                    cute.copy(cBt, tsSl[None, None, kb], trSl[None, None, kb])
-                    cute.gemm(tiled_mma, acc_D, rW[None, None, kb], rSl[None, None, kb], acc_D)
-                    cute.gemm(tiled_mma, acc_O, rQ[None, None, kb], rSl[None, None, kb], acc_O)
-            d = u - acc_D.load()
-            d_hi = d.to(ab)
-            rD16.store(d_hi)
-            cute.copy(st_atom, trD16, tCsD)
-            if cutlass.const_expr(self.split):
-                rD16.store((d - d_hi.to(cutlass.Float32)).to(ab))
-                cute.copy(st_atom, trD16, tCsDl)
+            mma_split_b(tiled_mma, K // MMA_K, [(acc_D, W), (acc_O, Q)], S, Sl, self.split)
+            toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
             cute.arch.sync_threads()
 
             # ---- S <- decay S + Kt^T Delta ;  o += P Delta  (shared B operand Delta)
             decay = mDecay[b, c, hv]
             acc_S.store(acc_S.load() * decay)
-            for kb in cutlass.range_constexpr(C // 16):
-                cute.copy(cAt, tsKtT[None, None, kb], trKtT[None, None, kb])
-                cute.copy(cA, tsP[None, None, kb], trP[None, None, kb])
-                cute.copy(cBt, tsD[None, None, kb], trD[None, None, kb])
-                cute.gemm(tiled_mma, acc_S, rKtT[None, None, kb], rD[None, None, kb], acc_S)
-                cute.gemm(tiled_mma, acc_O, rP[None, None, kb], rD[None, None, kb], acc_O)
-                if cutlass.const_expr(self.split):
-                    cute.copy(cBt, tsDl[None, None, kb], trDl[None, None, kb])
-                    cute.gemm(tiled_mma, acc_S, rKtT[None, None, kb], rDl[None, None, kb], acc_S)
-                    cute.gemm(tiled_mma, acc_O, rP[None, None, kb], rDl[None, None, kb], acc_O)
+            mma_split_b(tiled_mma, C // MMA_K, [(acc_S, KtT), (acc_O, P)], D, Dl, self.split)
 
-            gO = cute.local_tile(mO[b, c, hv, None, None], (C, BV), (0, vt))
-            thr_mma.partition_C(gO).store(acc_O.load().to(ab))
+            c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
+                acc_O.load().to(ab))
             if mLast[b, c] != 0:
-                gF = cute.local_tile(mFinal[seq, hv, None, None], (K, BV), (0, vt))
-                thr_mma.partition_C(gF).store(acc_S.load())
+                c_tile(thr_mma, mFinal[seq, hv, None, None], (K, BV), (0, vt)).store(
+                    acc_S.load())
             # smem is overwritten by the next chunk's loads
             cute.arch.sync_threads()
 
 
 _KERNELS = {}
-
-
-def ab_type(ab_name: str):
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[ab_name]
 
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,

@@ -1,0 +1,213 @@
+"""Shared device-side building blocks of the sm_90a chunk kernels (``chunk_fwd_sm90``,
+``chunk_bwd_sm90``).
+
+Both kernels run the same machinery: 16-bit operand tiles in swizzled shared memory,
+128-bit cp.async loads of them from global memory, SM80-style warp MMA (mma.sync
+m16n8k16, 4 warps split M, float32 accumulators) fed through ldmatrix, and float32
+accumulators written back to shared memory as 16-bit MMA operands, optionally split into
+hi + lo parts. These helpers are plain Python run at trace time: each call emits its CuTe
+ops in place, as if written out in the kernel. Both kernels' compile keys carry only
+their own KERNEL_VERSION: a change here must bump both.
+
+Shapes: ``C`` is the chunk length (steps), tiles are row-major [rows, cols] of the 16-bit
+operand dtype ``ab`` unless a docstring says otherwise.
+
+This module imports cutlass; import it only from the kernel modules (lazily).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+C = 64             # chunk length (steps); equals gdp_jax.chunked.CHUNK
+NUM_THREADS = 128  # 4 warps per CTA
+MMA_K = 16         # the K extent of one mma.sync (one k-block of the operand fragments)
+
+
+def ab_type(ab_name: str):
+    """The CuTe dtype of a 16-bit operand dtype name ("bfloat16" or "float16")."""
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[ab_name]
+
+
+# ------------------------------------------------------------------ host side (in @cute.jit)
+def smem_layout(rows: int, cols: int):
+    """Swizzled row-major [rows, cols] 16-bit smem tile (cols a multiple of 32, rows of 8):
+    conflict-free ldmatrix and 128-bit cp.async."""
+    assert cols % 32 == 0 and rows % 8 == 0
+    w = 64 if cols % 64 == 0 else 32
+    atom = cute.make_composed_layout(
+        cute.make_swizzle(3 if w == 64 else 2, 3, 3), 0,
+        cute.make_layout((8, w), stride=(w, 1)))
+    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+
+def smem_tile(ab, layout):
+    """A ``cute.struct`` field holding one ``ab`` tile of ``layout`` (1024-byte aligned, as
+    the 8-row swizzle atom needs)."""
+    return cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(layout)], 1024]
+
+
+def g2s_copy(ab, cols: int):
+    """Tiled copy gmem -> smem of [*, cols] ``ab`` tiles by NUM_THREADS threads: 128-bit
+    cp.async (8 elements), one row per cols/8 threads."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                               ab, num_bits_per_copy=128)
+    tpr = cols // 8
+    return cute.make_tiled_copy_tv(
+        atom, cute.make_layout((NUM_THREADS // tpr, tpr), stride=(tpr, 1)),
+        cute.make_layout((1, 8)))
+
+
+def warp_mma(ab):
+    """Tiled warp MMA: mma.sync m16n8k16 on ``ab`` operands with float32 accumulation, the
+    NUM_THREADS // 32 warps stacked along M (one step of the tiled MMA: M, N, K = 64, 16,
+    16)."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(ab, cutlass.Float32, (16, 8, 16)),
+        (NUM_THREADS // 32, 1, 1),
+        permutation_mnk=(NUM_THREADS // 32 * 16, 16, 16),
+    )
+
+
+# ---------------------------------------------------------------- device side (in @cute.kernel)
+def transpose_view(t, rows: int, cols: int):
+    """View of a [rows, cols] smem tensor as [cols, rows] (no data movement)."""
+    return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+def make_acc(thr_mma, shape):
+    """This thread's float32 accumulator fragment of an MMA result tile of ``shape``
+    [M, N] (registers, uninitialised)."""
+    return cute.make_rmem_tensor(thr_mma.partition_shape_C(shape), cutlass.Float32)
+
+
+def c_tile(thr_mma, m, shape, coord):
+    """This thread's elements, in accumulator layout, of the ``shape`` tile at tile
+    coordinate ``coord`` of the 2-D gmem tensor ``m`` (load() / store() it)."""
+    return thr_mma.partition_C(cute.local_tile(m, shape, coord))
+
+
+def ldmatrix_copies(tiled_mma, ab, tidx):
+    """This thread's ldmatrix (x4) copies smem -> MMA fragments: (A from a K-major tile,
+    A from an M-major tile (transposed load), B from an N-major view (transposed load))."""
+    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
+    ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), ab)
+    return (cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx),
+            cute.make_tiled_copy_A(ldsm_t, tiled_mma).get_slice(tidx),
+            cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx))
+
+
+# The three helpers below are frozen dataclasses: the DSL's dynamic loops treat an object
+# whose method is called in the loop body as loop-carried state unless it is a frozen
+# dataclass (read-only), and these hold only trace-time views.
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One MMA operand of this thread: its register fragment ``frag`` and the ldmatrix copy
+    that fills it from an smem view, one k-block of MMA_K at a time: ``op.load(kb)``, then
+    ``op[kb]`` (see ``mma_split_b``). Build it with ``operand``."""
+    copy: object
+    src: object
+    dst: object
+    frag: object
+
+    def load(self, kb: int):
+        cute.copy(self.copy, self.src[None, None, kb], self.dst[None, None, kb])
+
+    def __getitem__(self, kb: int):
+        return self.frag[None, None, kb]
+
+
+def operand(thr_mma, copy, s, is_a: bool) -> Operand:
+    """The A (``is_a``: ``s`` is [M, K]) or B (``s`` is [N, K]) operand read from the smem
+    view ``s`` by the ldmatrix thread copy ``copy`` (one of ``ldmatrix_copies``)."""
+    if is_a:
+        frag = thr_mma.make_fragment_A(thr_mma.partition_A(s))
+    else:
+        frag = thr_mma.make_fragment_B(thr_mma.partition_B(s))
+    return Operand(copy, copy.partition_S(s), copy.retile(frag), frag)
+
+
+def mma_split_b(tiled_mma, k_blocks: int, products, b: Operand, b_lo: Operand, split: bool,
+                plain=()):
+    """Warp MMAs over ``k_blocks`` k-blocks of MMA_K: acc += a B for each (acc, a) of
+    ``products``, where the B operand (shared by all) is ``b``, plus ``b_lo`` in split mode
+    (each product done again with the lo part); first acc += a b2 for each (acc, a, b2) of
+    ``plain`` (a B operand that is not split). Per k-block, in this order: ldmatrix of the
+    A operands (plain's, then products'), of the B operands (plain's, then ``b``), the
+    MMAs, then in split mode ldmatrix of ``b_lo`` and its MMAs."""
+    for kb in range(k_blocks):
+        for _, a, _ in plain:
+            a.load(kb)
+        for _, a in products:
+            a.load(kb)
+        for _, _, b2 in plain:
+            b2.load(kb)
+        b.load(kb)
+        for acc, a, b2 in plain:
+            cute.gemm(tiled_mma, acc, a[kb], b2[kb], acc)
+        for acc, a in products:
+            cute.gemm(tiled_mma, acc, a[kb], b[kb], acc)
+        if split:
+            b_lo.load(kb)
+            for acc, a in products:
+                cute.gemm(tiled_mma, acc, a[kb], b_lo[kb], acc)
+
+
+@dataclasses.dataclass(frozen=True)
+class G2S:
+    """This thread's part of a ``g2s_copy`` (build it with ``g2s``): ``dest(s)`` partitions
+    an smem tile once, ``load(g, shape, dst)`` starts the cp.async of the whole ``shape``
+    tile of the 2-D gmem tensor ``g`` into it (then cute.arch.cp_async_commit_group /
+    cp_async_wait_group)."""
+    copy: object
+    thr: object
+
+    def dest(self, s):
+        return self.thr.partition_D(s)
+
+    def load(self, g, shape, dst):
+        cute.copy(self.copy, self.thr.partition_S(cute.local_tile(g, shape, (0, 0))), dst)
+
+
+def g2s(tiled_copy, tidx) -> G2S:
+    """This thread's ``G2S`` of the tiled copy ``tiled_copy`` (a ``g2s_copy``)."""
+    return G2S(tiled_copy, tiled_copy.get_slice(tidx))
+
+
+@dataclasses.dataclass(frozen=True)
+class AccToSmem:
+    """Writes accumulator-layout values of one tile shape to 16-bit smem tiles of that
+    shape (an MMA operand of the next product) through a 16-bit register fragment ``r16``
+    (build it with ``acc_to_smem``). ``dest(s)`` partitions an smem tile once; ``store``
+    writes an ``ab`` value; ``store_split`` writes a float32 value x as hi = ab(x) and, with
+    ``split``, lo = ab(x - hi) (the split store: hi + lo carries x to ~2^-16 relative)."""
+    ab: object
+    r16: object
+    atom: object
+    thr: object
+    src: object
+
+    def dest(self, s):
+        return self.thr.partition_D(s)
+
+    def store(self, x16, dst):
+        self.r16.store(x16)
+        cute.copy(self.atom, self.src, dst)
+
+    def store_split(self, x, dst_hi, dst_lo, split: bool):
+        hi = x.to(self.ab)
+        self.store(hi, dst_hi)
+        if split:
+            self.store((x - hi.to(cutlass.Float32)).to(self.ab), dst_lo)
+
+
+def acc_to_smem(tiled_mma, tidx, acc, ab) -> AccToSmem:
+    """The ``AccToSmem`` of the tiles shaped like the accumulator fragment ``acc``."""
+    r16 = cute.make_fragment_like(acc, ab)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), ab)
+    thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
+    return AccToSmem(ab, r16, atom, thr, thr.retile(r16))
