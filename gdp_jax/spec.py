@@ -80,7 +80,7 @@ class CallSpec:
 
 class Unsupported(str):
     """Why a kernel cannot run a call (a sentence), and which error a user who asked for
-    that kernel gets: TypeError for a dtype it does not take, else ValueError.
+    that kernel gets: TypeError for an input no kernel takes (float64), else ValueError.
     ``can_implement`` methods return one of these, or None."""
 
     error: type

@@ -266,20 +266,15 @@ def emulated_kernels():
 
 
 def emulated_step_kernel():
-    """Context manager: the ``cutedsl`` decoding step (:func:`gdp_jax.gated_delta_product_step`)
-    with its kernel emulated (:func:`gdp_jax.kernels.emulate.step_kernel_call`) and the
-    device check lifted; the step kernel's own shape limits still apply, except that
-    float64 inputs are let through (exact CPU tests)."""
+    """Context manager: the ``cutedsl`` decoding step (:func:`gdp_jax.gated_delta_product_step`
+    and the op's T = 1 path) with its kernel emulated
+    (:func:`gdp_jax.kernels.emulate.step_kernel_call`), its limits and the device check
+    lifted (any dtype and head dims, float64 included: exact CPU tests)."""
     from gdp_jax import backends
     from gdp_jax.kernels import emulate
     from gdp_jax.kernels.step import StepKernel
-    limits = StepKernel.can_implement
-
-    def step_limits(*, dtype, **kw):
-        return limits(dtype=jnp.float32 if dtype == jnp.float64 else dtype, **kw)
-
     return _patched([
         (StepKernel, "raw_call", staticmethod(emulate.step_kernel_call)),
-        (StepKernel, "can_implement", staticmethod(step_limits)),
+        (StepKernel, "can_implement", staticmethod(_no_limits)),
         (backends, "_device_reason", _emulated_available),
     ])

@@ -3,7 +3,7 @@
 The mirror of :mod:`gdp_jax.kernels.chunk_fwd_sm90`. One CTA per (value tile, value head,
 batch row) walks the chunks of its row BACKWARDS with its [K, BV] slice of dS (the
 gradient w.r.t. the state) in float32 registers. Per chunk c, in reverse (operands
-precomputed by XLA, see ``gdp_jax.kernels.bwd``):
+precomputed by XLA, see ``gdp_jax.kernels.pipeline``):
 
     dS     += dfinal[seq[c]]             if is_last[c]        (the sequence ends here)
     dS_end[c] <- dS                                            (written, float32)
@@ -16,7 +16,7 @@ recurrent operands dS and dDelta split into hi + lo 16-bit parts with ``split``)
 atomics: every output element is written by exactly one thread, so the kernel is
 deterministic.
 
-This module imports cutlass; import it only through ``gdp_jax.kernels.bwd`` (lazily).
+This module imports cutlass; import it only through ``gdp_jax.kernels.state_grad`` (lazily).
 """
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c
                                   operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
-# Bump on ANY change to this file or to gdp_jax.kernels.sm90 (part of the compile key).
-KERNEL_VERSION = 1
 
 
 class ChunkBwdDhSm90:

@@ -31,14 +31,16 @@ class ChunkForwardKernel:
         """None if the kernel runs these shapes (``extra_columns``: state columns beyond
         V, as the CP summaries use), else why not."""
         name = jnp.dtype(dtype).name
-        if name not in ChunkForwardKernel.DTYPES:
-            return Unsupported(f"q, k, v have dtype {name}; the cutedsl kernels take "
-                               f"bfloat16/float16 inputs (16-bit tensor-core operands)",
-                               TypeError)
+        if name == "float64":   # no kernel takes it (no float64 tensor cores): argument error
+            return Unsupported(f"q has dtype float64 (k, v too); the cutedsl kernels take 16-bit "
+                               f"inputs (bfloat16/float16)", TypeError)
         dims = ChunkForwardKernel.HEAD_DIMS
         if K not in dims or V not in dims:
             return Unsupported(f"the cutedsl kernels support head dims K, V in {dims}; got "
                                f"K={K} (q, k), V={V} (v)")
+        if name not in ChunkForwardKernel.DTYPES:
+            return Unsupported(f"q has dtype {name} (k, v too); the cutedsl kernels take "
+                               f"bfloat16/float16 inputs (16-bit tensor-core operands)")
         Vx = V + extra_columns
         if rows * NC * HV * max(C * max(K, Vx, C), K * Vx) > binding.MAX_ELEMS:
             return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "

@@ -2,7 +2,7 @@
 
 One CTA per (value tile, value head, batch row) walks the chunks of its row in order and
 keeps its [K, BV] slice of the state S in float32 registers (the accumulator of a
-tensor-core MMA). Per chunk c (operands precomputed by XLA, see ``gdp_jax.kernels.fwd``):
+tensor-core MMA). Per chunk c (operands precomputed by XLA, see ``gdp_jax.kernels.pipeline``):
 
     S      <- h0[seq[c]]                 if reset[c]           (a sequence starts here)
     Delta   = u_c - w_c S                                       [C, BV]
@@ -27,7 +27,7 @@ MMAs: SM80-style warp MMA (mma.sync m16n8k16, 4 warps split the M dimension), op
 from swizzled shared memory through ldmatrix. This runs on sm_90a but does not use the
 Hopper warpgroup MMA or TMA yet (see docs in ``gdp_jax/kernels/__init__.py``).
 
-This module imports cutlass; import it only through ``gdp_jax.kernels.fwd`` (lazily).
+This module imports cutlass; import it only through ``gdp_jax.kernels.chunk_forward`` (lazily).
 """
 from __future__ import annotations
 
@@ -40,9 +40,6 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c
                                   operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
-# Bump on ANY change to this file or to gdp_jax.kernels.sm90: it is part of the compile key
-# (a stale key silently reuses the old binary inside one process).
-KERNEL_VERSION = 4
 
 
 class ChunkFwdSm90:

@@ -1,11 +1,12 @@
 """Pure-JAX stand-ins with the exact contracts of the CuTe DSL kernels (for CPU tests).
 
-``chunk_kernel_call``, ``dh_kernel_call`` and ``inverse_kernel_call`` here take and return
-what the raw ``kernel_call`` of :mod:`gdp_jax.kernels.fwd`, :mod:`~gdp_jax.kernels.bwd` and
-:mod:`~gdp_jax.kernels.inverse` do, computed with ``lax.scan`` (or XLA's blocked inverse)
+``chunk_kernel_call``, ``dh_kernel_call``, ``inverse_kernel_call`` and ``step_kernel_call``
+take and return what the ``raw_call`` of ``ChunkForwardKernel``, ``StateGradKernel``,
+``WYInverseKernel`` and ``StepKernel`` do, computed with ``lax.scan`` (or XLA's blocked inverse)
 in the operands' precision (no 16-bit rounding, no hi/lo split). Rows the kernels leave
-unwritten are NaN here, so a test fails if the glue ever reads them. Tests swap these in (monkeypatch) to run the whole ``cutedsl`` pipeline -
-checkpoints, recompute, CP wiring - on a machine without a GPU.
+unwritten are NaN here, so a test fails if the glue ever reads them.
+:func:`gdp_jax.testing.emulated_kernels` swaps them in to run the whole ``cutedsl``
+pipeline - checkpoints, recompute, CP wiring - on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def inverse_kernel_call(A):
 
 
 def step_kernel_call(q, k, v, beta, decay, S):
-    """The decoding-step kernel's contract (:func:`gdp_jax.kernels.step.kernel_call`),
+    """The decoding-step kernel's contract (``StepKernel.raw_call``),
     column by column as the kernel does it, in the operands' precision."""
     s = decay[..., None, None] * S                                   # [B, HV, K, V]
     for j in range(k.shape[2]):

@@ -6,8 +6,8 @@ Both kernels run the same machinery: 16-bit operand tiles in swizzled shared mem
 m16n8k16, 4 warps split M, float32 accumulators) fed through ldmatrix, and float32
 accumulators written back to shared memory as 16-bit MMA operands, optionally split into
 hi + lo parts. These helpers are plain Python run at trace time: each call emits its CuTe
-ops in place, as if written out in the kernel. Both kernels' compile keys carry only
-their own KERNEL_VERSION: a change here must bump both.
+ops in place, as if written out in the kernel. Every compile key carries a hash of all
+device sources, this file included (:func:`gdp_jax.kernels.binding.device_source_hash`).
 
 Shapes: ``C`` is the chunk length (steps), tiles are row-major [rows, cols] of the 16-bit
 operand dtype ``ab`` unless a docstring says otherwise.

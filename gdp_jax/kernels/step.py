@@ -26,14 +26,17 @@ class StepKernel:
     def can_implement(*, dtype, B: int, HV: int, K: int, V: int) -> Optional[Unsupported]:
         """None if the step kernel runs this call, else why not."""
         name = jnp.dtype(dtype).name
-        if name not in ("bfloat16", "float16", "float32"):
-            return Unsupported(f"q, k, v have dtype {name}; the cutedsl step takes "
-                               f"bfloat16/float16/float32 inputs", TypeError)
+        if name == "float64":   # no kernel takes it (no float64 tensor cores): argument error
+            return Unsupported(f"q has dtype float64 (k, v too); the cutedsl step take 16-bit "
+                               f"inputs (bfloat16/float16)", TypeError)
         if K > StepKernel.MAX_K:
             return Unsupported(f"the cutedsl step holds a K-long state column per thread: "
                                f"K <= {StepKernel.MAX_K}, got K={K}")
         if V % 32:
             return Unsupported(f"the cutedsl step needs V a multiple of 32, got V={V}")
+        if name not in ("bfloat16", "float16", "float32"):
+            return Unsupported(f"q has dtype {name} (k, v too); the cutedsl step takes "
+                               f"bfloat16/float16/float32 inputs")
         if B * HV * K * V > binding.MAX_ELEMS:
             return Unsupported(f"the state [{B}, {HV}, {K}, {V}] is too large for the step "
                                f"kernel's 32-bit offsets")

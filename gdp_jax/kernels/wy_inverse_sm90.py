@@ -16,7 +16,7 @@ coalesced along j. Full float32 FMAs (more accurate than the TF32 matmuls XLA us
 blocked inverse). No atomics; deterministic.
 
 Grid: one CTA per MATS matrices, 64 * MATS threads; a tail CTA masks the missing ones.
-This module imports cutlass; import it only through ``gdp_jax.kernels.inverse`` (lazily).
+This module imports cutlass; import it only through ``gdp_jax.kernels.wy_inverse`` (lazily).
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 
-# Bump on ANY change to this file (part of the compile key).
-KERNEL_VERSION = 1
 
 M = 64            # matrix size (the chunk length)
 MATS = 2          # matrices per CTA (128 threads)
