@@ -4,7 +4,8 @@ Per global length T (registry "cp" shapes) and mesh size P: the one-device op on
 fits) and on T/P, the CP op on P devices, forward and forward + backward; per-rank time,
 scaling efficiency t1(T) / (P tP(T)), XLA's compiled memory per device (arguments + outputs +
 temporaries - aliased). Before timing, CP outputs and gradients are checked against the
-one-device op on the same inputs (relative RMS per rank slice). The all_gather of one
+one-device op on the same inputs (relative RMS per rank slice; the same compiled programs
+are then timed). The all_gather of one
 [HV, K, V + K] float32 summary per rank is also timed alone on the mesh. ``--fold`` sets
 GDP_CP_FOLD (read by the op at trace time: gather, scan or auto = the cost model, which
 picks gather at P <= 2). Real GPUs, or simulated CPU devices with ``--devices``.
@@ -43,16 +44,22 @@ def _loss_grad(f, w):
     return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w), argnums=(0, 1, 2, 3, 4))
 
 
-def _timed(fn, args, iters, warmup=2):
-    """Compile, warm up, median of ``iters`` calls (ms) and compiled bytes per device."""
+def _compile(fn, args):
+    """(compiled, record): XLA's compiled bytes per device and the compile seconds."""
     import jax
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
-    out = {"compile_s": round(time.perf_counter() - t0, 2)}
+    rec = {"compile_s": round(time.perf_counter() - t0, 2)}
     ma = compiled.memory_analysis()
     if ma is not None:
-        out["mem_gb"] = (ma.argument_size_in_bytes + ma.output_size_in_bytes
+        rec["mem_gb"] = (ma.argument_size_in_bytes + ma.output_size_in_bytes
                          + ma.temp_size_in_bytes - ma.alias_size_in_bytes) / 1e9
+    return compiled, rec
+
+
+def _time(compiled, args, rec, iters, warmup=2):
+    """Adds the median ms of ``iters`` calls after ``warmup`` to ``rec``."""
+    import jax
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     ts = []
@@ -60,8 +67,13 @@ def _timed(fn, args, iters, warmup=2):
         t = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         ts.append((time.perf_counter() - t) * 1e3)
-    out["ms"] = statistics.median(ts)
-    return out
+    rec["ms"] = statistics.median(ts)
+    return rec
+
+
+def _timed(fn, args, iters):
+    compiled, rec = _compile(fn, args)
+    return _time(compiled, args, rec, iters)
 
 
 def _guarded(f, *a):
@@ -111,21 +123,39 @@ class Case:
         return fn, args
 
 
-def check(case: Case) -> dict:
-    """max relative RMS over ranks of CP o and gradients vs the one-device op."""
-    import jax
+def rank_errors(names, rP, r1, T, Pn) -> dict:
+    """max relative RMS over rank slices of the CP results vs the one-device ones."""
     from gdp_jax.testing import rel_rms
+    Tl = T // Pn
+    return {nm: max(rel_rms(a[:, r * Tl:(r + 1) * Tl], b[:, r * Tl:(r + 1) * Tl])
+                    for r in range(Pn)) for nm, a, b in zip(names, rP, r1)}
+
+
+def measure_mode(case: Case, mode: str, args) -> dict:
+    """One mode: the one-device op on T and on T/P, the CP op; the T and CP programs are
+    compiled once, run once for the check (unless --no-check), then timed."""
+    import jax
     T, Pn = case.shape.T, case.P
-    out = {}
-    for mode, names in (("fwd", ("o",)), ("fwd+bwd", registry.GRAD_NAMES)):
-        f1, a1 = case.single(T, mode)
-        fP, aP = case.sharded(mode)
-        r1, rP = jax.jit(f1)(*a1), jax.jit(fP)(*aP)
-        r1, rP = ((r1,), (rP,)) if mode == "fwd" else (r1, rP)
-        Tl = T // Pn
-        for nm, a, b in zip(names, rP, r1):
-            out[nm] = max(rel_rms(a[:, r * Tl:(r + 1) * Tl], b[:, r * Tl:(r + 1) * Tl])
-                          for r in range(Pn))
+    out = {"t1_Tp": _guarded(lambda: _timed(*case.single(T // Pn, mode), args.iters))}
+    progs = {}
+    for key, (fn, a) in (("t1_T", case.single(T, mode)), ("tP_T", case.sharded(mode))):
+        try:
+            progs[key] = _compile(fn, a) + (a,)
+        except Exception as e:
+            out[key] = {"error": ("OOM: " if measure.is_oom(e) else "") + measure.short_error(e)}
+    if not args.no_check and len(progs) == 2:
+        try:
+            r1, rP = (jax.block_until_ready(c(*a)) for c, _, a in (progs["t1_T"], progs["tP_T"]))
+            names = ("o",) if mode == "fwd" else registry.GRAD_NAMES
+            r1, rP = ((r1,), (rP,)) if mode == "fwd" else (r1, rP)
+            out["check"] = rank_errors(names, rP, r1, T, Pn)
+            del r1, rP
+        except Exception as e:
+            out["check_error"] = measure.short_error(e)
+    for key, (c, rec, a) in progs.items():
+        out[key] = _guarded(lambda: _time(c, a, rec, args.iters))
+    t1, tP = out.get("t1_T", {}).get("ms"), out.get("tP_T", {}).get("ms")
+    out["efficiency"] = None if not (t1 and tP) else t1 / (Pn * tP)
     return out
 
 
@@ -160,28 +190,20 @@ def run(args, run_):
                        "packed": packed, "fold": args.fold, "impl": args.backend}
                 try:
                     case = Case(shape, Pn, packed, args.backend, devices)
-                    if not args.no_check:
-                        chk = _guarded(check, case)
-                        row["check" if "error" not in chk else "check_error"] = chk
-                        log(label, "CP vs 1 device",
-                            " ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
-                                     for k, v in chk.items()))
                     for mode in MODES:
-                        r = {"t1_T": _guarded(lambda: _timed(*case.single(shape.T, mode),
-                                                             args.iters)),
-                             "t1_Tp": _guarded(lambda: _timed(*case.single(shape.T // Pn, mode),
-                                                              args.iters)),
-                             "tP_T": _guarded(lambda: _timed(*case.sharded(mode), args.iters))}
-                        t1, tP = r["t1_T"].get("ms"), r["tP_T"].get("ms")
-                        r["efficiency"] = None if not (t1 and tP) else t1 / (Pn * tP)
-                        row[mode] = r
+                        row[mode] = r = measure_mode(case, mode, args)
                         log(label, mode, {k: v.get("ms", v.get("error")) for k, v in r.items()
-                                          if isinstance(v, dict)})
+                                          if isinstance(v, dict) and k != "check"},
+                            "check", r.get("check", r.get("check_error", "-")))
+                    chk = {**row["fwd"].get("check", {}), **row["fwd+bwd"].get("check", {})}
+                    if chk:
+                        row["check"] = chk
                     row["allgather"] = allgather_ms(case.mesh, Pn, shape, args.iters)
                     del case
                 except Exception as e:
                     row["error"] = measure.short_error(e)
                     log(label, "ERROR", row["error"])
+                    measure.log_traceback()
                 run_.add(row, table)
                 gc.collect()
     print(run_.write(table), flush=True)
@@ -207,5 +229,5 @@ def table_md(run_) -> str:
                 c["case"], c["fold"], mode, ms("t1_T"), ms("t1_Tp"), ms("tP_T"),
                 fmt(r.get("efficiency")), fmt(r.get("tP_T", {}).get("mem_gb")),
                 fmt(r.get("t1_T", {}).get("mem_gb")), fmt(ag, 3), chk,
-                c.get("error", "") or c.get("check_error", {}).get("error", "")]) + " |")
+                c.get("error", "") or r.get("check_error", "")]) + " |")
     return "\n".join(lines + run_.footer()) + "\n"

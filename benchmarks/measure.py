@@ -26,6 +26,30 @@ def log(*a):
         f.flush()
 
 
+def log_traceback():
+    """The current exception's traceback, into the log file only (the console keeps one line)."""
+    import traceback
+    for f in _LOG:
+        f.write(traceback.format_exc()[-4000:] + "\n")
+        f.flush()
+
+
+def x64():
+    """A context with float64 enabled (for the references), the global flag untouched."""
+    import jax
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64      # older jax
+    return enable_x64()
+
+
+def free_torch_cache():
+    """Give torch's cached blocks back to the device (XLA allocates next), if torch is loaded."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def elapsed() -> float:
     return time.time() - T0
 

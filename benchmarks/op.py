@@ -21,11 +21,6 @@ from benchmarks.report import fmt, pct, ratio, status
 TOL = 2e-2           # rel RMS vs float64 for bf16 inputs (seen: ours ~2.5e-3, FLA ~4.6e-3)
 
 
-def _x64():
-    import jax
-    return jax.enable_x64(True)
-
-
 def reference(x: registry.Inputs, hr: int, with_grads: bool) -> dict:
     """float64 o (and gradients) of the xla backend on row 0, heads [0, hr)."""
     import jax
@@ -34,7 +29,7 @@ def reference(x: registry.Inputs, hr: int, with_grads: bool) -> dict:
     from gdp_jax import gated_delta_product
     sl = [np.asarray(registry.slice_check(a, nm, hr).astype(jnp.float32)) for a, nm in
           zip((x.q, x.k, x.v, x.g, x.beta, x.w), ("dq", "dk", "dv", "dg", "dbeta", "o"))]
-    with _x64():
+    with measure.x64():
         a64 = [jnp.asarray(a, jnp.float64) for a in sl]
         op = lambda *a: gated_delta_product(*a, use_qk_l2norm=True, backend="xla")
         if not with_grads:
@@ -109,6 +104,7 @@ def run(args, run_, impls):
                                                        mode == "fwdbwd")
         except Exception as e:
             run_.note(f"{shape.label()}: inputs/reference failed: {measure.short_error(e)}")
+            measure.log_traceback()
             gc.collect()
             continue
         for im in order:
@@ -122,8 +118,10 @@ def run(args, run_, impls):
             except Exception as e:       # an OOM or a failure at one shape: record, go on
                 row["error"] = ("OOM: " if measure.is_oom(e) else "") + measure.short_error(e)
                 log(shape.label(), im.name, "ERROR", row["error"])
+                measure.log_traceback()
             run_.add(row, table)
             gc.collect()
+            measure.free_torch_cache()
         del x, ref
         gc.collect()
         jax.clear_caches()

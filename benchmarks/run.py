@@ -73,6 +73,8 @@ def _set_env(a):
 def main(argv=None) -> int:
     a = parse(argv)
     _set_env(a)
+    import jax
+    jax.devices()                   # JAX takes the GPU before torch (FLA) is imported
     from benchmarks import measure, registry, report
     names = [s.strip() for s in a.impl.split(",") if s.strip()]
     impls, fla_version = [], "not requested"

@@ -15,12 +15,11 @@ TOL_O, TOL_S = 5e-3, 1e-4        # rel RMS vs float64: bf16 output, float32 stat
 
 
 def reference(x: registry.Inputs):
-    import jax
     import jax.numpy as jnp
     import numpy as np
     from gdp_jax import gated_delta_product_reference
     host = [np.asarray(a.astype(jnp.float32)) for a in (x.q, x.k, x.v, x.g, x.beta, x.S)]
-    with jax.enable_x64(True):
+    with measure.x64():
         q, k, v, g, beta, S = (jnp.asarray(a, jnp.float64) for a in host)
         o, s = gated_delta_product_reference(q[:, None], k[:, None], v[:, None], g[:, None],
                                              beta[:, None], initial_state=S,
@@ -63,8 +62,10 @@ def run(args, run_, impls):
             except Exception as e:
                 row["error"] = ("OOM: " if measure.is_oom(e) else "") + measure.short_error(e)
                 log(f"B={shape.B}", im.name, "ERROR", row["error"])
+                measure.log_traceback()
             run_.add(row, table)
             gc.collect()
+            measure.free_torch_cache()
     print(run_.write(table), flush=True)
 
 
