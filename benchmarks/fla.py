@@ -50,7 +50,7 @@ def _torch(x, requires_grad=False):
     import numpy as np
     import torch
     dt = torch.bfloat16 if str(x.dtype) == "bfloat16" else torch.float32
-    t = torch.from_numpy(np.asarray(x.astype("float32"))).cuda().to(dt).contiguous()
+    t = torch.from_numpy(np.array(x.astype("float32"))).cuda().to(dt).contiguous()
     return t.requires_grad_() if requires_grad else t
 
 
