@@ -50,6 +50,12 @@ def free_torch_cache():
         torch.cuda.empty_cache()
 
 
+def reset_clock():
+    """Start the run's clock (--deadline and the log's seconds count from here)."""
+    global T0
+    T0 = time.time()
+
+
 def elapsed() -> float:
     return time.time() - T0
 
@@ -116,13 +122,13 @@ def _dist_version(name: str) -> str:
         return "-"
 
 
-def environment(fla_version: str = "not requested") -> dict:
+def environment(argv, fla_version: str = "not requested") -> dict:
     """Where and on what this run measures (every row carries it)."""
     import jax
     d = jax.devices()[0]
     return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "commit": _git_commit(), "gdp_jax_sources": source_hash(),
-            "command": " ".join(["python -m benchmarks.run"] + sys.argv[1:]),
+            "command": " ".join(["python -m benchmarks.run"] + list(argv)),
             "device": f"{len(jax.devices())} x {getattr(d, 'device_kind', d.platform)}",
             "jax": jax.__version__, "jaxlib": _dist_version("jaxlib"),
             "cutlass_dsl": _dist_version("nvidia-cutlass-dsl"), "fla": fla_version,

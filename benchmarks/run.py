@@ -71,11 +71,13 @@ def _set_env(a):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = parse(argv)
     _set_env(a)
     import jax
     jax.devices()                   # JAX takes the GPU before torch (FLA) is imported
     from benchmarks import measure, registry, report
+    measure.reset_clock()
     names = [s.strip() for s in a.impl.split(",") if s.strip()]
     impls, fla_version = [], "not requested"
     if a.bench != "cp":
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     if "fla" in names:
         from benchmarks import fla
         fla_version = fla.version()
-    run_ = report.Run(a.bench, a.out or report.default_out(), measure.environment(fla_version))
+    run_ = report.Run(a.bench, a.out or report.default_out(), measure.environment(argv, fla_version))
     measure.log("run:", run_.env["command"], "->", run_.stem + ".{md,json,log}")
     measure.log("env:", {k: v for k, v in run_.env.items() if k != "command"})
     ready = []

@@ -58,6 +58,8 @@ def main(argv=None):
         for _ in range(a.steps):
             built.sync(built.fwdbwd())
     tot, cnt = kernel_times(a.out, a.steps)
+    if not tot:
+        print("no GPU kernels in the trace (is the default device a GPU?)")
     print(f"total GPU kernel time per step: {sum(tot.values()):.3f} ms ({len(tot)} names)")
     for name, ms in tot.most_common(a.top):
         print(f"{ms:8.3f} ms {cnt[name]:5.0f}x  {name[:110]}")

@@ -49,6 +49,7 @@ def test_fwdbwd_tiny_xla(tmp_path):
     assert set(row["check"]) == {"o", *registry.GRAD_NAMES}
     for key in ("commit", "command", "device", "jax", "fla", "date", "gdp_jax_sources"):
         assert row[key], key
+    assert row["command"].startswith("python -m benchmarks.run fwdbwd --impl xla,fla")
     if row["fla"].startswith("FLA not importable") or "CUDA" in row["fla"]:
         assert any(n.startswith("fla NOT RUN") for n in data["notes"])
 
