@@ -22,6 +22,7 @@ from benchmarks.report import fmt
 
 PACKED_FRACTIONS = (0.05, 0.3, 0.02, 0.18, 0.25, 0.12, 0.08)   # 7 packed sequences
 MODES = ("fwd", "fwd+bwd")
+TOL = 1e-2           # CP vs one device, rel RMS (the same arithmetic up to the fold's order)
 
 
 def packed_offsets(T):
@@ -187,7 +188,8 @@ def run(args, run_):
                     run_.note(f"deadline ({args.deadline:.0f} s) reached before {label}")
                     break
                 row = {"bench": "cp", "case": label, "shape": shape.label(), "P": Pn,
-                       "packed": packed, "fold": args.fold, "impl": args.backend}
+                       "packed": packed, "fold": args.fold, "impl": args.backend,
+                       "family": "ours"}
                 try:
                     case = Case(shape, Pn, packed, args.backend, devices)
                     for mode in MODES:
@@ -198,6 +200,7 @@ def run(args, run_):
                     chk = {**row["fwd"].get("check", {}), **row["fwd+bwd"].get("check", {})}
                     if chk:
                         row["check"] = chk
+                        row["check_ok"] = max(chk.values()) <= TOL
                     row["allgather"] = allgather_ms(case.mesh, Pn, shape, args.iters)
                     del case
                 except Exception as e:
@@ -213,7 +216,7 @@ def table_md(run_) -> str:
     what = ("bf16, use_qk_l2norm, gates on. Medians in ms; 'CP per rank' = the sharded call "
             "on P devices; efficiency = t1(T) / (P tP(T)); memory = XLA's compiled bytes per "
             "device (arguments + outputs + temporaries - aliased), GB. Check = max relative "
-            "RMS over ranks of CP o and gradients vs the one-device op.")
+            f"RMS over ranks of CP o and gradients vs the one-device op (tolerance {TOL}).")
     lines = run_.header("Context-parallel benchmark", what)
     lines += ["| case | fold | mode | 1 dev on T | 1 dev on T/P | CP per rank | efficiency | "
               "mem/rank CP | mem 1 dev T | all_gather alone | check max | note |",
@@ -229,5 +232,6 @@ def table_md(run_) -> str:
                 c["case"], c["fold"], mode, ms("t1_T"), ms("t1_Tp"), ms("tP_T"),
                 fmt(r.get("efficiency")), fmt(r.get("tP_T", {}).get("mem_gb")),
                 fmt(r.get("t1_T", {}).get("mem_gb")), fmt(ag, 3), chk,
-                c.get("error", "") or r.get("check_error", "")]) + " |")
+                c.get("error", "") or r.get("check_error", "")
+                or ("CHECK FAILED" if c.get("check_ok") is False else "")]) + " |")
     return "\n".join(lines + run_.footer()) + "\n"

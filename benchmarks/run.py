@@ -7,7 +7,7 @@
     JAX_PLATFORMS=cpu python -m benchmarks.run fwdbwd --impl xla --shapes tiny   # CPU smoke
 
 Writes <bench>_<stamp>.{md,json,log} under --out (default outside git: $OUT/bench, else
-/tmp/gdp_bench/<date>). Exit status 1 when a correctness check failed or no row was measured.
+/tmp/gdp_bench/<date>). Exit status 1 when a check of ours failed or no row was measured.
 """
 from __future__ import annotations
 
@@ -106,7 +106,9 @@ def main(argv=None) -> int:
         cp.run(a, run_)
     run_.close()
     measured = [r for r in run_.rows if not r.get("error")]
-    failed = [r for r in run_.rows if r.get("check_ok") is False]
+    # a peer's failed check is reported in its row, not in the exit status (FLA's Hopper
+    # backward runs past its own guard here: fla.py)
+    failed = [r for r in run_.rows if r.get("check_ok") is False and r.get("family") == "ours"]
     print(f"wrote {run_.stem}.md / .json / .log: {len(measured)} rows measured, "
           f"{len(run_.rows) - len(measured)} with errors, {len(failed)} failed checks",
           flush=True)
