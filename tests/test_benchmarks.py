@@ -84,3 +84,22 @@ def test_cp_tiny_simulated_devices(tmp_path):
     data, md = _files(tmp_path, "cp")
     row = data["rows"][0]
     assert row["fwd+bwd"]["tP_T"]["ms"] > 0 and max(row["check"].values()) < 1e-3
+
+
+def test_a_wrong_implementation_fails_its_check(tmp_path):
+    """The check before timing catches an output 10% off and the table says so."""
+    from benchmarks import measure, op, report
+
+    class Wrong(registry.OursOp):
+        def op(self):
+            right = super().op()
+            return lambda *a: right(*a) * 1.1
+
+    args = run.parse(["fwd", "--shapes", "tiny", "--iters", "1", "--reps", "1",
+                      "--out", str(tmp_path), "--baseline", "xla"])
+    run_ = report.Run("fwd", str(tmp_path), measure.environment(["fwd"]))
+    op.run(args, run_, [Wrong("wrong", "xla")])
+    run_.close()
+    (row,) = run_.rows
+    assert row["check_ok"] is False and row["check"]["o"] > 0.05
+    assert "CHECK FAILED" in open(run_.stem + ".md").read()
