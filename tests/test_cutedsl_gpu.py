@@ -2,7 +2,7 @@
 
 Run on the lent H200 only (``pytest -m gpu tests/test_cutedsl_gpu.py``); CI has no GPU.
 Last real results (2026-11-29, jax 0.11.2), all passed:
-- benchmarks/results/gpu_tests_2026-11-29_run4_inverse_kernel.log (nvidia-h200): forward +
+- tests/gpu_results/history/2026-11-29/gpu_tests_2026-11-29_run4_inverse_kernel.log (nvidia-h200): forward +
   gradient matrix + packed, with the WY inverse kernel.
 - gpu_tests_2026-11-29_run5_bf16_matmuls.log: the same plus N agree and the other
   single-GPU tests, with the forward kernel writing bf16 checkpoints and the optional bf16

@@ -1,0 +1,252 @@
+"""Named shape sets and the implementations the runner times (ours and the FLA peer).
+
+A shape is (B, T, H, n) with K = V = 128 and HV = H unless given. An implementation is a
+small object: ``available()`` says why it cannot run here (or None), ``build(x)`` takes the
+ONE set of inputs of a shape (:class:`Inputs`, JAX arrays) and returns a :class:`Built` whose
+callables take no arguments, so every implementation is timed on the same values.
+
+Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>``, ``xla``.
+Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
+gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, NamedTuple, Optional
+
+# ----------------------------------------------------------------------------- shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    B: int
+    T: int
+    H: int
+    n: int
+    K: int = 128
+    V: int = 128
+
+    @property
+    def HV(self) -> int:
+        return self.H
+
+    def label(self) -> str:
+        kv = "" if (self.K, self.V) == (128, 128) else f", K={self.K}, V={self.V}"
+        return f"{self.B}, {self.T}, {self.H}, {self.n}{kv}"
+
+
+_MAIN = [Shape(8, 4096, 16, 1), Shape(8, 4096, 16, 2), Shape(8, 4096, 16, 3),
+         Shape(2, 16384, 16, 2)]
+_LONG = [Shape(1, 65536, 16, 2), Shape(1, 65536, 32, 2), Shape(1, 32768, 64, 2)]
+
+SHAPE_SETS = {
+    # forward and forward + backward: (B, T, H, n)
+    "op": {"main": _MAIN, "long": _LONG, "all": _MAIN + _LONG,
+           "tiny": [Shape(2, 96, 2, 2, K=16, V=16)]},
+    # one decoding token: B rows, H = HV = 32 (T is 1)
+    "step": {"main": [Shape(B, 1, 32, 2) for B in (1, 16, 64)],
+             "tiny": [Shape(2, 1, 2, 2, K=16, V=16)]},
+    # context parallel: B = 1, global T split over the mesh
+    "cp": {"main": [Shape(1, T, 16, 2) for T in (32768, 131072, 524288)],
+           "tiny": [Shape(1, 512, 2, 2, K=16, V=16)]},
+}
+
+
+def shapes(kind: str, spec: str):
+    """``spec``: a set name of SHAPE_SETS[kind], or ';'-separated "B,T,H,n[,K,V]" tuples."""
+    sets = SHAPE_SETS[kind]
+    if spec in sets:
+        return list(sets[spec])
+    out = []
+    for part in spec.split(";"):
+        try:
+            vals = [int(x) for x in part.split(",")]
+            out.append(Shape(*vals))
+        except (TypeError, ValueError):
+            raise ValueError(f"--shapes: {part!r} is neither a set of {sorted(sets)} nor "
+                             "B,T,H,n[,K,V]") from None
+    return out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+class Inputs(NamedTuple):
+    """One shape's inputs, JAX arrays, ours layout. bf16 unless said otherwise."""
+    q: object        # [B, T, H, K]
+    k: object        # [B, T, n, H, K]
+    v: object        # [B, T, n, HV, V]
+    g: object        # [B, T, HV] float32 log-decay
+    beta: object     # [B, T, n, HV] in (0.05, 1.95)
+    w: object        # [B, T, HV, V] float32 (bf16-representable) loss weights
+    S: object = None  # step only: [B, HV, K, V] float32 state
+
+
+def make_inputs(shape: Shape, seed: int = 0, step: bool = False) -> Inputs:
+    """Random inputs drawn on the default device. ``step``: one token (no T axis) + a state."""
+    import jax
+    return jax.block_until_ready(_jit_draw()(shape, step, jax.random.PRNGKey(seed)))
+
+
+def _draw(shape, step, key):
+    import jax
+    import jax.numpy as jnp
+    B, T, H, n, K, V, HV = shape.B, shape.T, shape.H, shape.n, shape.K, shape.V, shape.HV
+    lead = (B,) if step else (B, T)
+    ks = jax.random.split(key, 7)
+    f32, bf = jnp.float32, jnp.bfloat16
+    q = jax.random.normal(ks[0], lead + (H, K), f32).astype(bf)
+    k = jax.random.normal(ks[1], lead + (n, H, K), f32).astype(bf)
+    v = jax.random.normal(ks[2], lead + (n, HV, V), f32).astype(bf)
+    beta = jax.random.uniform(ks[3], lead + (n, HV), f32, 0.05, 1.95).astype(bf)
+    g = jax.nn.log_sigmoid(jax.random.normal(ks[4], lead + (HV,), f32) + 3.0)
+    w = jax.random.normal(ks[5], lead + (HV, V), f32).astype(bf).astype(f32)
+    S = 0.3 * jax.random.normal(ks[6], (B, HV, K, V), f32) if step else None
+    return Inputs(q, k, v, g, beta, w, S)
+
+
+def _jit_draw():
+    import jax
+    return jax.jit(_draw, static_argnums=(0, 1))      # one compile per shape, not seven
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+# ----------------------------------------------------------------------------- impls
+
+
+@dataclasses.dataclass
+class Built:
+    """Callables over one shape's inputs (no arguments: the inputs are bound).
+
+    fwd() -> o; fwdbwd() -> anything (timed); sync(x) waits for x.
+    grads_of(x): the five gradients (ours layout, GRAD_NAMES order) from fwdbwd's result,
+    for the correctness check; to_np(a): one of them (or fwd's o) as a float32 numpy array.
+    memory(): {"peak_gb", "kept_gb"} of one fwd+bwd (the keys it can measure).
+    For the step: step(S) -> S (donated) and first() -> (o, S) for the check.
+    """
+    sync: Callable
+    fwd: Optional[Callable] = None
+    fwdbwd: Optional[Callable] = None
+    to_np: Optional[Callable] = None
+    grads_of: Optional[Callable] = None
+    memory: Optional[Callable] = None
+    step: Optional[Callable] = None
+    first: Optional[Callable] = None
+    fresh_state: Optional[Callable] = None
+    release: Callable = lambda: None
+
+
+class OursOp:
+    """gdp_jax.gated_delta_product (use_qk_l2norm, gates on), jitted value-and-grad of
+    sum(o * w) w.r.t. q, k, v, g, beta. Peak = XLA's compiled temp bytes of that function;
+    kept = bytes of ``jax.vjp``'s residuals beyond the inputs."""
+    family = "ours"
+
+    def __init__(self, name, backend, N=None):
+        self.name, self.backend, self.N = name, backend, N
+        # without grad no checkpoints are kept, so the forward of N > 0 is N = 0's
+        self.fwd_same_as = "cutedsl" if backend == "cutedsl" and N else None
+
+    def available(self) -> Optional[str]:
+        if self.backend == "cutedsl":
+            import jax
+            if jax.devices()[0].platform != "gpu":
+                return f"needs an sm_90 GPU (default device: {jax.devices()[0].platform})"
+        return None
+
+    def op(self):
+        from gdp_jax import gated_delta_product
+        kw = {} if self.N is None else {"recompute_chunk_num": self.N}
+        return lambda q, k, v, g, beta: gated_delta_product(
+            q, k, v, g, beta, use_qk_l2norm=True, backend=self.backend, **kw)
+
+    def build(self, x: Inputs) -> Built:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        op = self.op()
+        args = (x.q, x.k, x.v, x.g, x.beta)
+        loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32) * x.w)
+        fwd = jax.jit(op)
+        vg_jit = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        compiled = []           # compiled once (on first use): timed and asked for its memory
+
+        def vg(*a):
+            if not compiled:
+                compiled.append(vg_jit.lower(*a).compile())
+            return compiled[0](*a)
+
+        def memory():
+            res = jax.jit(lambda *a: jax.vjp(op, *a)[1])(*args)
+            kept = sum(l.nbytes for l in jax.tree_util.tree_leaves(res) if hasattr(l, "nbytes"))
+            del res
+            return {"peak_gb": compiled[0].memory_analysis().temp_size_in_bytes / 1e9,
+                    "kept_gb": (kept - sum(a.nbytes for a in args)) / 1e9}
+
+        return Built(sync=jax.block_until_ready, fwd=lambda: fwd(*args),
+                     fwdbwd=lambda: vg(*args), grads_of=lambda r: r[1], memory=memory,
+                     to_np=lambda a: np.asarray(a.astype(jnp.float32)))
+
+
+class OursStep:
+    """gdp_jax.gated_delta_product_step, jitted with the state donated; timed as S = step(S)."""
+    family = "ours"
+    fwd_same_as = None
+
+    def __init__(self, name, backend):
+        self.name, self.backend = name, backend
+
+    available = OursOp.available
+
+    def build(self, x: Inputs) -> Built:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from gdp_jax import gated_delta_product_step
+        f = jax.jit(lambda q, k, v, g, beta, S: gated_delta_product_step(
+            q, k, v, g, beta, S, use_qk_l2norm=True, backend=self.backend), donate_argnums=5)
+        only_state = jax.jit(lambda *a: f(*a)[1], donate_argnums=5)
+        a5 = (x.q, x.k, x.v, x.g, x.beta)
+        return Built(sync=jax.block_until_ready, step=lambda S: only_state(*a5, S),
+                     first=lambda: tuple(np.asarray(t) for t in f(*a5, jnp.array(x.S))),
+                     fresh_state=lambda: jnp.array(x.S))
+
+
+def _ours(name: str, bench: str):
+    if bench == "step":
+        return OursStep(name, name) if name in ("cutedsl", "xla") else None
+    if name == "xla":
+        return OursOp("xla", "xla")
+    if name == "cutedsl":
+        return OursOp("cutedsl", "cutedsl", 0)
+    m = re.fullmatch(r"cutedsl-n(\d+)", name)
+    return OursOp(name, "cutedsl", int(m.group(1))) if m else None
+
+
+IMPL_NAMES = "cutedsl, cutedsl-n<N> (recompute_chunk_num=N), xla, fla"
+
+
+def impl(name: str, bench: str):
+    """The implementation ``name`` for ``bench`` ("fwd", "fwdbwd" or "step")."""
+    if name == "fla":
+        from benchmarks import fla           # no torch import until FLA is asked for
+        return fla.FlaStep() if bench == "step" else fla.FlaOp()
+    found = _ours(name, bench)
+    if found is None:
+        raise ValueError(f"--impl: unknown implementation {name!r} for {bench} "
+                         f"(known: {IMPL_NAMES})")
+    return found
+
+
+def slice_check(arr, name: str, hr: int):
+    """The part of o / a gradient the float64 reference covers: row 0, heads [0, hr).
+    Rows and heads (HV = H) are independent, so this slice of the full call equals the
+    reference run on the slice alone. ``name``: "o" or one of GRAD_NAMES."""
+    head_axis = {"o": -2, "dq": -2, "dk": -2, "dv": -2, "dg": -1, "dbeta": -1}[name]
+    idx = [slice(None)] * arr.ndim
+    idx[0] = slice(0, 1)
+    idx[arr.ndim + head_axis] = slice(0, hr)
+    return arr[tuple(idx)]

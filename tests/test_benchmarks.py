@@ -1,0 +1,105 @@
+"""The benchmark runner on CPU: a tiny shape with the xla implementation writes its three files
+and a table with the expected columns; FLA and cutedsl absent here are notes, not failures."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)          # benchmarks/ is not installed with the package
+
+from benchmarks import registry, run  # noqa: E402
+
+
+def _files(out, bench):
+    names = sorted(os.listdir(out))
+    stems = {os.path.splitext(n)[0] for n in names}
+    assert len(stems) == 1, names
+    stem = os.path.join(out, stems.pop())
+    assert os.path.basename(stem).startswith(bench + "_")
+    for ext in (".md", ".json", ".log"):
+        assert os.path.getsize(stem + ext) > 0, ext
+    with open(stem + ".json") as f:
+        data = json.load(f)
+    with open(stem + ".md") as f:
+        md = f.read()
+    return data, md
+
+
+def _table(md):
+    """Header cells and the data rows of the markdown table."""
+    rows = [line for line in md.splitlines() if line.startswith("|")]
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]
+    return cells(rows[0]), [cells(r) for r in rows[2:]]
+
+
+def test_fwdbwd_tiny_xla(tmp_path):
+    rc = run.main(["fwdbwd", "--impl", "xla,fla", "--shapes", "tiny", "--baseline", "xla",
+                   "--iters", "2", "--reps", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    data, md = _files(tmp_path, "fwdbwd")
+    head, rows = _table(md)
+    assert head[:4] == ["B, T, H, n", "impl", "fwd", "fwd+bwd"]
+    assert {"peak", "kept", "check", "% roofline (fwd+bwd)"} <= set(head)
+    assert [r[1] for r in rows] == ["xla"]
+    row = data["rows"][0]
+    assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 and row["check_ok"]
+    assert set(row["check"]) == {"o", *registry.GRAD_NAMES}
+    for key in ("commit", "command", "device", "jax", "fla", "date", "gdp_jax_sources"):
+        assert row[key], key
+    assert row["command"].startswith("python -m benchmarks.run fwdbwd --impl xla,fla")
+    if row["fla"].startswith("FLA not importable") or "CUDA" in row["fla"]:
+        assert any(n.startswith("fla NOT RUN") for n in data["notes"])
+
+
+def test_step_tiny_xla(tmp_path):
+    rc = run.main(["step", "--impl", "xla", "--shapes", "tiny", "--baseline", "xla",
+                   "--iters", "3", "--reps", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    data, md = _files(tmp_path, "step")
+    head, rows = _table(md)
+    assert head[:3] == ["shape", "impl", "us per step"] and [r[1] for r in rows] == ["xla"]
+    assert data["rows"][0]["us"] > 0 and data["rows"][0]["check_ok"]
+
+
+def test_unknown_impl_and_bad_shapes_name_the_argument():
+    with pytest.raises(ValueError, match="--impl"):
+        registry.impl("cutedsl-fast", "fwdbwd")
+    with pytest.raises(ValueError, match="--shapes"):
+        registry.shapes("op", "mian")
+
+
+@pytest.mark.slow
+def test_cp_tiny_simulated_devices(tmp_path):
+    """The cp subcommand on 2 simulated CPU devices (its own process: XLA_FLAGS)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.run", "cp", "--backend", "xla",
+                        "--shapes", "1,128,2,2,16,16", "--devices", "2", "--P", "2",
+                        "--iters", "1", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data, md = _files(tmp_path, "cp")
+    row = data["rows"][0]
+    assert row["fwd+bwd"]["tP_T"]["ms"] > 0 and max(row["check"].values()) < 1e-3
+
+
+def test_a_wrong_implementation_fails_its_check(tmp_path):
+    """The check before timing catches an output 10% off and the table says so."""
+    from benchmarks import measure, op, report
+
+    class Wrong(registry.OursOp):
+        def op(self):
+            right = super().op()
+            return lambda *a: right(*a) * 1.1
+
+    args = run.parse(["fwd", "--shapes", "tiny", "--iters", "1", "--reps", "1",
+                      "--out", str(tmp_path), "--baseline", "xla"])
+    run_ = report.Run("fwd", str(tmp_path), measure.environment(["fwd"]))
+    op.run(args, run_, [Wrong("wrong", "xla")])
+    run_.close()
+    (row,) = run_.rows
+    assert row["check_ok"] is False and row["check"]["o"] > 0.05
+    assert "CHECK FAILED" in open(run_.stem + ".md").read()
