@@ -127,9 +127,9 @@ def _blocked_inverse(A):
     Blocked, in batched matmuls (FLA's solve_tril scheme): the 16 x 16 diagonal blocks by
     forward substitution, then merges 16 -> 32 -> 64 with
     [[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]].
-    Replaces ``lax.linalg.triangular_solve``: on the H200 the forward of the cutedsl op
-    went from 11.0 to 6.0 ms at (8, 4096, 16, n=2); on CPU the solve was ~100x slower than
-    the rest of the chunk and its LAPACK call could deadlock XLA's thread pool.
+    Used instead of ``lax.linalg.triangular_solve``, which was far slower on the GPU and
+    on CPU, where its LAPACK call could also deadlock XLA's thread pool
+    (benchmarks/results/history/2026-11-29/NOTES.md).
     """
     m = A.shape[-1]
     if m <= SUBSTITUTION_BLOCK:
@@ -266,7 +266,7 @@ def states_from_checkpoints(it: Intra, layout: ChunkLayout, h0, ckpts, stride: i
     return S[:, :NC]
 
 
-def final_states(ch, it, layout, S0, h0):
+def final_states(it, layout, S0, h0):
     """End state of each sequence [N, HV, K, V] (its initial state if it has no tokens)."""
     lc = layout.last_chunk
     pick = lambda x: _flat_chunks(x)[lc]
@@ -319,12 +319,12 @@ def initial_state_grads(layout, dS_start, dfinal):
 # Local forward / backward on the chunk grid
 # ---------------------------------------------------------------------------------------
 
-def chunk_forward(ch: ChunkInputs, layout: ChunkLayout, h0, scale, with_output=True):
-    """Returns (output rows [B, NC, HV, C, V] or None, final states [N, HV, K, V], S0)."""
+def chunk_forward(ch: ChunkInputs, layout: ChunkLayout, h0, scale):
+    """Returns (output rows [B, NC, HV, C, V], final states [N, HV, K, V], S0)."""
     it = intra_chunk(ch)
     S0 = state_scan(it, layout, h0)
-    final = final_states(ch, it, layout, S0, h0)
-    o = chunk_map(ch, it, S0, scale)[0] if with_output else None
+    final = final_states(it, layout, S0, h0)
+    o = chunk_map(ch, it, S0, scale)[0]
     return o, final, S0
 
 

@@ -214,7 +214,8 @@ def restore_saved_context(saved: SavedContext, metadata_type=None):
         raise TypeError(f"saved CP context metadata is {type(saved.metadata).__name__}; "
                         f"expected {metadata_type.__name__}")
     md, inputs = saved.metadata, saved.inputs
-    for name, has, x in (("g", md.has_gate, inputs.g),
+    for name, has, x in (("initial_states", md.has_initial_states, inputs.initial_state),
+                         ("g", md.has_gate, inputs.g),
                          ("cu_seqlens", md.has_cu_seqlens, inputs.cu_seqlens),
                          ("chunk_states", md.has_chunk_states, saved.chunk_states)):
         if has != (x is not None):

@@ -23,15 +23,19 @@ def _scatter_rows(n_rows, rows, values, keep):
     return out.at[idx].set(values, mode="drop")
 
 
-def _by_chunk(*xs):
-    return tuple(jnp.moveaxis(x, 1, 0) for x in xs)
+def _scan_chunks(step, state_shape, dtype, xs, reverse=False):
+    """``lax.scan`` of ``step`` over the chunk axis (1) of every [B, NC, ...] operand in
+    ``xs``, from a zero [B, HV, K, V] state; the per-chunk outputs come back [B, NC, ...]."""
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in xs)
+    init = _vma.like(jnp.zeros(state_shape, dtype), xs)
+    _, ys = lax.scan(step, init, xs, reverse=reverse)
+    return tuple(jnp.moveaxis(y, 0, 1) for y in ys)
 
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0,
                       states_dtype=None):
     del BV, split
     B, NC, HV, C, K = w.shape
-    V = u.shape[-1]
     acc = u.dtype
     f = lambda x: x.astype(acc)
 
@@ -43,10 +47,8 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
         S_end = decay[..., None, None] * S + jnp.swapaxes(f(kt), -1, -2) @ delta
         return S_end, (o, S, S_end)
 
-    xs = _by_chunk(w, kt, qg, p, u, decay, reset, seq)
-    init = _vma.like(jnp.zeros((B, HV, K, V), acc), xs)
-    _, (o, S0, S_end) = lax.scan(step, init, xs)
-    o, S0, S_end = (jnp.moveaxis(x, 0, 1) for x in (o, S0, S_end))
+    o, S0, S_end = _scan_chunks(step, (B, HV, K, u.shape[-1]), acc,
+                                (w, kt, qg, p, u, decay, reset, seq))
     N = h0.shape[0]
     final = _scatter_rows(N, seq.reshape(-1), S_end.reshape((B * NC,) + S_end.shape[2:]),
                           last.reshape(-1) != 0)
@@ -57,7 +59,6 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None):
     del BV, split
     B, NC, HV, C, K = kt.shape
-    V = do.shape[-1]
     acc = ddo.dtype
     f = lambda x: x.astype(acc)
 
@@ -70,10 +71,8 @@ def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, s
         carry = jnp.where(reset[:, None, None, None] != 0, 0.0, dS_start)
         return carry, (dS, dS_start)
 
-    xs = _by_chunk(kt, w, qg, ddo, do, decay, seq, last, reset)
-    init = _vma.like(jnp.zeros((B, HV, K, V), acc), xs)
-    _, (ds_end, ds_start) = lax.scan(step, init, xs, reverse=True)
-    ds_end, ds_start = jnp.moveaxis(ds_end, 0, 1), jnp.moveaxis(ds_start, 0, 1)
+    ds_end, ds_start = _scan_chunks(step, (B, HV, K, do.shape[-1]), acc,
+                                    (kt, w, qg, ddo, do, decay, seq, last, reset), reverse=True)
     dh0 = _scatter_rows(dfinal.shape[0], seq.reshape(-1),
                         ds_start.reshape((B * NC,) + ds_start.shape[2:]),
                         reset.reshape(-1) != 0)

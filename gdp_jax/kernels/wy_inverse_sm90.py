@@ -2,8 +2,8 @@
 
 The WY factors of every chunk need this inverse (``gdp_jax.chunked.intra_chunk``). In XLA
 it is a chain of tiny batched matmuls (16 x 16 blocks, then merges) whose launch and
-small-GEMM overheads cost 3.6 ms of the 6.6 ms cutedsl forward at (8, 4096, 16, n=2) on
-the H200 (2026-11-29 profile), for work that is only ~2 GFLOP.
+small-GEMM overheads dominated the cutedsl forward, for work that is only ~2 GFLOP
+(profile: benchmarks/results/history/2026-11-29/NOTES.md).
 
 Scheme: forward substitution by COLUMNS. Column j of X solves (I + A) x = e_j, i.e.
 
