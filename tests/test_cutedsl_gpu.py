@@ -1,19 +1,10 @@
 """cutedsl forward AND backward on an sm_90 GPU vs the xla backend and the float64 reference.
 
 Run on the lent H200 only (``pytest -m gpu tests/test_cutedsl_gpu.py``); CI has no GPU.
-Last real results (2026-11-29, jax 0.11.2), all passed:
-- tests/gpu_results/history/2026-11-29/gpu_tests_2026-11-29_run4_inverse_kernel.log (nvidia-h200): forward +
-  gradient matrix + packed, with the WY inverse kernel.
-- gpu_tests_2026-11-29_run5_bf16_matmuls.log: the same plus N agree and the other
-  single-GPU tests, with the forward kernel writing bf16 checkpoints and the optional bf16
-  XLA matmul operands ON (fwd.MATMUL_DTYPE; 1.5-2x the error, off by default since).
-- gpu_tests_2026-11-29_run6_final.log (nvidia-h200-x2, code = the batched-relayout commit):
-  inverse kernel vs float64 (2.4e-7), packed gradients, N agree, determinism, long
-  sequence, CP on 1 and 2 GPUs with the kernel summaries, model grad in shard_map, backend
-  resolution (12 passed).
-The forward/gradient matrix did not re-run after the batched relayout and the bf16
-checkpoint writes; both are bitwise value-preserving (data movement; the same
-round-to-nearest bf16 conversion) and the emulated CPU tests cover them.
+Last real run: 2026-12-01 on nvidia-h200, code 713534b (after the engine refactor): every
+test passed except the two CP-on-2-GPUs cases (skipped: one GPU) -
+tests/gpu_results/GPU_TESTS.md, run s2-1. The 2-GPU cases last passed on nvidia-h200-x2
+on 2026-11-29 (tests/gpu_results/history/2026-11-29/gpu_tests_2026-11-29_run6_final.log).
 Tolerance: FLA-style relative RMS error ||x - ref|| / ||ref|| < 5e-3 for the output and
 the final state, < 1e-2 for gradients.
 """
