@@ -13,10 +13,9 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from gdp_jax.grid import CHUNK as C
 from gdp_jax.kernels import binding
 from gdp_jax.spec import Unsupported
-
-C = 64
 
 
 class ChunkForwardKernel:

@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-C = 64             # chunk length (steps); equals gdp_jax.chunked.CHUNK
+C = 64             # chunk length (steps); equals gdp_jax.grid.CHUNK
 NUM_THREADS = 128  # 4 warps per CTA
 MMA_K = 16         # the K extent of one mma.sync (one k-block of the operand fragments)
 
