@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import chunked, grid
+from gdp_jax import chunked, grid, recurrence
 from gdp_jax.spec import CallSpec
 
 
@@ -57,24 +57,61 @@ class Engine:
 
 
 class XlaEngine(Engine):
-    """Pure JAX (:mod:`gdp_jax.chunked`): any device and dtype, float64 included. Keeps
-    no chunk states (the backward recomputes them); the CP summaries compose the per-chunk
-    affine maps in parallel (no extra sequential pass)."""
+    """Pure JAX: any device and dtype, float64 included. The chunk-local math is
+    :mod:`gdp_jax.chunked`, the sequential passes :mod:`gdp_jax.recurrence` (two-level,
+    on the blocked grid); under differentiation the forward keeps the start state of
+    every (recompute_chunk_num + 1)-th chunk for the backward. The CP summaries compose
+    the per-chunk affine maps in parallel (no sequential pass)."""
 
     name = "xla"
 
+    @staticmethod
+    def _blocking(spec, ch):
+        B, NC = ch.k.shape[:2]
+        return recurrence.Blocking(B, NC, recurrence.block_len(NC, spec.checkpoint_stride))
+
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
-        oc, final, _ = chunked.chunk_forward(ch, layout, h0, spec.scale)
-        return oc, final, None
+        blk = self._blocking(spec, ch)
+        chb = blk.tree_block(ch)
+        x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
+        stride = spec.checkpoint_stride if keep_states else 0
+        o, final, states = recurrence.forward(blk, x, recurrence.flags(blk, layout), h0,
+                                              spec.N, stride, checkpoint_dtype(spec))
+        o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+        final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
+        return blk.unblock(o), final, states
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
-        return chunked.chunk_backward(ch, layout, h0, doc, dfinal, spec.scale)
+        blk = self._blocking(spec, ch)
+        chb, docb = blk.tree_block(ch), blk.block(doc)
+        f = recurrence.flags(blk, layout)
+        it, it_pull = jax.vjp(chunked.intra_chunk, chb)
+        x, _ = recurrence.forward_operands(chb, it, spec.scale)
+        stride = spec.checkpoint_stride
+        if states is None:      # not kept (a direct caller): recompute them
+            stride = 1
+            states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype)[2]
+        S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride)
+        rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
+        dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N)
+        dchb = chunked.local_grads(chb, it, it_pull, S0, docb, dS_end, spec.scale)
+        dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
+        return blk.tree_unblock(dchb), dh0
 
     def forward_summaries(self, spec, ch, layout):
         return chunked.forward_summaries(ch, layout), None
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         return chunked.backward_summaries(ch, layout, doc, dfinal, spec.scale), None
+
+
+def checkpoint_dtype(spec: CallSpec):
+    """dtype of the chunk-state checkpoints: bfloat16 for bfloat16 inputs (half the
+    memory; what FLA and Megatron keep), else the compute dtype (float16's range,
+    65504, is too small for states)."""
+    if spec.ab_dtype == jnp.dtype(jnp.bfloat16):
+        return jnp.dtype(jnp.bfloat16)
+    return spec.cdt
 
 
 XLA = XlaEngine()

@@ -13,7 +13,7 @@ from gdp_jax import _checks, _guard, backends, engine
 # --- the single-device op, on any engine ------------------------------------------------
 # Residuals: the op's own inputs (nothing beyond what the caller already holds) plus what
 # the engine keeps for its backward (cutedsl: the chunk-state checkpoints
-# [B, ceil(NC / (N + 1)), HV, K, V]; xla: nothing, it recomputes the chunk states).
+# [B, ceil(NC / (N + 1)), HV, K, V]; xla: the same on its blocked grid, see gdp_jax.recurrence).
 
 def _forward(eng, spec, inputs, keep_states):
     q, k, v, g, beta, h0, cu_seqlens = inputs

@@ -1,0 +1,126 @@
+"""Where the time goes: each stage of the xla engine's chunk pipeline timed alone.
+
+    python -m benchmarks.stages --B 8 --T 4096 --H 16 --n 2 [--dtype bfloat16]
+
+Stages (each its own jitted function on the same inputs, medians after warm-up; the
+whole op forward and forward + backward last, for the sum to be checked against):
+grid (API tensors -> chunk tensors), intra (the WY factors of every chunk), scan (the
+forward state recursion), readout (outputs from the start states), intra_vjp (the factors
+with their vjp), rscan (the reverse state-gradient recursion), local (the chunk-local
+gradients), then the whole op per backend. Prints one line per stage: ms, and XLA's compiled temporary bytes.
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+
+def _time(fn, *args, iters=10, reps=5):
+    import time
+    out = fn(*args)
+    jax.block_until_ready(out)
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / iters * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _temp_gb(fn, *args):
+    try:
+        m = fn.lower(*args).compile().memory_analysis()
+        return m.temp_size_in_bytes / 1e9
+    except Exception:                      # noqa: BLE001 - not every backend reports it
+        return float("nan")
+
+
+def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
+    from gdp_jax import chunked, engine, gated_delta_product, grid
+    from gdp_jax._checks import check_inputs
+
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (B, T, H, K), dtype)
+    k = jax.random.normal(ks[1], (B, T, n, H, K), dtype)
+    v = jax.random.normal(ks[2], (B, T, n, H, V), dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H), jnp.float32))
+    beta = 2 * jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, n, H), jnp.float32))
+    spec = check_inputs(q, k, v, g, beta, use_qk_l2norm=True,
+                        recompute_chunk_num=0)
+    scale = spec.scale
+
+    def to_grid(q, k, v, g, beta):
+        return engine.forward_problem(spec, q, k, v, g, beta, None)
+
+    prob = jax.jit(to_grid)(q, k, v, g, beta)
+    layout, ch = prob.layout, prob.ch
+    h0 = engine.start_states(spec, None)
+    it = jax.jit(chunked.intra_chunk)(ch)
+    S0 = jax.jit(chunked.state_scan)(it, layout, h0)
+    doc = jax.random.normal(ks[0], ch.v.shape, ch.v.dtype)
+    dfinal = jnp.zeros_like(h0)
+
+    def intra_vjp(ch):
+        it, pull = jax.vjp(chunked.intra_chunk, ch)
+        return pull(it)
+
+    def rscan(ch, it):
+        return chunked.reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)
+
+    def local(ch, S0, dS_end):
+        it, pull = jax.vjp(chunked.intra_chunk, ch)
+        return chunked.local_grads(ch, it, pull, S0, doc, dS_end, scale)
+
+    dS_end = jax.jit(rscan)(ch, it)[0]
+
+    def fwd(backend):
+        return lambda *a: gated_delta_product(*a, backend=backend, use_qk_l2norm=True)
+
+    def fwdbwd(backend):
+        loss = lambda *a: fwd(backend)(*a)[0].astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+
+    rows = [
+        ("grid", jax.jit(to_grid), (q, k, v, g, beta)),
+        ("intra", jax.jit(chunked.intra_chunk), (ch,)),
+        ("scan", jax.jit(chunked.state_scan), (it, layout, h0)),
+        ("readout", jax.jit(lambda ch, it, S0: chunked.chunk_map(ch, it, S0, scale)[0]),
+         (ch, it, S0)),
+        ("intra_vjp", jax.jit(intra_vjp), (ch,)),
+        ("rscan", jax.jit(rscan), (ch, it)),
+        ("local", jax.jit(local), (ch, S0, dS_end)),
+    ]
+    for b in backends:
+        rows += [(f"{b} fwd", jax.jit(fwd(b)), (q, k, v, g, beta)),
+                 (f"{b} fwd+bwd", jax.jit(fwdbwd(b)), (q, k, v, g, beta))]
+    out = []
+    for name, fn, args in rows:
+        ms = _time(fn, *args)
+        gb = _temp_gb(fn, *args)
+        out.append((name, ms, gb))
+        print(f"{name:12s} {ms:9.3f} ms   temp {gb:7.3f} GB", flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--B", type=int, default=8)
+    p.add_argument("--T", type=int, default=4096)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--n", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backends", default="xla", help="comma list: whole-op rows")
+    a = p.parse_args(argv)
+    print(f"stages of the xla engine at B={a.B} T={a.T} H={a.H} n={a.n} {a.dtype} "
+          f"on {jax.devices()[0].device_kind}", flush=True)
+    stages(a.B, a.T, a.H, a.n, jnp.dtype(a.dtype), backends=a.backends.split(","))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""The xla engine's sequential passes over the chunk grid, in two levels.
+
+A ``lax.scan`` over chunks pays a fixed cost per step on a GPU (several small kernels per
+step whatever their size), so walking NC chunks one by one is slow for long sequences.
+The passes here cut each row's chunks into blocks of L and use the affine-map algebra of
+the CP protocol inside one device (three stages, 2 L + NB sequential steps instead of
+NC, NB = ceil(NC / L) blocks):
+
+1. every block at once: the block's map on its start state, S_end = M S_start + E
+   (forward; the state with K extra columns, started from [0 | I]) or dS_start =
+   M^T dS_end + gamma (reverse) - L steps;
+2. every row: fold the blocks in order - NB steps of one small matmul;
+3. every block at once: the pass itself from its folded start - L steps.
+
+Tensors are on the BLOCKED grid [L, R, HV, ...] (R = B * NB block rows): chunk j of block
+row r is chunk (r % NB) * L + j of row r // NB (see :class:`Blocking`); the padding chunks
+are identity maps (w = u = Kt = 0, G_last = 0), never reset, never last.
+
+Per chunk (shapes of :class:`gdp_jax.chunked.Intra`, one chunk): Delta = u - w S,
+o = qg S + P Delta, S_end = exp(G_last) S + Kt^T Delta, with qg = scale gam q and
+P = scale tril(q k^T Gam); in reverse dS_end = dS_next + dfinal (last chunk),
+dDelta = P^T dO + Kt dS_end, dS_start = qg^T dO + exp(G_last) dS_end - w^T dDelta.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gdp_jax import _vma, chunked
+from gdp_jax.grid import ChunkInputs, ChunkLayout
+
+MIN_BLOCKED_CHUNKS = 8      # rows of at most this many chunks are walked in one level
+
+
+def block_len(NC: int, stride: int = 1) -> int:
+    """Chunks per block: ~sqrt(NC / 2) (minimises 2 L + NC / L), a multiple of the
+    checkpoint stride (checkpoint groups never cross blocks); NC itself for short rows."""
+    if NC <= MIN_BLOCKED_CHUNKS:
+        L = NC
+    else:
+        L = max(2, round(math.sqrt(NC / 2)))
+    return stride * -(-L // stride)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Blocking:
+    """The relayout [B, NC, ...] <-> blocked [L, B * NB, ...] of one call's chunk grid."""
+    B: int
+    NC: int
+    L: int
+
+    @property
+    def NB(self) -> int:
+        return -(-self.NC // self.L)
+
+    def block(self, x, fill=0):
+        """[B, NC, ...] -> [L, B * NB, ...]; padding chunks filled with ``fill``."""
+        pad = self.NB * self.L - self.NC
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        x = x.reshape((self.B * self.NB, self.L) + x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def unblock(self, y):
+        """[L, B * NB, ...] -> [B, NC, ...]."""
+        y = jnp.moveaxis(y, 0, 1).reshape((self.B, self.NB * self.L) + y.shape[2:])
+        return y[:, :self.NC]
+
+    def tree_block(self, tree):
+        return jax.tree_util.tree_map(self.block, tree)
+
+    def tree_unblock(self, tree):
+        return jax.tree_util.tree_map(self.unblock, tree)
+
+    def rows(self, x):
+        """[B * NB, ...] -> [B, NB, ...]."""
+        return x.reshape((self.B, self.NB) + x.shape[1:])
+
+    def flat(self, x):
+        """[B, NB, ...] -> [B * NB, ...]."""
+        return x.reshape((self.B * self.NB,) + x.shape[2:])
+
+
+class Flags(NamedTuple):
+    """The layout's per-chunk flags on the blocked grid, [L, R]."""
+    reset: jax.Array
+    seq: jax.Array
+    last: jax.Array
+
+
+def flags(blk: Blocking, layout: ChunkLayout) -> Flags:
+    return Flags(blk.block(layout.reset, False), blk.block(layout.seq_of_chunk, 0),
+                 blk.block(layout.is_last, False))
+
+
+def _t(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _b(mask, x):
+    """Broadcast a [R] mask over x [R, ...]."""
+    return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+
+
+def _scatter_rows(table, idx, rows):
+    """table[idx[r]] = rows[r] for idx[r] < len(table) (other rows dropped)."""
+    return table.at[idx].set(rows.astype(table.dtype), mode="drop")
+
+
+# ------------------------------------------------------------------------------ forward
+
+class Forward(NamedTuple):
+    """What the forward pass reads per chunk, blocked [L, R, HV, ...]."""
+    w: jax.Array          # [C, K]
+    u: jax.Array          # [C, V]
+    Kt: jax.Array         # [C, K]
+    G_last: jax.Array     # []
+    qg: jax.Array         # [C, K]  scale * gam * q
+    P: jax.Array          # [C, C]  scale * tril(q k^T Gam)
+
+
+def readout_operands(ch: ChunkInputs, it: chunked.Intra, scale):
+    """(qg, P) of every chunk: scale gam q [.., C, K], scale tril(q k^T Gam) [.., C, C]."""
+    return (scale * it.gam[..., None] * ch.q,
+            scale * chunked.causal_scores(ch.q, ch.k, it.Gam))
+
+
+def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale):
+    """The forward pass's operands made safe for its plain matmuls, and ``bad`` [.., C]:
+    the output rows to set to NaN.
+
+    ``P @ Delta`` multiplies P's zeros above the diagonal by later rows of Delta, so a
+    non-finite row there would reach earlier output rows. A row with a non-finite w or u
+    enters as zeros and its Kt row as NaN (the chunk's end state, and all after it, are
+    NaN); a non-finite readout row (qg, P) enters as zeros; ``bad`` marks the rows from
+    the first non-finite w / u row on and every non-finite readout row. Exact when all
+    is finite."""
+    qg, P = readout_operands(ch, it, scale)
+    rows = lambda a: jnp.all(jnp.isfinite(a), axis=-1)
+    state_ok, bad = chunked.nonfinite_rows(None, finite=rows(it.w) & rows(it.u))
+    read_ok = rows(qg) & rows(P)
+    keep = lambda a, ok, fill: jnp.where(ok[..., None], a, jnp.asarray(fill, a.dtype))
+    x = Forward(keep(it.w, state_ok, 0), keep(it.u, state_ok, 0),
+                keep(it.Kt, state_ok, jnp.nan), it.G_last, keep(qg, read_ok, 0),
+                keep(P, read_ok, 0))
+    return x, bad | ~read_ok
+
+
+def _advance(S, w, u, Kt, G_last):
+    delta = u - w @ S
+    return jnp.exp(G_last)[..., None, None] * S + _t(Kt) @ delta, delta
+
+
+def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
+    """Stages 1-2 of the forward: the start state of every block, [R, HV, K, V]."""
+    L, R, HV, _, K = x.w.shape
+    V = x.u.shape[-1]
+    if blk.NB == 1:
+        return _vma.like(jnp.zeros((R, HV, K, V), h0.dtype), x.w, h0)
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=h0.dtype), (R, HV, K, K))
+    Z0 = _vma.like(jnp.concatenate([jnp.zeros((R, HV, K, V), h0.dtype), eye], -1), x.w, h0)
+    h0z = jnp.concatenate([h0, jnp.zeros(h0.shape[:-1] + (K,), h0.dtype)], -1)
+
+    def summary_step(Z, xs):
+        w, u, Kt, G_last, reset, sid = xs
+        Z = jnp.where(_b(reset, Z), h0z[sid], Z)
+        D = -(w @ Z)
+        D = D.at[..., :V].add(u)
+        return jnp.exp(G_last)[..., None, None] * Z + _t(Kt) @ D, None
+
+    Z, _ = lax.scan(summary_step, Z0, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq))
+    E, M = blk.rows(Z[..., :V]), blk.rows(Z[..., V:])            # [B, NB, HV, K, .]
+
+    def fold_step(S, xs):
+        E_b, M_b = xs
+        return E_b + M_b @ S, S
+
+    S_first = jnp.zeros((blk.B, HV, K, V), h0.dtype)
+    _, starts = lax.scan(fold_step, _vma.like(S_first, E, h0),
+                         (jnp.moveaxis(E, 1, 0), jnp.moveaxis(M, 1, 0)))
+    return blk.flat(jnp.moveaxis(starts, 0, 1))
+
+
+def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
+            states_dtype=None):
+    """The forward pass: (o rows [L, R, HV, C, V], final states [N, HV, K, V],
+    checkpoints [L / stride, R, HV, K, V] in ``states_dtype`` or None for stride = 0:
+    the start state of chunks 0, stride, 2 stride, ... of every block).
+
+    Final states of sequences without a chunk are left 0 (the caller's fallback)."""
+    L, R, HV, _, K = x.w.shape
+    V = x.u.shape[-1]
+    S_blk = _block_start_states(blk, x, f, h0)
+    group = max(stride, 1)
+    fin0 = _vma.like(jnp.zeros((N, HV, K, V), h0.dtype), x.w, h0)
+
+    def chunk(S, fin, xs):
+        w, u, Kt, G_last, qg, P, reset, sid, last = xs
+        S = jnp.where(_b(reset, S), h0[sid], S)
+        S_end, delta = _advance(S, w, u, Kt, G_last)
+        o = qg @ S + P @ delta
+        fin = _scatter_rows(fin, jnp.where(last, sid, N), S_end)
+        return S_end, fin, o, S
+
+    def step(carry, xs):
+        S, fin = carry
+        os = []
+        for j in range(group):
+            S, fin, o, S_start = chunk(S, fin, jax.tree_util.tree_map(lambda a: a[j], xs))
+            os.append(o)
+            if j == 0:
+                kept = S_start.astype(states_dtype) if stride else None
+        return (S, fin), (jnp.stack(os), kept)
+
+    xs = (*x, *f)
+    xs = jax.tree_util.tree_map(lambda a: a.reshape((L // group, group) + a.shape[1:]), xs)
+    (_, fin), (o, states) = lax.scan(step, (S_blk, fin0), xs)
+    return o.reshape((L,) + o.shape[2:]), fin, states
+
+
+def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int):
+    """Start state of every chunk, [L, R, HV, K, V], from ``forward``'s checkpoints
+    [L / stride, R, HV, K, V]: the stride - 1 chunks after each are recomputed by a scan
+    of stride - 1 steps over all groups at once (recompute_chunk_num = stride - 1)."""
+    S0 = ckpts.astype(h0.dtype)
+    if stride == 1:
+        return S0
+    L = x.w.shape[0]
+    grp = lambda a: jnp.moveaxis(a.reshape((L // stride, stride) + a.shape[1:]), 1, 0)
+    w, u, Kt, G_last = (grp(a) for a in (x.w, x.u, x.Kt, x.G_last))
+    reset, sid = grp(f.reset), grp(f.seq)
+
+    def step(S, xs):
+        w, u, Kt, G_last, reset, sid = xs          # chunk j - 1's map, chunk j's reset
+        S = _advance(S, w, u, Kt, G_last)[0]
+        return jnp.where(_b(reset, S), h0[sid], S), None
+
+    def collect(S, xs):
+        S, _ = step(S, xs)
+        return S, S
+
+    xs = (w[:-1], u[:-1], Kt[:-1], G_last[:-1], reset[1:], sid[1:])
+    _, rest = lax.scan(collect, _vma.like(S0, xs, h0), xs)
+    S = jnp.concatenate([S0[None], rest], axis=0)          # [stride, L / stride, R, ...]
+    return jnp.moveaxis(S, 0, 1).reshape((L,) + S.shape[2:])
+
+
+# ------------------------------------------------------------------------------ reverse
+
+class Reverse(NamedTuple):
+    """What the reverse pass reads per chunk, blocked [L, R, HV, ...]."""
+    w: jax.Array          # [C, K]
+    Kt: jax.Array         # [C, K]
+    G_last: jax.Array     # []
+    qg: jax.Array         # [C, K]
+    P: jax.Array          # [C, C]
+    do: jax.Array         # [C, V] output-row cotangents
+
+
+def _block_end_grads(blk: Blocking, x: Reverse, f: Flags, dfinal):
+    """Stages 1-2 of the reverse pass: the gradient arriving at every block's end from
+    the blocks after it, [R, HV, K, V]."""
+    L, R, HV, _, K = x.w.shape
+    V = x.do.shape[-1]
+    if blk.NB == 1:
+        return _vma.like(jnp.zeros((R, HV, K, V), dfinal.dtype), x.w, dfinal)
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=dfinal.dtype), (R, HV, K, K))
+    Y0 = _vma.like(jnp.concatenate([jnp.zeros((R, HV, K, V), dfinal.dtype), eye], -1),
+                   x.w, dfinal)
+    dfz = jnp.concatenate([dfinal, jnp.zeros(dfinal.shape[:-1] + (K,), dfinal.dtype)], -1)
+
+    def summary_step(Y, xs):
+        w, Kt, G_last, qg, P, do, reset, sid, last = xs
+        Y = Y + jnp.where(_b(last, Y), dfz[sid], 0)
+        dD = Kt @ Y
+        dD = dD.at[..., :V].add(_t(P) @ do)
+        Y_start = jnp.exp(G_last)[..., None, None] * Y - _t(w) @ dD
+        Y_start = Y_start.at[..., :V].add(_t(qg) @ do)
+        return jnp.where(_b(reset, Y_start), 0, Y_start), None
+
+    Y, _ = lax.scan(summary_step, Y0, (*x, *f), reverse=True)
+    gamma, Mt = blk.rows(Y[..., :V]), blk.rows(Y[..., V:])      # [B, NB, HV, K, .]
+
+    def fold_step(dS, xs):
+        g_b, Mt_b = xs
+        return g_b + Mt_b @ dS, dS
+
+    dS_last = jnp.zeros((blk.B, HV, K, V), dfinal.dtype)
+    _, ends = lax.scan(fold_step, _vma.like(dS_last, gamma, dfinal),
+                       (jnp.moveaxis(gamma, 1, 0), jnp.moveaxis(Mt, 1, 0)), reverse=True)
+    return blk.flat(jnp.moveaxis(ends, 0, 1))
+
+
+def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int):
+    """The reverse state-gradient pass: (dS_end of every chunk [L, R, HV, K, V], the
+    gradient at each sequence's first chunk start [N, HV, K, V]; 0 for sequences
+    without a chunk)."""
+    L, R, HV, _, K = x.w.shape
+    V = x.do.shape[-1]
+    dS_blk = _block_end_grads(blk, x, f, dfinal)
+    first0 = _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype), x.w, dfinal)
+
+    def step(carry, xs):
+        dS, first = carry
+        w, Kt, G_last, qg, P, do, reset, sid, last = xs
+        dS_end = dS + jnp.where(_b(last, dS), dfinal[sid], 0)
+        dD = _t(P) @ do + Kt @ dS_end
+        dS_start = _t(qg) @ do + jnp.exp(G_last)[..., None, None] * dS_end - _t(w) @ dD
+        first = _scatter_rows(first, jnp.where(reset, sid, N), dS_start)
+        return (jnp.where(_b(reset, dS_start), 0, dS_start), first), dS_end
+
+    (_, first), dS_end = lax.scan(step, (dS_blk, first0), (*x, *f), reverse=True)
+    return dS_end, first

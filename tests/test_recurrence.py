@@ -1,0 +1,120 @@
+"""The xla engine's two-level passes (gdp_jax.recurrence) against one-level scans.
+
+float64, random inputs: the blocked forward (outputs, final states, checkpoints) and
+reverse pass (dS_end, start-state gradients) equal the plain chunk-by-chunk scans of
+gdp_jax.chunked for block lengths 1 .. NC, checkpoint strides 1 and 2, batched and packed
+rows (empty and one-token sequences, sequences inside one block and across several);
+then the op with blocking forced on short rows against the token recurrence.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from gdp_jax import chunked, engine, grid, recurrence
+from gdp_jax._checks import check_inputs
+from gdp_jax.testing import default_weights, loss_and_grads, make_inputs, rel_max
+
+TOL = 1e-12
+
+
+def _problem(packed, seed=0, T=300, n=2):
+    N = 5 if packed else 2
+    inp = make_inputs(seed, 1 if packed else 2, T, n, 1, 2, 8, 6, jnp.float64, N=N,
+                      gate="strong" if seed % 2 else "normal")
+    cu = np.array([0, 0, 1, 90, 91, T], np.int32) if packed else None
+    spec = check_inputs(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
+                        cu_seqlens=cu)
+    prob = engine.forward_problem(spec, inp.q, inp.k, inp.v, inp.g, inp.beta,
+                                  None if cu is None else jnp.asarray(cu))
+    return spec, prob.layout, prob.ch, inp.initial_state
+
+
+@jax.jit
+def _scan_forward(ch, layout, h0, scale):
+    it = chunked.intra_chunk(ch)
+    S0 = chunked.state_scan(it, layout, h0)
+    return (chunked.chunk_map(ch, it, S0, scale)[0], chunked.final_states(it, layout, S0, h0),
+            S0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _blocked_forward(blk, ch, layout, h0, scale, N, stride):
+    chb = blk.tree_block(ch)
+    x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), scale)
+    f = recurrence.flags(blk, layout)
+    o, fin, states = recurrence.forward(blk, x, f, h0, N, stride, jnp.float64)
+    fin = jnp.where((layout.seq_len > 0)[:, None, None, None], fin, h0)
+    S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride)
+    return jnp.any(bad), blk.unblock(o), fin, blk.unblock(S0)
+
+
+@pytest.mark.parametrize("L, packed", [(2, False), (3, True), (5, True)])
+def test_blocked_forward_equals_scan(packed, L):
+    spec, layout, ch, h0 = _problem(packed, seed=L)
+    B, NC = ch.k.shape[:2]
+    o_want, fin_want, S0_want = _scan_forward(ch, layout, h0, spec.scale)
+    for stride in (1, 2):
+        blk = recurrence.Blocking(B, NC, stride * -(-L // stride))
+        bad, o, fin, S0 = _blocked_forward(blk, ch, layout, h0, spec.scale, spec.N, stride)
+        assert not bool(bad)
+        assert rel_max(o, o_want) < TOL
+        assert rel_max(fin, fin_want) < TOL
+        assert rel_max(S0, S0_want) < TOL, stride
+
+
+@pytest.mark.parametrize("L, packed", [(1, False), (2, True), (4, True)])
+def test_blocked_reverse_equals_scan(packed, L):
+    spec, layout, ch, h0 = _problem(packed, seed=10 + L)
+    B, NC = ch.k.shape[:2]
+    rng = np.random.default_rng(L)
+    doc = jnp.asarray(rng.standard_normal(ch.v.shape))
+    dfinal = jnp.asarray(rng.standard_normal(h0.shape))
+    it = chunked.intra_chunk(ch)
+    dS_end, dS_start = chunked.reverse_state_grad_scan(ch, it, layout, doc, dfinal,
+                                                       spec.scale)
+    dh0_want = chunked.initial_state_grads(layout, dS_start, dfinal)
+    blk = recurrence.Blocking(B, NC, L)
+    chb = blk.tree_block(ch)
+    itb = chunked.intra_chunk(chb)
+    qg, P = recurrence.readout_operands(chb, itb, spec.scale)
+    rev = recurrence.Reverse(itb.w, itb.Kt, itb.G_last, qg, P, blk.block(doc))
+    got, first = recurrence.reverse(blk, rev, recurrence.flags(blk, layout), dfinal, spec.N)
+    dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
+    assert rel_max(blk.unblock(got), dS_end) < TOL
+    assert rel_max(dh0, dh0_want) < TOL
+
+
+def test_block_len():
+    assert recurrence.block_len(1) == 1
+    assert recurrence.block_len(8) == 8
+    assert recurrence.block_len(128) == 8
+    assert recurrence.block_len(2048) == 32
+    assert recurrence.block_len(128, stride=3) == 9
+    for NC in (9, 50, 513):
+        L = recurrence.block_len(NC)
+        assert 2 <= L < NC
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_op_blocked_matches_reference(monkeypatch, packed):
+    """Blocking forced on a short row (NC = 10): the op's outputs and every gradient."""
+    monkeypatch.setattr(recurrence, "MIN_BLOCKED_CHUNKS", 1)
+    T, n = 300, 2
+    N = 4 if packed else 2
+    inp = make_inputs(3, 1 if packed else 2, T, n, 1, 2, 8, 6, jnp.float64, N=N)
+    cu = jnp.asarray([0, 1, 1, 170, T], jnp.int32) if packed else None
+    w = default_weights(inp, cu, None)
+    for N_rc in ((0, 2) if packed else (0,)):
+        o, s, _, dg = loss_and_grads(gdp_jax.gated_delta_product, inp, w, cu_seqlens=cu,
+                                     backend="xla", recompute_chunk_num=N_rc)
+        o_r, s_r, _, dg_r = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w,
+                                           cu_seqlens=cu)
+        assert rel_max(o, o_r) < 1e-10 and rel_max(s, s_r) < 1e-10
+        for name in dg:
+            assert rel_max(dg[name], dg_r[name]) < 1e-10, (name, N_rc)
