@@ -29,8 +29,9 @@ LAYERS = {
     "gdp_jax.packing": 0,
     # 1: the float64 token recurrence, the NaN guard, the CP fold algebra
     "gdp_jax.reference": 1, "gdp_jax._guard": 1, "gdp_jax.cp.fold": 1,
-    # 2: the chunk grid; 3: the XLA chunked algorithm; 4: the engine interface + XLA engine
-    "gdp_jax.grid": 2, "gdp_jax.chunked": 3, "gdp_jax.engine": 4,
+    # 2: the chunk grid; 3: the XLA chunked algorithm and its two-level passes; 4: the engine
+    # interface + XLA engine
+    "gdp_jax.grid": 2, "gdp_jax.chunked": 3, "gdp_jax.recurrence": 3, "gdp_jax.engine": 4,
     # 5: CuTe DSL device code and the one binding module
     "gdp_jax.kernels.sm90": 5, "gdp_jax.kernels.chunk_fwd_sm90": 5,
     "gdp_jax.kernels.chunk_bwd_sm90": 5, "gdp_jax.kernels.wy_inverse_sm90": 5,
