@@ -34,13 +34,18 @@ from jax import lax
 from gdp_jax import _vma, chunked
 from gdp_jax.grid import ChunkInputs, ChunkLayout
 
-MIN_BLOCKED_CHUNKS = 8      # rows of at most this many chunks are walked in one level
+# Rows of more chunks than this are walked in two levels. Off (None) by default: on the
+# H200 the scans turned out throughput-bound, not step-bound (benchmarks/results/history/
+# 2026-12-01/two_level_scan.md: blocking L = 8..32 cost 12-13 ms against 7.4 ms unblocked
+# at (8, 4096, 16, 2)); kept for rows of few problems per step, where it is untested.
+MIN_BLOCKED_CHUNKS = None
 
 
 def block_len(NC: int, stride: int = 1) -> int:
-    """Chunks per block: ~sqrt(NC / 2) (minimises 2 L + NC / L), a multiple of the
-    checkpoint stride (checkpoint groups never cross blocks); NC itself for short rows."""
-    if NC <= MIN_BLOCKED_CHUNKS:
+    """Chunks per block: NC (one level) unless NC > MIN_BLOCKED_CHUNKS, then
+    ~sqrt(NC / 2) (minimises 2 L + NC / L); a multiple of the checkpoint stride
+    (checkpoint groups never cross blocks)."""
+    if MIN_BLOCKED_CHUNKS is None or NC <= MIN_BLOCKED_CHUNKS:
         L = NC
     else:
         L = max(2, round(math.sqrt(NC / 2)))
@@ -151,9 +156,28 @@ def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale):
     return x, bad | ~read_ok
 
 
+def _mm(a, b):
+    """a @ b with b cast to a's dtype and accumulated in b's (float32 for two 16-bit
+    operands): the 16-bit operands of a 16-bit call (see :func:`operands_in`) meet the
+    float32 state as tensor-core products."""
+    if a.dtype == b.dtype:
+        if a.dtype.itemsize >= 4:
+            return a @ b
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    return jnp.matmul(a, b.astype(a.dtype), preferred_element_type=b.dtype)
+
+
+def operands_in(x, dtype):
+    """``x`` (a :class:`Forward` or :class:`Reverse`) with its matrix operands in ``dtype``
+    (u, G_last and the state stay in the compute dtype)."""
+    keep = ("u", "G_last")
+    return x._replace(**{name: a.astype(dtype) for name, a in x._asdict().items()
+                         if name not in keep})
+
+
 def _advance(S, w, u, Kt, G_last):
-    delta = u - w @ S
-    return jnp.exp(G_last)[..., None, None] * S + _t(Kt) @ delta, delta
+    delta = u - _mm(w, S)
+    return jnp.exp(G_last)[..., None, None] * S + _mm(_t(Kt), delta), delta
 
 
 def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
@@ -169,9 +193,9 @@ def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
     def summary_step(Z, xs):
         w, u, Kt, G_last, reset, sid = xs
         Z = jnp.where(_b(reset, Z), h0z[sid], Z)
-        D = -(w @ Z)
+        D = -_mm(w, Z)
         D = D.at[..., :V].add(u)
-        return jnp.exp(G_last)[..., None, None] * Z + _t(Kt) @ D, None
+        return jnp.exp(G_last)[..., None, None] * Z + _mm(_t(Kt), D), None
 
     Z, _ = lax.scan(summary_step, Z0, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq))
     E, M = blk.rows(Z[..., :V]), blk.rows(Z[..., V:])            # [B, NB, HV, K, .]
@@ -203,7 +227,7 @@ def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
         w, u, Kt, G_last, qg, P, reset, sid, last = xs
         S = jnp.where(_b(reset, S), h0[sid], S)
         S_end, delta = _advance(S, w, u, Kt, G_last)
-        o = qg @ S + P @ delta
+        o = _mm(qg, S) + _mm(P, delta)
         fin = _scatter_rows(fin, jnp.where(last, sid, N), S_end)
         return S_end, fin, o, S
 
@@ -277,10 +301,10 @@ def _block_end_grads(blk: Blocking, x: Reverse, f: Flags, dfinal):
     def summary_step(Y, xs):
         w, Kt, G_last, qg, P, do, reset, sid, last = xs
         Y = Y + jnp.where(_b(last, Y), dfz[sid], 0)
-        dD = Kt @ Y
-        dD = dD.at[..., :V].add(_t(P) @ do)
-        Y_start = jnp.exp(G_last)[..., None, None] * Y - _t(w) @ dD
-        Y_start = Y_start.at[..., :V].add(_t(qg) @ do)
+        dD = _mm(Kt, Y)
+        dD = dD.at[..., :V].add(_mm(_t(P), do).astype(Y.dtype))
+        Y_start = jnp.exp(G_last)[..., None, None] * Y - _mm(_t(w), dD)
+        Y_start = Y_start.at[..., :V].add(_mm(_t(qg), do).astype(Y.dtype))
         return jnp.where(_b(reset, Y_start), 0, Y_start), None
 
     Y, _ = lax.scan(summary_step, Y0, (*x, *f), reverse=True)
@@ -309,8 +333,10 @@ def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int):
         dS, first = carry
         w, Kt, G_last, qg, P, do, reset, sid, last = xs
         dS_end = dS + jnp.where(_b(last, dS), dfinal[sid], 0)
-        dD = _t(P) @ do + Kt @ dS_end
-        dS_start = _t(qg) @ do + jnp.exp(G_last)[..., None, None] * dS_end - _t(w) @ dD
+        acc = dS_end.dtype
+        dD = _mm(_t(P), do).astype(acc) + _mm(Kt, dS_end)
+        dS_start = (_mm(_t(qg), do).astype(acc) + jnp.exp(G_last)[..., None, None] * dS_end
+                    - _mm(_t(w), dD))
         first = _scatter_rows(first, jnp.where(reset, sid, N), dS_start)
         return (jnp.where(_b(reset, dS_start), 0, dS_start), first), dS_end
 

@@ -90,7 +90,9 @@ def test_blocked_reverse_equals_scan(packed, L):
     assert rel_max(dh0, dh0_want) < TOL
 
 
-def test_block_len():
+def test_block_len(monkeypatch):
+    assert recurrence.block_len(2048) == 2048        # one level by default
+    monkeypatch.setattr(recurrence, "MIN_BLOCKED_CHUNKS", 8)
     assert recurrence.block_len(1) == 1
     assert recurrence.block_len(8) == 8
     assert recurrence.block_len(128) == 8
