@@ -73,12 +73,11 @@ def _compare(got, xla, ref, label):
     return errs
 
 
-CASES = [
+CASES = [   # every K, V a lane layout (64: 2 floats a lane, 128: 4), both dtypes, n 1..3
     # T, n, H, HV, K, V, dtype, cu_seqlens
     (300, 2, 2, 4, 128, 128, "bfloat16", [0, 0, 1, 130, 130, 299, 300]),
-    (203, 1, 1, 1, 64, 64, "bfloat16", None),
     (250, 3, 1, 3, 64, 128, "float16", [0, 1, 1, 100, 250]),
-    (150, 2, 2, 2, 128, 64, "bfloat16", None),
+    (150, 1, 2, 2, 128, 64, "bfloat16", None),
 ]
 
 
@@ -116,7 +115,7 @@ def test_op_forward_precision_vs_xla_operands(monkeypatch):
     """o and the final state vs float64: with the kernel no worse than with the XLA
     operands it replaces (same bf16 inputs, beta in (0, 2), gates down to -20)."""
     rng = np.random.default_rng(5)
-    B, T, n, H, HV, K, V = 2, 1000, 2, 4, 4, 128, 128
+    B, T, n, H, HV, K, V = 2, 700, 2, 2, 2, 128, 128
     inp = make_inputs(rng, B, T, n, H, HV, K, V, jnp.bfloat16, gate="none")
     args = (inp.q, inp.k, inp.v, _gates(rng, (B, T, HV)), inp.beta, inp.initial_state)
     up = lambda x: jnp.asarray(x, jnp.float64)

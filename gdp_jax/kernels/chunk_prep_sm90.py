@@ -17,7 +17,8 @@ Phases, separated by CTA barriers:
   0. gates: thread i < C sums its row's segment sums from the diagonal down (the XLA
      ``segment_sums`` order: never a difference of cumsums, safe for strong gates) into
      Gam (float32 smem); threads C.. sum G_last - G_i the same way.
-  1. q, k (float32 global) -> hi + lo 16-bit smem tiles (x = hi + lo to ~2^-16).
+  1. q, k (float32 global, a warp per row, one vector load a lane) -> hi + lo 16-bit
+     smem tiles (x = hi + lo to ~2^-16).
   2. K K^T and Q K^T on warp MMAs (hi hi + lo hi + hi lo: float32-level products);
      epilogue A (in place of Gam, float32) and P (stored).
   3. warps 0-1: X = (I + A)^-1, one thread per column (forward substitution in float32,
@@ -26,6 +27,11 @@ Phases, separated by CTA barriers:
      their rows flagged, as ``chunked.causal_mm`` does), Kt and qg stored.
   4. w = X Rw, u = X Ru on warp MMAs (3 products each: X's entries can be large when
      beta ~ 2, so neither factor is rounded to 16 bits); row flags; stores.
+
+Row flags (is a row finite?) come without branches: each lane sums x * 0 over its
+elements of the row (0, or NaN if one is inf or NaN) and the lanes holding the row (a warp
+in the load phases, a quad of an MMA accumulator) sum it by shuffles; every lane then
+stores the same flag.
 
 This module imports cutlass; import it only through ``gdp_jax.kernels.chunk_prep`` (lazily).
 """
@@ -52,8 +58,26 @@ def _finite(x):
 
 
 def _pick(cond, x, y):
-    """float32 ``x if cond else y`` (a select: y's NaN never reaches x's lanes)."""
+    """float32 ``x if cond else y`` (a select: the unpicked value's inf or NaN never
+    leaks, as it would through arithmetic masking)."""
     return F32(cutlass.select_(cond, x, y))
+
+
+def _nonfinite(z, lanes: int):
+    """Int32 1 if a row holds an inf or NaN, else 0. ``z``: this lane's sum of x * 0 over
+    its elements of the row (0, or NaN if one is not finite), summed here over the row's
+    ``lanes`` lanes (aligned groups); every lane of the group gets the answer, so all of
+    them may store it."""
+    z = cute.arch.warp_reduction_sum(z, threads_in_group=lanes)
+    return I32(cutlass.select_(z == F32(0.0), I32(0), I32(1)))
+
+
+def _lane_load(row, E: int, lane):
+    """This lane's E consecutive float32 of the 1-D gmem tensor ``row`` (one vector load)
+    -> an [E] float32 register tensor."""
+    x = cute.make_rmem_tensor((E,), F32)
+    x.store(cute.local_tile(row, (E,), (lane,)).load().to(F32))
+    return x
 
 
 def _split(x, ab):
@@ -94,7 +118,7 @@ class ChunkPrepSm90:
             sb: cute.struct.MemRange[F32, C]        # beta
             sgam: cute.struct.MemRange[F32, C]      # exp(G)
             send: cute.struct.MemRange[F32, C]      # exp(G_last - G)
-            # row flags (1 = set; every writer stores 1, so concurrent writes agree)
+            # row flags (1 = set; written once per row, by the lanes holding the row)
             fA: cute.struct.MemRange[I32, C]        # A row not finite
             fR: cute.struct.MemRange[I32, C]        # right-hand-side row not finite
             fP: cute.struct.MemRange[I32, C]        # P row (16-bit) not finite
@@ -147,11 +171,6 @@ class ChunkPrepSm90:
         if tidx < C:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
-            fA[tidx] = I32(0)
-            fR[tidx] = I32(0)
-            fP[tidx] = I32(0)
-            fQ[tidx] = I32(0)
-            fWU[tidx] = I32(0)
         cute.arch.sync_threads()
         if tidx < C:
             i = tidx
@@ -171,19 +190,25 @@ class ChunkPrepSm90:
             send[i] = cute.math.exp(t)
         cute.arch.sync_threads()
 
-        # ---- phase 1: q, k -> hi + lo smem; qg's row flags
-        for it in cutlass.range_constexpr(C * K // NUM_THREADS):
-            e = it * NUM_THREADS + tidx
-            r, col = e // K, e % K
-            kh, kl = _split(gK[r, col].to(F32), ab)
-            sKh[r, col] = kh
-            sKl[r, col] = kl
-            qv = gQ[r, col].to(F32)
-            qh, ql = _split(qv, ab)
-            sQh[r, col] = qh
-            sQl[r, col] = ql
-            if not _finite(((scale * sgam[r]) * qv).to(ab).to(F32)):
-                fQ[r] = I32(1)
+        # ---- phase 1: q, k -> hi + lo smem, a warp per row (E floats a lane); qg's flags
+        warp_i, lane = tidx // 32, tidx % 32
+        EK, EV = K // 32, V // 32
+        for rr in cutlass.range_constexpr(C // 4):
+            r = warp_i * (C // 4) + rr
+            kx = _lane_load(gK[r, None], EK, lane)
+            qx = _lane_load(gQ[r, None], EK, lane)
+            sc = scale * sgam[r]
+            zq = F32(0.0)
+            for m in cutlass.range_constexpr(EK):
+                col = lane * EK + m
+                kh, kl = _split(kx[m], ab)
+                sKh[r, col] = kh
+                sKl[r, col] = kl
+                qh, ql = _split(qx[m], ab)
+                sQh[r, col] = qh
+                sQl[r, col] = ql
+                zq = zq + (sc * qx[m]).to(ab).to(F32) * F32(0.0)
+            fQ[r] = _nonfinite(zq, 32)
         cute.arch.sync_threads()
 
         # ---- phase 2: K K^T, Q K^T -> A (smem, in place of Gam), P
@@ -200,22 +225,31 @@ class ChunkPrepSm90:
         KhB, KlB = operand(thr_mma, cB, sKh, False), operand(thr_mma, cB, sKl, False)
         mma_split_b(tiled_mma, K // MMA_K, [(acc_kk, KhA), (acc_qk, QhA)], KhB, KlB, True,
                     plain=[(acc_kk, KlA, KhB), (acc_qk, QlA, KhB)])
+        # an accumulator row lives in one quad of lanes: this thread's rows r0 and r0 + 8
         crd = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
+        r0, _ = crd[0]
+        r1 = r0 + 8
+        za0, za1, zp0, zp1 = F32(0.0), F32(0.0), F32(0.0), F32(0.0)
         for e in cutlass.range_constexpr(cute.size(acc_kk)):
             i, j = crd[e]
+            in0 = i == r0
             gm = sA[i, j]
             a = _pick(j < i, (sb[i] * acc_kk[e]) * gm, F32(0.0))
             sA[i, j] = a
-            if not _finite(a):
-                fA[i] = I32(1)
             p = _pick(j <= i, (acc_qk[e] * gm) * scale, F32(0.0))
             acc_qk[e] = p
-            if not _finite(p.to(ab).to(F32)):
-                fP[i] = I32(1)
+            za = a * F32(0.0)
+            zp = p.to(ab).to(F32) * F32(0.0)
+            za0, za1 = za0 + _pick(in0, za, F32(0.0)), za1 + _pick(in0, F32(0.0), za)
+            zp0, zp1 = zp0 + _pick(in0, zp, F32(0.0)), zp1 + _pick(in0, F32(0.0), zp)
+        fA[r0], fA[r1] = _nonfinite(za0, 4), _nonfinite(za1, 4)
+        fP[r0], fP[r1] = _nonfinite(zp0, 4), _nonfinite(zp1, 4)
         cute.arch.sync_threads()
+        rok0, rok1 = (fP[r0] | fQ[r0]) == 0, (fP[r1] | fQ[r1]) == 0
         for e in cutlass.range_constexpr(cute.size(acc_qk)):
             i, _ = crd[e]
-            acc_qk[e] = _pick((fP[i] | fQ[i]) == 0, acc_qk[e], F32(0.0))
+            keep = cutlass.Boolean(cutlass.select_(i == r0, rok0, rok1))
+            acc_qk[e] = _pick(keep, acc_qk[e], F32(0.0))
         c_tile(thr_mma, mP[b, c, hv, None, None], (C, C), (0, 0)).store(acc_qk.load().to(ab))
 
         # ---- phase 3: the inverse | right-hand sides, Kt, qg
@@ -223,40 +257,48 @@ class ChunkPrepSm90:
             j = tidx                                  # this thread's column of X
             x = cute.make_rmem_tensor((C,), F32)
             for i in cutlass.range_constexpr(C):
-                acc = _pick(j == i, F32(1.0), F32(0.0))
-                for l in cutlass.range_constexpr(i):
-                    acc = acc - sA[i, l] * x[l]
-                x[i] = acc
+                # two partial sums: half the dependent FMA chain
+                acc0 = _pick(j == i, F32(1.0), F32(0.0))
+                acc1 = F32(0.0)
+                for l in cutlass.range_constexpr(0, i, 2):
+                    acc0 = acc0 - sA[i, l] * x[l]
+                for l in cutlass.range_constexpr(1, i, 2):
+                    acc1 = acc1 - sA[i, l] * x[l]
+                x[i] = acc0 + acc1
             for i in cutlass.range_constexpr(C):
                 xh, xl = _split(x[i], ab)
                 sXh[i, j] = xh
                 sXl[i, j] = xl
         else:
-            t = tidx - C
-            for it in cutlass.range_constexpr(C * K // HALF):
-                e = it * HALF + t
-                r, col = e // K, e % K
-                kv = gK[r, col].to(F32)
-                rw = (sb[r] * sgam[r]) * kv
-                if not _finite(rw):
-                    fR[r] = I32(1)
-                    rw = F32(0.0)
-                rh, rl = _split(rw, ab)
-                sKh[r, col] = rh
-                sKl[r, col] = rl
-                gKt[r, col] = (send[r] * kv).to(ab)   # rows that do not enter: NaN below
-                qg = (scale * sgam[r]) * gQ[r, col].to(F32)
-                gQg[r, col] = _pick((fP[r] | fQ[r]) == 0, qg, F32(0.0)).to(ab)
-            for it in cutlass.range_constexpr(C * V // HALF):
-                e = it * HALF + t
-                r, col = e // V, e % V
-                ru = sb[r] * gV[r, col].to(F32)
-                if not _finite(ru):
-                    fR[r] = I32(1)
-                    ru = F32(0.0)
-                rh, rl = _split(ru, ab)
-                sRh[r, col] = rh
-                sRl[r, col] = rl
+            for rr in cutlass.range_constexpr(C // 2):
+                r = (warp_i - 2) * (C // 2) + rr
+                kx = _lane_load(gK[r, None], EK, lane)
+                qx = _lane_load(gQ[r, None], EK, lane)
+                vx = _lane_load(gV[r, None], EV, lane)
+                bg, be, en, sc = sb[r] * sgam[r], sb[r], send[r], scale * sgam[r]
+                rok = (fP[r] | fQ[r]) == 0
+                kt = cute.make_rmem_tensor((EK,), F32)
+                qg = cute.make_rmem_tensor((EK,), F32)
+                z = F32(0.0)
+                for m in cutlass.range_constexpr(EK):
+                    col = lane * EK + m
+                    rw = bg * kx[m]
+                    z = z + rw * F32(0.0)
+                    rh, rl = _split(_pick(_finite(rw), rw, F32(0.0)), ab)
+                    sKh[r, col] = rh
+                    sKl[r, col] = rl
+                    kt[m] = en * kx[m]                 # rows that do not enter: NaN below
+                    qg[m] = _pick(rok, sc * qx[m], F32(0.0))
+                for m in cutlass.range_constexpr(EV):
+                    col = lane * EV + m
+                    ru = be * vx[m]
+                    z = z + ru * F32(0.0)
+                    rh, rl = _split(_pick(_finite(ru), ru, F32(0.0)), ab)
+                    sRh[r, col] = rh
+                    sRl[r, col] = rl
+                fR[r] = _nonfinite(z, 32)
+                cute.local_tile(gKt[r, None], (EK,), (lane,)).store(kt.load().to(ab))
+                cute.local_tile(gQg[r, None], (EK,), (lane,)).store(qg.load().to(ab))
         cute.arch.sync_threads()
 
         # ---- phase 4: w = X Rw, u = X Ru
@@ -275,14 +317,16 @@ class ChunkPrepSm90:
                     plain=[(acc_u, XlA, Ru)])
         crd_w = thr_mma.partition_C(cute.make_identity_tensor((C, K)))
         crd_u = thr_mma.partition_C(cute.make_identity_tensor((C, V)))
+        z0, z1 = F32(0.0), F32(0.0)
         for e in cutlass.range_constexpr(cute.size(acc_w)):
             i, _ = crd_w[e]
-            if not _finite(acc_w[e].to(ab).to(F32)):
-                fWU[i] = I32(1)
+            zw = acc_w[e].to(ab).to(F32) * F32(0.0)
+            z0, z1 = z0 + _pick(i == r0, zw, F32(0.0)), z1 + _pick(i == r0, F32(0.0), zw)
         for e in cutlass.range_constexpr(cute.size(acc_u)):
             i, _ = crd_u[e]
-            if not _finite(acc_u[e]):
-                fWU[i] = I32(1)
+            zu = acc_u[e] * F32(0.0)
+            z0, z1 = z0 + _pick(i == r0, zu, F32(0.0)), z1 + _pick(i == r0, F32(0.0), zu)
+        fWU[r0], fWU[r1] = _nonfinite(z0, 4), _nonfinite(z1, 4)
         cute.arch.sync_threads()
 
         # ---- row rules: ok_i = no non-finite A / rhs row at or before i, finite w, u;
@@ -300,13 +344,16 @@ class ChunkPrepSm90:
             mBad[b, c, hv, i] = anybad | fP[i] | fQ[i]
         cute.arch.sync_threads()
 
+        ok0, ok1 = ok[r0] != 0, ok[r1] != 0
         for e in cutlass.range_constexpr(cute.size(acc_w)):
             i, _ = crd_w[e]
-            acc_w[e] = _pick(ok[i] != 0, acc_w[e], F32(0.0))
+            keep = cutlass.Boolean(cutlass.select_(i == r0, ok0, ok1))
+            acc_w[e] = _pick(keep, acc_w[e], F32(0.0))
         c_tile(thr_mma, mW[b, c, hv, None, None], (C, K), (0, 0)).store(acc_w.load().to(ab))
         for e in cutlass.range_constexpr(cute.size(acc_u)):
             i, _ = crd_u[e]
-            acc_u[e] = _pick(ok[i] != 0, acc_u[e], F32(0.0))
+            keep = cutlass.Boolean(cutlass.select_(i == r0, ok0, ok1))
+            acc_u[e] = _pick(keep, acc_u[e], F32(0.0))
         c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).store(acc_u.load())
         if tidx < C:
             if ok[tidx] == 0:                      # rare: a row that does not enter
