@@ -279,3 +279,66 @@ def test_kernel_summaries_equal_xla_summaries(packed):
                          XLA.backward_summaries(spec, ch, layout, doc, dfinal)[0]):
         assert got.shape == want.shape
         assert rel_max(got, want) < TOL
+
+
+def _bf16_chunks(seed, nonfinite=False):
+    """bf16 op inputs on a packed grid (empty and one-token sequences) -> float32 chunks."""
+    cu = jnp.asarray([0, 0, 1, 70, 70, 150], jnp.int32)
+    inp = make_inputs(seed, 1, 150, 2, 1, 2, 64, 64, jnp.bfloat16, N=5, gate="strong")
+    spec = _checks.check_inputs(*inp[:5], cu_seqlens=cu, use_qk_l2norm=True)
+    layout = grid.layout_of(spec, cu)
+    ch = grid.chunks_of(spec, layout, inp.q, inp.k, inp.v, inp.g, inp.beta)
+    if nonfinite:
+        ch = ch._replace(k=ch.k.at[0, 1, 0, 10, 5].set(jnp.nan),
+                         v=ch.v.at[0, 2, 1, 30].set(jnp.inf),
+                         q=ch.q.at[0, 3, 0, 40, 7].set(jnp.nan),
+                         g=ch.g.at[0, 4, 1, 20].set(jnp.nan))
+    return spec, ch
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_operands_kernel_contract_is_the_xla_pipeline(nonfinite):
+    """The operands kernel's emulation (its contract) equals causal_operands(
+    forward_operands(..)), bad rows and NaN rows included."""
+    from gdp_jax.kernels import emulate, pipeline
+    spec, ch = _bf16_chunks(4, nonfinite)
+    got = emulate.chunk_prep_call(*ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
+    want, bad = pipeline.causal_operands(pipeline.forward_operands(ch, spec.scale,
+                                                                   spec.ab_dtype))
+    np.testing.assert_array_equal(got[6] != 0, bad)
+    assert np.any(bad) == nonfinite
+    for a, b in zip(got[:6], want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                   rtol=1e-2, atol=1e-6)      # bf16 rounding of w, P
+
+
+def test_engine_forward_runs_the_operands_kernel(monkeypatch):
+    """bf16, K = V = 64: CuTeDSLEngine.forward (and the CP summaries) take their operands
+    from ChunkPrepKernel, and the op's outputs equal those of the XLA operands path."""
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    from gdp_jax.spec import Unsupported
+    calls = []
+    raw = ChunkPrepKernel.raw_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call",
+                        staticmethod(lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
+    inp = make_inputs(6, 2, 100, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    run = lambda: OP(*inp[:5], initial_state=inp.initial_state, output_final_state=True,
+                     use_qk_l2norm=True, backend="cutedsl")
+    o, s = run()
+    assert calls
+    spec, ch = _bf16_chunks(7)
+    layout = grid.layout_of(spec, jnp.asarray([0, 0, 1, 70, 70, 150], jnp.int32))
+    summ = CUTEDSL.forward_summaries(spec, ch, layout)[0]
+    n = len(calls)
+    assert n >= 2
+    monkeypatch.setattr(ChunkPrepKernel, "can_implement",
+                        staticmethod(lambda **kw: Unsupported("off")))
+    o2, s2 = run()
+    summ2 = CUTEDSL.forward_summaries(spec, ch, layout)[0]
+    assert len(calls) == n
+    np.testing.assert_allclose(np.asarray(o, np.float64), np.asarray(o2, np.float64),
+                               rtol=2e-2, atol=2e-2)
+    assert rel_max(s, s2) < 1e-2
+    for a, b in zip(summ, summ2):
+        assert rel_max(a, b) < 1e-2

@@ -19,6 +19,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (the 
 from gdp_jax import _checks, grid, ops  # noqa: E402
 from gdp_jax.kernels import wy_inverse  # noqa: E402
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel  # noqa: E402
+from gdp_jax.kernels.chunk_prep import ChunkPrepKernel  # noqa: E402
 from gdp_jax.kernels.pipeline import CUTEDSL, CuTeDSLEngine  # noqa: E402
 from gdp_jax.kernels.state_grad import StateGradKernel  # noqa: E402
 from gdp_jax.kernels.step import StepKernel  # noqa: E402
@@ -89,6 +90,48 @@ def test_inverse_kernel_compiles(shape):
                                                   S((4,) + shape, jnp.float32))
 
 
+def _chunk_avals(B, NC, HV, K, V, dtype=jnp.float32):
+    C = grid.CHUNK
+    return grid.ChunkInputs(S((B, NC, HV, C, K), dtype), S((B, NC, HV, C, K), dtype),
+                            S((B, NC, HV, C, V), dtype), S((B, NC, HV, C), dtype),
+                            S((B, NC, HV, C), dtype))
+
+
+@pytest.mark.parametrize("dtype,K,V", [(jnp.bfloat16, 128, 128), (jnp.float16, 64, 64),
+                                       (jnp.bfloat16, 64, 128), (jnp.float16, 128, 64)])
+def test_chunk_prep_kernel_compiles(dtype, K, V):
+    """The forward-operands kernel: outputs typed as the forward kernel's operands."""
+    B, NC, HV, C = 2, 3, 4, grid.CHUNK
+    f = lambda c: ChunkPrepKernel.call(c, scale=K ** -0.5, ab_dtype=dtype)
+    ch = _chunk_avals(B, NC, HV, K, V)
+    (w, kt, qg, p, u, decay), bad = jax.eval_shape(f, ch)
+    for x in (w, kt, qg):
+        assert (x.shape, x.dtype) == ((B, NC, HV, C, K), jnp.dtype(dtype))
+    assert (p.shape, p.dtype) == ((B, NC, HV, C, C), jnp.dtype(dtype))
+    assert (u.shape, u.dtype) == ((B, NC, HV, C, V), jnp.float32)
+    assert (decay.shape, bad.shape, bad.dtype) == ((B, NC, HV), (B, NC, HV, C), jnp.bool_)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, ch)
+
+
+def test_chunk_prep_kernel_vmap_lowers_and_limits():
+    f = lambda c: ChunkPrepKernel.call(c, scale=0.1, ab_dtype=jnp.bfloat16)
+    ch = _chunk_avals(1, 2, 2, 64, 64)
+    batched = grid.ChunkInputs(*(S((3,) + a.shape, a.dtype) for a in ch))
+    out = jax.eval_shape(jax.vmap(f), batched)
+    assert out[0][0].shape == (3, 1, 2, 2, grid.CHUNK, 64)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(jax.vmap(f), batched)
+    ok = dict(ab_dtype=jnp.bfloat16, cdt=jnp.float32, K=128, V=64, rows=1, NC=4, HV=2)
+    assert ChunkPrepKernel.can_implement(**ok) is None
+    assert "float32 chunk inputs" in ChunkPrepKernel.can_implement(**{**ok, "cdt": jnp.float64})
+    assert "16-bit" in ChunkPrepKernel.can_implement(**{**ok, "ab_dtype": jnp.float32})
+    assert "K, V in" in ChunkPrepKernel.can_implement(**{**ok, "V": 32})
+    assert "32-bit" in ChunkPrepKernel.can_implement(**{**ok, "NC": 300000})
+    with pytest.raises(ValueError, match="K, V in"):
+        ChunkPrepKernel.raw_call(*(jnp.zeros(a.shape, a.dtype) for a in
+                                   _chunk_avals(1, 1, 1, 32, 64)), scale=1.0,
+                                 ab_dtype=jnp.bfloat16)
+
+
 def test_inverse_kernel_rejects_other_shapes():
     with pytest.raises(ValueError, match="float32"):
         wy_inverse.WYInverseKernel.raw_call(jnp.zeros((2, 32, 32), jnp.float32))
@@ -152,7 +195,7 @@ def test_cp_summary_kernels_lower(K, V):
                                 jnp.zeros((B, T, n, HV, V), jnp.bfloat16), None,
                                 jnp.zeros((B, T, n, HV), jnp.bfloat16), scale=0.1)
     txt = _lower(lambda c: CUTEDSL.forward_summaries(spec, c, layout)[0], ch)
-    assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # inverse + forward
+    assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # operands + forward
     doc = S((B, NC, HV, grid.CHUNK, V), jnp.float32)
     dfinal = S((B, HV, K, V), jnp.float32)
     txt = _lower(lambda c, d, f: CUTEDSL.backward_summaries(spec, c, layout, d, f)[0],

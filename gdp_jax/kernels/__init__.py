@@ -11,7 +11,9 @@ By role:
                  ONLY statement of its limits and its (vmappable) ``call``:
                  ``chunk_forward.ChunkForwardKernel`` (state recursion + output + final
                  states + checkpoints), ``state_grad.StateGradKernel`` (reverse state
-                 gradient), ``wy_inverse.WYInverseKernel`` ((I + A)^-1 of every chunk),
+                 gradient), ``chunk_prep.ChunkPrepKernel`` (the forward's per-chunk
+                 operands, all chunks in parallel), ``wy_inverse.WYInverseKernel``
+                 ((I + A)^-1 of every chunk; the backward's and the fallback's),
                  ``step.StepKernel`` (one decoding token, state updated in place).
   binding        ``binding.py``: cutlass_call, compile keys hashed from the device
                  sources, vmap folding, varying-axes typing - once for every kernel.

@@ -1,9 +1,10 @@
 """Pure-JAX stand-ins with the exact contracts of the CuTe DSL kernels (for CPU tests).
 
-``chunk_kernel_call``, ``dh_kernel_call``, ``inverse_kernel_call`` and ``step_kernel_call``
-take and return what the ``raw_call`` of ``ChunkForwardKernel``, ``StateGradKernel``,
-``WYInverseKernel`` and ``StepKernel`` do, computed with ``lax.scan`` (or XLA's blocked inverse)
-in the operands' precision (no 16-bit rounding, no hi/lo split). Rows the kernels leave
+``chunk_kernel_call``, ``dh_kernel_call``, ``inverse_kernel_call``, ``chunk_prep_call`` and
+``step_kernel_call`` take and return what the ``raw_call`` of ``ChunkForwardKernel``,
+``StateGradKernel``, ``WYInverseKernel``, ``ChunkPrepKernel`` and ``StepKernel`` do, computed
+with ``lax.scan`` (or XLA's chunked math) in the operands' precision (no 16-bit rounding
+inside, no hi/lo split). Rows the kernels leave
 unwritten are NaN here, so a test fails if the glue ever reads them.
 :func:`gdp_jax.testing.emulated_kernels` swaps them in to run the whole ``cutedsl``
 pipeline - checkpoints, recompute, CP wiring - on a machine without a GPU.
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _vma, chunked
+from gdp_jax.grid import ChunkInputs
 
 
 def _scatter_rows(n_rows, rows, values, keep):
@@ -85,6 +87,34 @@ def inverse_kernel_call(A):
     assert A.ndim == 3 and A.shape[1:] == (64, 64), A.shape
     strict = jnp.tril(jnp.ones((64, 64), bool), -1)
     return chunked._blocked_inverse(jnp.where(strict, A, 0.0))
+
+
+def chunk_prep_call(q, k, v, g, beta, *, scale, ab_dtype):
+    """The operands kernel's contract (``ChunkPrepKernel.raw_call``): the forward kernel's
+    operands, cast (16-bit; u, decay in the accumulator dtype) and made causal-safe, and
+    the int32 ``bad`` rows - as ``pipeline.causal_operands(pipeline.forward_operands(..))``
+    (tests/test_cutedsl_emulated.py holds the two equal)."""
+    ch = ChunkInputs(q, k, v, g, beta)
+    it = chunked.intra_chunk(ch, inverse=inverse_kernel_call_batched)
+    acc = jnp.promote_types(jnp.float32, ab_dtype)
+    cast = lambda x: x.astype(ab_dtype)
+    w, kt, u = cast(it.w), cast(it.Kt), it.u.astype(acc)
+    qg = cast(scale * it.gam[..., None] * q)
+    p = cast(scale * chunked.causal_scores(q, k, it.Gam))
+    rows = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
+    state_ok, bad = chunked.nonfinite_rows(None, finite=rows(w) & rows(u))
+    read_ok = rows(qg) & rows(p)
+    keep = lambda x, ok, fill: jnp.where(ok[..., None], x, jnp.asarray(fill, x.dtype))
+    return (keep(w, state_ok, 0), keep(kt, state_ok, jnp.nan), keep(qg, read_ok, 0),
+            keep(p, read_ok, 0), keep(u, state_ok, 0), jnp.exp(it.G_last).astype(acc),
+            (bad | ~read_ok).astype(jnp.int32))
+
+
+def inverse_kernel_call_batched(A):
+    """:func:`inverse_kernel_call` on [..., 64, 64], row-causal (as the kernel's wrapper
+    ``wy_inverse.unit_lower_inverse``): non-finite rows of A and the rows after them NaN."""
+    flat = lambda A: inverse_kernel_call(A.reshape((-1, 64, 64))).reshape(A.shape)
+    return chunked.causal_rows(flat, A)
 
 
 def step_kernel_call(q, k, v, beta, decay, S):

@@ -1,10 +1,12 @@
 """The ``cutedsl`` engine: XLA glue around the Hopper kernels (one jit-able pipeline each way).
 
 Forward:
-  XLA, all chunks at once (batched float32 matmuls): chunk-local cumsum, the WY factors
-    w, u (the inverse (I + A)^-1 on its kernel, :mod:`gdp_jax.kernels.wy_inverse`),
-    Kt = exp(G_last - G) k, the readout operands qg = scale exp(G) q and
-    P = scale tril(q k^T Gam); cast to the 16-bit input dtype (u, decay stay float32);
+  kernel (:class:`~gdp_jax.kernels.chunk_prep.ChunkPrepKernel`), all chunks at once: the
+    chunk-local cumsum, the WY factors w, u, Kt = exp(G_last - G) k, the readout operands
+    qg = scale exp(G) q and P = scale tril(q k^T Gam), cast to the 16-bit input dtype (u,
+    decay stay float32) and masked for non-finite rows (:func:`causal_operands`); where it
+    cannot run, the same in XLA (batched float32 matmuls, the inverse (I + A)^-1 on its
+    kernel, :mod:`gdp_jax.kernels.wy_inverse`);
   kernel (:class:`~gdp_jax.kernels.chunk_forward.ChunkForwardKernel`): the state recursion
     fused with the output and the final states, and under differentiation the start state
     of every (N + 1)-th chunk (N = recompute_chunk_num).
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from gdp_jax import chunked, grid
 from gdp_jax.engine import Engine
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
 from gdp_jax.kernels import wy_inverse
 
@@ -82,6 +85,17 @@ def causal_operands(operands):
     operands = (keep(w, state_ok, 0), keep(kt, state_ok, jnp.nan), keep(qg, read_ok, 0),
                 keep(p, read_ok, 0), keep(u, state_ok, 0), decay)
     return operands, bad | ~read_ok
+
+
+def masked_operands(spec, ch: grid.ChunkInputs):
+    """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
+    the operands kernel when it takes the call (one pass per chunk), else in XLA."""
+    B, NC, HV, _, K = ch.k.shape
+    why = ChunkPrepKernel.can_implement(ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K,
+                                        V=ch.v.shape[-1], rows=B, NC=NC, HV=HV)
+    if why is None:
+        return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
+    return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
 
 
 class BackwardWork:
@@ -152,9 +166,7 @@ class CuTeDSLEngine(Engine):
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
         self._check(spec, ch)
-        operands = work if work is not None else forward_operands(ch, spec.scale,
-                                                                  spec.ab_dtype)
-        operands, bad = causal_operands(operands)
+        operands, bad = work if work is not None else masked_operands(spec, ch)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
@@ -179,14 +191,14 @@ class CuTeDSLEngine(Engine):
     def forward_summaries(self, spec, ch, layout):
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        operands = forward_operands(ch, spec.scale, spec.ab_dtype)
-        (w, kt, qg, p, u, decay), _ = causal_operands(operands)  # non-finite: NaN summaries
+        work = masked_operands(spec, ch)
+        (w, kt, qg, p, u, decay), _ = work          # non-finite rows: NaN summaries
         N, HV = layout.seq_len.shape[0], ch.k.shape[2]
         h0 = _identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(spec.ab_dtype)), K)
         _, final, _ = ChunkForwardKernel.call(w, kt, qg, p, _zero_columns(u, K), decay,
                                               *_flags(layout), h0, BV=_bv(ch, K))
         final = _where_has_tokens(layout, final, h0)
-        return (final[..., :V], final[..., V:]), operands
+        return (final[..., :V], final[..., V:]), work
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         K, V = ch.k.shape[-1], ch.v.shape[-1]

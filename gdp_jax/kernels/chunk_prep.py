@@ -1,0 +1,92 @@
+"""The forward-operands kernel (:mod:`gdp_jax.kernels.chunk_prep_sm90`): limits and call.
+
+One pass per chunk, all chunks in parallel: chunk inputs (float32, the compute dtype) ->
+the forward chunk kernel's operands with the causal masking already applied, i.e. what
+``pipeline.causal_operands(pipeline.forward_operands(ch, scale, ab_dtype))`` returns:
+((w, kt, qg, p, u, decay), bad). Replaces the XLA pipeline of the cutedsl forward (gate
+cumsums, decay matrices, K K^T, the WY inverse, w, u, P, Kt, qg, casts, row masking) with
+one read of the chunk inputs and one write of the operands.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax.numpy as jnp
+
+from gdp_jax.grid import CHUNK as C
+from gdp_jax.kernels import binding
+from gdp_jax.spec import Unsupported
+
+
+class ChunkPrepKernel:
+    """Limits and the (vmappable) call of the forward-operands kernel."""
+
+    DTYPES = ("bfloat16", "float16")
+    HEAD_DIMS = (64, 128)
+
+    @staticmethod
+    def can_implement(*, ab_dtype, cdt, K: int, V: int, rows: int, NC: int,
+                      HV: int) -> Optional[Unsupported]:
+        """None if the kernel runs chunk inputs of dtype ``cdt`` into ``ab_dtype``
+        operands with these shapes, else why not."""
+        ab, cd = jnp.dtype(ab_dtype).name, jnp.dtype(cdt).name
+        if ab not in ChunkPrepKernel.DTYPES or cd != "float32":
+            return Unsupported(f"the cutedsl operands kernel takes float32 chunk inputs and "
+                               f"16-bit operands; got {cd} -> {ab}")
+        if K not in ChunkPrepKernel.HEAD_DIMS or V not in ChunkPrepKernel.HEAD_DIMS:
+            return Unsupported(f"the cutedsl operands kernel takes K, V in "
+                               f"{ChunkPrepKernel.HEAD_DIMS}; got K={K}, V={V}")
+        if rows * NC * HV * C * max(K, V, C) > binding.MAX_ELEMS:
+            return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "
+                               f"the operands kernel's 32-bit offsets")
+        return None
+
+    @classmethod
+    def call(cls, ch, *, scale: float, ab_dtype):
+        """ch (:class:`gdp_jax.grid.ChunkInputs`) -> ((w, kt, qg, p, u, decay), bad);
+        ``jax.vmap``-able."""
+        f = binding.vmappable(lambda *a: cls.raw_call(*a, scale=scale, ab_dtype=ab_dtype),
+                              out_kinds=("rows",) * 7)
+        w, kt, qg, p, u, decay, bad = f(ch.q, ch.k, ch.v, ch.g, ch.beta)
+        return (w, kt, qg, p, u, decay), bad != 0
+
+    @staticmethod
+    def raw_call(q, k, v, g, beta, *, scale: float, ab_dtype):
+        """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V], g, beta [B, NC, HV, C] (float32) ->
+        w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V],
+        decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
+        row to NaN)."""
+        B, NC, HV, C_, K = k.shape
+        V = v.shape[-1]
+        why = ChunkPrepKernel.can_implement(ab_dtype=ab_dtype, cdt=k.dtype, K=K, V=V,
+                                            rows=B, NC=NC, HV=HV)
+        if why:
+            raise ValueError(str(why))
+        ab = jnp.dtype(ab_dtype)
+        rows = (B, NC, HV, C_)
+        outputs = (binding.out(rows + (K,), ab), binding.out(rows + (K,), ab),
+                   binding.out(rows + (K,), ab), binding.out(rows + (C_,), ab),
+                   binding.out(rows + (V,), jnp.float32), binding.out((B, NC, HV), jnp.float32),
+                   binding.out(rows, jnp.int32))
+        f32 = lambda x: x.astype(jnp.float32)
+        return binding.custom_call(_launcher(), "gdp_chunk_prep_sm90", outputs,
+                                   (f32(q), f32(k), f32(v), f32(g), f32(beta)),
+                                   K=K, V=V, ab_name=ab.name, scale=float(scale))
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_prep_sm90 as mod
+
+    @cute.jit
+    def launch(stream, q, k, v, g, beta, w, kt, qg, p, u, decay, bad, *,
+               K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
+               scale: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, scale)(stream, q, k, v, g, beta, w, kt, qg, p, u,
+                                             decay, bad)
+
+    return launch
