@@ -162,12 +162,16 @@ def intra_chunk(ch: ChunkInputs, inverse=None) -> Intra:
     ``inverse``: A -> (I + A)^-1 for the strictly lower [..., C, C] A (default: the XLA
     :data:`unit_lower_inverse`).
     """
+    return wy_factors(ch, inverse)[0]
+
+
+def wy_factors(ch: ChunkInputs, inverse=None):
+    """(:class:`Intra`, X = (I + A)^-1 [.., C, C]) of every chunk: ``intra_chunk`` with
+    the inverse kept (the direct backward :func:`local_grads_direct` reuses it)."""
     inverse = unit_lower_inverse if inverse is None else inverse
     C = ch.k.shape[-2]
     G = prefix_sum(ch.g, axis=-1)                                # log-decay from chunk start
     G_last = G[..., -1]
-    rc = _reverse_cumsum(ch.g)
-    to_end = jnp.concatenate([rc[..., 1:], jnp.zeros_like(rc[..., :1])], -1)  # G_last - G_i
     lower = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam = jnp.where(lower, jnp.exp(segment_sums(ch.g)), 0.0)
@@ -175,10 +179,17 @@ def intra_chunk(ch: ChunkInputs, inverse=None) -> Intra:
     A = jnp.where(strict, ch.beta[..., :, None] * kk * Gam, 0.0)
     gam = jnp.exp(G)
     rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
-    wu = causal_mm(inverse(A), rhs)
+    X = inverse(A)
+    wu = causal_mm(X, rhs)
     K = ch.k.shape[-1]
-    Kt = jnp.exp(to_end)[..., None] * ch.k
-    return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt)
+    Kt = jnp.exp(_to_end(ch.g))[..., None] * ch.k
+    return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt), X
+
+
+def _to_end(g):
+    """G_last - G_i = g_{i+1} + ... + g_{C-1}, summed directly (no cancellation)."""
+    rc = _reverse_cumsum(g)
+    return jnp.concatenate([rc[..., 1:], jnp.zeros_like(rc[..., :1])], -1)
 
 
 def causal_scores(q, k, Gam):
@@ -353,6 +364,71 @@ def local_grads(ch: ChunkInputs, it: Intra, it_pull, S0, doc, dS_end, scale) -> 
     dch, dit, _ = pull(_vma.like((doc, dS_end), ch, S0))
     (dch_intra,) = it_pull(dit)
     return jax.tree_util.tree_map(jnp.add, dch, dch_intra)
+
+
+def _rows(a, b):
+    """sum over the last axis of a * b: [.., C, X] -> [.., C]."""
+    return jnp.sum(a * b, axis=-1)
+
+
+def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) -> ChunkInputs:
+    """:func:`local_grads` written out (no autodiff): the cotangents of the chunk inputs
+    from the output-row cotangents ``doc`` [.., C, V] and end-state cotangents ``dS_end``
+    [.., K, V] at start states ``S0`` [.., K, V]; ``(it, X) = wy_factors(ch)``.
+
+    With Delta = U - W S0, P = tril(q k^T Gam), Kt = diag(exp(G_last - G)) k:
+        dDelta = scale P^T dO + Kt dS_end,   dW = -dDelta S0^T,   dU = dDelta
+        dX = dW Rw^T + dU Ru^T (Rw = diag(beta gam) k, Ru = diag(beta) v)
+        dA = -X^T dX X^T (strictly lower),   dRw = X^T dW,   dRu = X^T dU
+    then A = tril(diag(beta) k k^T Gam, -1), P and the decays back to q, k, v, beta and
+    the gate (G, G_last - G and the segment sums of Gam are sums of g: their adjoints are
+    reverse / forward cumulative sums and a rectangle sum). Inputs are finite here (the
+    forward's non-finite rows give NaN gradients for their chunk).
+    """
+    q, k, v, g, beta = ch
+    C = k.shape[-2]
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    Gam, gam = it.Gam, it.gam
+    Rw = (beta * gam)[..., None] * k
+    Ru = beta[..., None] * v
+    delta = it.u - it.w @ S0
+    qk = jnp.where(lower, q @ _t(k), 0.0)
+    P = qk * Gam
+    et = jnp.exp(_to_end(g))
+
+    ddelta = scale * (_t(P) @ doc) + it.Kt @ dS_end                  # [.., C, V]
+    dP = jnp.where(lower, scale * (doc @ _t(delta)), 0.0)           # [.., C, C]
+    dKt = delta @ _t(dS_end)                                         # [.., C, K]
+    dW = -(ddelta @ _t(S0))
+    dX = dW @ _t(Rw) + ddelta @ _t(Ru)
+    Xt = _t(X)
+    dA = jnp.where(strict, -(Xt @ dX @ Xt), 0.0)
+    dRw = Xt @ dW
+    dRu = Xt @ ddelta
+
+    kk = k @ _t(k)
+    dkk = dA * beta[..., :, None] * Gam
+    dqk = dP * Gam
+    dGam = dA * beta[..., :, None] * kk + dP * qk                   # lower, 0 on the diagonal's
+    qS0 = q @ S0
+
+    dq = scale * gam[..., None] * (doc @ _t(S0)) + dqk @ k
+    dk = (_t(dqk) @ q + (dkk + _t(dkk)) @ k + (beta * gam)[..., None] * dRw
+          + et[..., None] * dKt)
+    dv = beta[..., None] * dRu
+    dbeta = _rows(dA * kk, Gam) + gam * _rows(dRw, k) + _rows(dRu, v)
+
+    # the gate: G_i = sum_{l <= i} g_l, (G_last - G)_i = sum_{l > i} g_l,
+    # seg_ij = sum_{j < l <= i} g_l (Gam = exp(seg)), G_last = sum_l g_l
+    dG = gam * (scale * _rows(doc, qS0) + beta * _rows(dRw, k))
+    dto_end = et * _rows(dKt, k)
+    dG_last = jnp.exp(it.G_last) * jnp.sum(dS_end * S0, axis=(-2, -1))
+    dseg = dGam * Gam
+    excl = prefix_sum(dseg, axis=-1) - dseg                          # [i, l] = sum_{j < l}
+    dg = (_reverse_cumsum(dG) + (prefix_sum(dto_end, axis=-1) - dto_end)
+          + jnp.sum(jnp.where(lower, excl, 0.0), axis=-2) + dG_last[..., None])
+    return ChunkInputs(dq, dk, dv, dg, dbeta)
 
 
 # ---------------------------------------------------------------------------------------

@@ -74,7 +74,6 @@ class XlaEngine(Engine):
         blk = self._blocking(spec, ch)
         chb = blk.tree_block(ch)
         x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
-        x = recurrence.operands_in(x, operand_dtype(spec))
         stride = spec.checkpoint_stride if keep_states else 0
         o, final, states = recurrence.forward(blk, x, recurrence.flags(blk, layout), h0,
                                               spec.N, stride, checkpoint_dtype(spec))
@@ -86,18 +85,16 @@ class XlaEngine(Engine):
         blk = self._blocking(spec, ch)
         chb, docb = blk.tree_block(ch), blk.block(doc)
         f = recurrence.flags(blk, layout)
-        it, it_pull = jax.vjp(chunked.intra_chunk, chb)
+        it, X = chunked.wy_factors(chb)
         x, _ = recurrence.forward_operands(chb, it, spec.scale)
-        x = recurrence.operands_in(x, operand_dtype(spec))
         stride = spec.checkpoint_stride
         if states is None:      # not kept (a direct caller): recompute them
             stride = 1
             states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype)[2]
         S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride)
         rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
-        rev = recurrence.operands_in(rev, operand_dtype(spec))
         dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N)
-        dchb = chunked.local_grads(chb, it, it_pull, S0, docb, dS_end, spec.scale)
+        dchb = chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, spec.scale)
         dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
         return blk.tree_unblock(dchb), dh0
 
@@ -106,13 +103,6 @@ class XlaEngine(Engine):
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         return chunked.backward_summaries(ch, layout, doc, dfinal, spec.scale), None
-
-
-def operand_dtype(spec: CallSpec):
-    """dtype of the matrix operands of the sequential passes: the inputs' 16-bit dtype
-    (tensor-core products accumulated in float32; the state stays float32), else the
-    compute dtype."""
-    return spec.ab_dtype if spec.ab_dtype.itemsize == 2 else spec.cdt
 
 
 def checkpoint_dtype(spec: CallSpec):

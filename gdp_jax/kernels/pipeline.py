@@ -15,7 +15,8 @@ Backward:
     reverse kernel's operands (ddo = P^T dO);
   kernel (:class:`~gdp_jax.kernels.state_grad.StateGradKernel`): the reverse state-gradient
     recursion, dS_end of every chunk and the initial-state gradients;
-  XLA: the vjp of the chunk-local map for all chunks at once (dq, dk, dv, dg, dbeta).
+  XLA: the chunk-local backward written out (dq, dk, dv, dg, dbeta; all chunks at once,
+    :func:`gdp_jax.chunked.local_grads_direct`).
 CP summaries: the same two recursion kernels on V + K state columns. Columns of the state
 never mix, so [E | M] is the final state from the start [0 | I] with u = [u | 0], and
 [gamma | M^T] the start-state gradient with dfinal = [dfinal | I], dO = [dO | 0]: one pass
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from gdp_jax import chunked, grid
@@ -100,11 +100,12 @@ def masked_operands(spec, ch: grid.ChunkInputs):
 
 class BackwardWork:
     """What the backward and the CP backward summary both need, computed once: the
-    intra-chunk factors, their vjp and the reverse kernel's operands
+    intra-chunk factors with the WY inverse X (for the written-out local backward
+    :func:`gdp_jax.chunked.local_grads_direct`) and the reverse kernel's operands
     (kt, w, qg, ddo, do, decay); ddo = P^T dO is what the output sends to Delta directly."""
 
     def __init__(self, ch: grid.ChunkInputs, doc, scale: float, ab_dtype):
-        self.it, self.it_pull = jax.vjp(intra_chunk, ch)
+        self.it, self.X = chunked.wy_factors(ch, inverse=wy_inverse.unit_lower_inverse)
         acc = acc_dtype(ab_dtype)
         p = readout_matrix(ch, self.it, scale)
         ddo = jnp.swapaxes(p, -1, -2) @ doc
@@ -184,8 +185,8 @@ class CuTeDSLEngine(Engine):
         ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
                                            BV=_bv(ch))
-        dch = chunked.local_grads(ch, work.it, work.it_pull, S0, doc,
-                                  ds_end.astype(ch.k.dtype), spec.scale)
+        dch = chunked.local_grads_direct(ch, work.it, work.X, S0, doc,
+                                         ds_end.astype(ch.k.dtype), spec.scale)
         return dch, _where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
