@@ -354,7 +354,8 @@ def chunk_backward(ch: ChunkInputs, layout: ChunkLayout, h0, doc, dfinal, scale)
 
 def local_grads(ch: ChunkInputs, it: Intra, it_pull, S0, doc, dS_end, scale) -> ChunkInputs:
     """Cotangents of the chunk inputs from those of every chunk's output rows ``doc`` and
-    end state ``dS_end``, through the chunk-local map at start states ``S0``.
+    end state ``dS_end``, through the chunk-local map at start states ``S0``, by autodiff:
+    the reference of the written-out :func:`local_grads_direct` that the engines run.
 
     ``(it, it_pull) = jax.vjp(intra_chunk, ch)`` is computed once by the caller and reused
     (the intra-chunk factors are the expensive part of both passes).
