@@ -229,6 +229,9 @@ def write(path: pathlib.Path, source_hash: str, variants: dict, flavor: Optional
     tmp = path / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     tmp.replace(path / "manifest.json")
+    for old in path.glob("*.o"):        # objects of an earlier build
+        if old.stem not in entries:
+            old.unlink()
 
 
 def harvest(lowered) -> tuple[str, Artifact]:
