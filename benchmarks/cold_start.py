@@ -3,8 +3,10 @@
     python -m benchmarks.cold_start [--shape B,T,H,n] [--kernels DIR] [--build] [--modes ...]
 
 Each mode runs in its own fresh subprocess (nothing cached in memory): ``prebuilt`` (the
-objects of ``ffi/build.py`` in DIR), ``compiled`` (none: every variant compiled at trace
-time) and ``static`` (the former per-shape compile, ``GDP_JAX_KERNEL_SHAPES=static``).
+objects of ``ffi/build.py`` in DIR), ``prebuilt+xla-cache`` (the same, with JAX's
+persistent compilation cache filled by a previous process), ``compiled`` (no objects:
+every variant compiled at trace time) and ``static`` (the former per-shape compile,
+``GDP_JAX_KERNEL_SHAPES=static``).
 The child times ``import jax, gdp_jax``, the first call of the jitted value-and-grad
 (trace, kernel objects, XLA compile, run) and then the median of 10 further calls (the
 steady state, which the modes should share). bf16, K = V = 128, HV = H, gates on,
@@ -65,20 +67,35 @@ print(json.dumps(dict(import_s=t_import, first_s=t_first, cold_s=t_import + t_fi
 """
 
 
-def run_mode(mode, shape, kernels, empty):
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.pop("GDP_JAX_KERNEL_SHAPES", None)
-    env["GDP_JAX_KERNEL_DIR"] = str(kernels if mode == "prebuilt" else empty)
-    if mode == "static":
-        env["GDP_JAX_KERNEL_SHAPES"] = "static"
+MODES = ("prebuilt", "prebuilt+xla-cache", "compiled", "static")
+
+
+def _child(env, shape):
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", CHILD.format(shape=tuple(shape))], env=env,
                        capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - t
     if r.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{r.stdout}\n{r.stderr}")
-    row = dict(mode=mode, shape=list(shape), process_s=wall,
-               **json.loads(r.stdout.strip().splitlines()[-1]))
+        return dict(error=(r.stdout + r.stderr)[-3000:])
+    return dict(process_s=time.perf_counter() - t, **json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def run_mode(mode, shape, kernels, tmp):
+    """One mode in fresh subprocesses -> its row (``error`` set if the child failed)."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("GDP_JAX_KERNEL_SHAPES", None)
+    env["GDP_JAX_KERNEL_DIR"] = str(kernels if mode.startswith("prebuilt") else tmp / "none")
+    if mode == "static":
+        env["GDP_JAX_KERNEL_SHAPES"] = "static"
+    if mode == "prebuilt+xla-cache":
+        # JAX's persistent cache: a first process fills it, the timed second one loads the
+        # XLA executable (its key holds the kernel objects, which are now fixed bytes)
+        env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / "xla-cache"),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        first = _child(env, shape)
+        if "error" in first:
+            return dict(mode=mode, **first)
+    row = dict(mode=mode, shape=list(shape), **_child(env, shape))
     print(json.dumps(row), flush=True)
     return row
 
@@ -89,8 +106,7 @@ def main(argv=None):
     ap.add_argument("--kernels", type=pathlib.Path, default=None,
                     help="prebuilt kernel directory (default: gdp_jax's)")
     ap.add_argument("--build", action="store_true", help="run ffi/build.py first")
-    ap.add_argument("--modes", nargs="+", default=["prebuilt", "compiled", "static"],
-                    choices=["prebuilt", "compiled", "static"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = ap.parse_args(argv)
     try:
         shape = tuple(int(s) for s in args.shape.split(","))
@@ -101,17 +117,22 @@ def main(argv=None):
     sys.path.insert(0, str(REPO))
     from gdp_jax.kernels import aot
     kernels = args.kernels or aot.store_dir()
-    if "prebuilt" in args.modes and (args.build or not (kernels / "manifest.json").exists()):
+    if (any(m.startswith("prebuilt") for m in args.modes)
+            and (args.build or not (kernels / "manifest.json").exists())):
         t = time.perf_counter()
         subprocess.run([sys.executable, str(REPO / "ffi" / "build.py"), "--out", str(kernels),
                         "--jobs", str(min(8, os.cpu_count() or 1))], check=True)
         print(json.dumps(dict(build_s=time.perf_counter() - t)), flush=True)
-    with tempfile.TemporaryDirectory() as empty:
-        rows = [run_mode(m, shape, kernels, pathlib.Path(empty) / "none") for m in args.modes]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run_mode(m, shape, kernels, pathlib.Path(tmp)) for m in args.modes]
     print(f"\ncold start, B,T,H,n = {','.join(map(str, shape))} (fresh process each)")
     print("| mode | import s | first fwd+bwd s | import + first s | steady ms | process s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | failed: see above | | | | |")
+            print(r["error"], file=sys.stderr)
+            continue
         print(f"| {r['mode']} | {r['import_s']:.2f} | {r['first_s']:.2f} | {r['cold_s']:.2f} "
               f"| {r['steady_ms']:.2f} | {r['process_s']:.1f} |")
 
