@@ -24,9 +24,6 @@ import sys
 import tempfile
 import time
 
-if os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a") != "sm_90a":   # before `import cutlass`
-    sys.exit(f"ffi/build.py builds for sm_90a; CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']}")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")       # lowering needs no GPU (and takes none)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
@@ -84,6 +81,12 @@ def main(argv=None):
         recompute = tuple(int(r) for r in args.recompute.split(","))
     except ValueError:
         ap.error(f"--recompute must be comma-separated ints, got {args.recompute!r}")
+    if not all(0 <= r <= 64 for r in recompute):
+        ap.error(f"--recompute values must be in [0, 64], got {args.recompute!r}")
+    # before jax and the CuTe DSL are imported (worker processes inherit it)
+    if os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a") != "sm_90a":
+        sys.exit(f"ffi/build.py builds for sm_90a; CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # lowering needs no GPU (and takes none)
 
     from gdp_jax.kernels import aot, binding
     out = args.out or aot.store_dir()

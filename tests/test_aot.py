@@ -94,8 +94,9 @@ def test_build_lists_every_kernel_class():
     whats = [v.what for v in build.all_variants(recompute=(0, 3))]
     assert "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=4" in whats      # --recompute 3
     assert "gdp_chunk_bwd_dh_sm90 float16 K=64 V=192" in whats             # CP summary
-    with pytest.raises(SystemExit):
-        build.main(["--jobs", "0"])
+    for bad in (["--jobs", "0"], ["--recompute", "65"], ["--recompute", "a"]):
+        with pytest.raises(SystemExit):
+            build.main(bad)
 
 
 def test_build_writes_manifest_and_objects(built):
