@@ -141,6 +141,20 @@ def test_prebuilt_program_equals_in_process_compile(built, fresh, tmp_path):
     assert "CuteDSLRT_NvJaxCutlassCall" in prebuilt[0]
 
 
+def test_export_with_a_symbolic_batch_uses_the_prebuilt_object(built, fresh):
+    """Shape-generic objects make jax.export with symbolic leading dims possible."""
+    from jax import export
+    fresh.setenv(aot.ENV_DIR, str(built))
+    _no_compile(fresh)
+    b, = export.symbolic_shape("b")
+    exp = export.export(jax.jit(lambda a: wy_inverse.unit_lower_inverse(a)), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                            aot.target_name())])(S((b, 64, 64), jnp.float32))
+    assert aot.target_name() in exp.mlir_module() and exp.in_avals[0].shape[0] == b
+    with pytest.raises(ValueError, match="tile dims"):
+        aot.tensor_sig((b, b), jnp.float32, 1)
+
+
 def test_missing_variant_compiles_and_warns_once(built, fresh, caplog):
     fresh.setenv(aot.ENV_DIR, str(built))
     with caplog.at_level(logging.DEBUG, logger="gdp_jax"):

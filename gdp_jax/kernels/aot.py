@@ -34,6 +34,7 @@ import threading
 from typing import NamedTuple, Optional
 
 import jax
+import jax.export
 
 log = logging.getLogger("gdp_jax")
 
@@ -67,11 +68,15 @@ def store_dir() -> pathlib.Path:
 # ---------------------------------------------------------------------------- variant keys
 
 def tensor_sig(shape, dtype, tile_dims: int) -> tuple:
-    """(dtype, rank, trailing extents): what a variant fixes about one tensor."""
-    shape = tuple(int(d) for d in shape)
+    """(dtype, rank, trailing extents): what a variant fixes about one tensor. The leading
+    dims may be symbolic (``jax.export``); the tile dims must be integers."""
+    shape = tuple(shape)
     if not 0 <= tile_dims <= len(shape):
         raise ValueError(f"tile_dims={tile_dims} for a rank-{len(shape)} tensor")
-    return (jax.numpy.dtype(dtype).name, len(shape), shape[len(shape) - tile_dims:])
+    tail = shape[len(shape) - tile_dims:]
+    if any(jax.export.is_symbolic_dim(d) for d in tail):
+        raise ValueError(f"the tile dims {tail} of a kernel operand must be concrete")
+    return (jax.numpy.dtype(dtype).name, len(shape), tuple(int(d) for d in tail))
 
 
 def canonical_shape(sig) -> tuple:
