@@ -8,11 +8,11 @@ What every kernel call needs, done once here:
   when present, else compiled once per process at trace time (at its canonical shape, so
   both give the same bytes) and emitted as a ``jax.ffi.ffi_call`` to the CuTe DSL
   runtime's handler;
-
-- the CuTe DSL import (lazy; ``CUTE_DSL_ARCH=sm_90a`` so a host without a GPU compiles for
+- the CuTe DSL import (only when a variant must be compiled; ``CUTE_DSL_ARCH=sm_90a`` so a host without a GPU compiles for
   Hopper instead of the DSL's sm_100a default);
 - compile keys that include a hash of the device sources (``kernels/*_sm90.py`` and
-  ``kernels/sm90.py``): editing a kernel can never reuse a stale binary in one process;
+  ``kernels/sm90.py``): editing a kernel can never reuse a stale binary (in memory or on
+  disk);
 - ``jax.vmap``: ``cutlass_call`` has no batching rule; :func:`vmappable` folds a mapped
   axis into the batch rows (the kernels run one CTA per (value tile, head, row) and look
   per-sequence tables up through an int32 ``seq`` [B, NC] index, so M mapped problems
@@ -36,7 +36,7 @@ from jax import custom_batching
 from gdp_jax import _vma
 from gdp_jax.kernels import aot
 
-MAX_ELEMS = 2 ** 31 - 1      # the kernels index with 32-bit offsets (static layouts)
+MAX_ELEMS = 2 ** 31 - 1      # 32-bit extents (and offsets, in the per-shape objects)
 _HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -86,6 +86,7 @@ def kernel_shapes() -> str:
 
 
 _compiled: dict = {}        # variant key -> aot.Artifact compiled in this process
+_compile_lock = threading.RLock()
 
 
 def compiled_variants() -> dict:
@@ -163,8 +164,6 @@ def _compile(launcher, vkey, aliases, constexprs):
         _compiled[vkey] = art
         return art
 
-
-_compile_lock = threading.RLock()
 
 
 def _static_call(launcher, name, outputs, args, key, aliases, constexprs):
