@@ -8,8 +8,8 @@ What every kernel call needs, done once here:
   when present, else compiled once per process at trace time (at its canonical shape, so
   both give the same bytes) and emitted as a ``jax.ffi.ffi_call`` to the CuTe DSL
   runtime's handler;
-- the CuTe DSL import (only when a variant must be compiled; ``CUTE_DSL_ARCH=sm_90a`` so a host without a GPU compiles for
-  Hopper instead of the DSL's sm_100a default);
+- the CuTe DSL import (only when a variant must be compiled; ``CUTE_DSL_ARCH=sm_90a`` so
+  a host without a GPU compiles for Hopper instead of the DSL's sm_100a default);
 - compile keys that include a hash of the device sources (``kernels/*_sm90.py`` and
   ``kernels/sm90.py``): editing a kernel can never reuse a stale binary (in memory or on
   disk);
