@@ -6,8 +6,8 @@ Each kernel class of ``gdp_jax/kernels`` that has a ``variants()`` classmethod l
 variants the backend runs (new kernel classes join without edits here); each is lowered
 for cuda once, at its canonical shape, and its object (host launcher + sm_90a cubin) is
 written to DIR (default: ``$GDP_JAX_KERNEL_DIR``, else ``ffi/build/kernels``) with a
-manifest that :mod:`gdp_jax.kernels.aot` reads. ``--only``: variants whose name contains
-any of the texts. ``--recompute``: the ``recompute_chunk_num`` values to prebuild
+manifest that :mod:`gdp_jax.kernels.aot` reads; DIR's earlier objects are replaced.
+``--only``: just the variants whose name contains one of the texts. ``--recompute``: the ``recompute_chunk_num`` values to prebuild
 checkpointing forwards for (others compile at trace time). Prints one line per variant.
 """
 from __future__ import annotations
