@@ -82,7 +82,7 @@ def _child(env, shape):
 def run_mode(mode, shape, kernels, tmp):
     """One mode in fresh subprocesses -> its row (``error`` set if the child failed)."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.pop("GDP_JAX_KERNEL_SHAPES", None)
+    env["GDP_JAX_KERNEL_SHAPES"] = "generic"
     env["GDP_JAX_KERNEL_DIR"] = str(kernels if mode.startswith("prebuilt") else tmp / "none")
     if mode == "static":
         env["GDP_JAX_KERNEL_SHAPES"] = "static"

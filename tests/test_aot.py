@@ -33,7 +33,7 @@ ONLY = ("gdp_wy_inverse_sm90", "gdp_step_sm90 K=64 V=64 n=1")
 
 def _env():
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.pop("GDP_JAX_KERNEL_SHAPES", None)
+    env["GDP_JAX_KERNEL_SHAPES"] = "generic"
     return env
 
 
@@ -56,6 +56,7 @@ def fresh(monkeypatch):
     aot._stores.clear()
     aot.warn_missing.cache_clear()
     jax.clear_caches()
+    monkeypatch.setenv("GDP_JAX_KERNEL_SHAPES", "generic")   # auto would be static here
     yield monkeypatch
     binding._compiled.clear()
     binding._compiled.update(saved)
@@ -219,3 +220,13 @@ def test_static_mode_compiles_per_shape_without_the_store(built, fresh):
     monkey.setattr(aot, "lookup", lambda *a: pytest.fail("the store was read"))
     txt = _lower(wy_inverse.unit_lower_inverse, S((3, 64, 64), jnp.float32)).as_text()
     assert "CuteDSLRT_NvJaxCutlassCall" in txt and binding._compiled == {}
+
+
+def test_auto_mode_is_static_without_prebuilt_kernels(built, fresh, tmp_path):
+    """The default ("auto"): the per-shape compile unless prebuilt kernels are present."""
+    fresh.delenv("GDP_JAX_KERNEL_SHAPES")
+    fresh.setenv(aot.ENV_DIR, str(tmp_path / "none"))
+    assert binding.kernel_shapes() == "static"
+    aot._stores.clear()
+    fresh.setenv(aot.ENV_DIR, str(built))
+    assert binding.kernel_shapes() == "generic"

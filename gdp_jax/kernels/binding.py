@@ -75,13 +75,18 @@ def device_source_hash() -> str:
 
 
 def kernel_shapes() -> str:
-    """"generic" (default): one compiled object per variant, every (B, T) (leading dims
-    read at run time), prebuilt ones used when present; "static" (``GDP_JAX_KERNEL_SHAPES
-    =static``): the former per-shape compile with every extent baked in (no prebuilt
-    objects; for comparing the two)."""
-    mode = os.environ.get("GDP_JAX_KERNEL_SHAPES", "generic")
-    if mode not in ("generic", "static"):
-        raise ValueError(f"GDP_JAX_KERNEL_SHAPES={mode!r}; expected 'generic' or 'static'")
+    """How kernels are compiled (``GDP_JAX_KERNEL_SHAPES``): "generic", one object per
+    variant for every (B, T) (leading dims read at run time), prebuilt ones used when
+    present; "static", one compile per shape with every extent baked in; "auto"
+    (default): generic when prebuilt kernels are present (``python ffi/build.py``), else
+    static - the path every GPU test and benchmark so far ran on (the generic objects'
+    steady-state speed is measured by ``benchmarks/cold_start.py``)."""
+    mode = os.environ.get("GDP_JAX_KERNEL_SHAPES", "auto")
+    if mode not in ("auto", "generic", "static"):
+        raise ValueError(f"GDP_JAX_KERNEL_SHAPES={mode!r}; expected 'auto', 'generic' or "
+                         f"'static'")
+    if mode == "auto":
+        mode = "generic" if aot.store(device_source_hash()).entries else "static"
     return mode
 
 
