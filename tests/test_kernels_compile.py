@@ -28,6 +28,15 @@ S = jax.ShapeDtypeStruct
 CUDA = ("cuda",)
 
 
+@pytest.fixture(autouse=True)
+def _compile_here(monkeypatch, tmp_path):
+    """Compile every kernel in this process: prebuilt objects in the checkout
+    (ffi/build/kernels) must not stand in for the compile under test."""
+    from gdp_jax.kernels import aot
+    monkeypatch.setenv(aot.ENV_DIR, str(tmp_path / "no-prebuilt"))
+    aot._stores.clear()
+
+
 def _lower(fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=CUDA).as_text()
 

@@ -15,8 +15,11 @@ By role:
                  operands, all chunks in parallel), ``wy_inverse.WYInverseKernel``
                  ((I + A)^-1 of every chunk; the backward's and the fallback's),
                  ``step.StepKernel`` (one decoding token, state updated in place).
-  binding        ``binding.py``: cutlass_call, compile keys hashed from the device
-                 sources, vmap folding, varying-axes typing - once for every kernel.
+  binding        ``binding.py``: one shape-generic object per kernel variant (prebuilt
+                 or compiled through cutlass_call), vmap folding, varying-axes typing -
+                 once for every kernel.
+  prebuilt       ``aot.py``: variant keys, the objects of ``ffi/build.py`` on disk, the
+                 CuTe DSL runtime's FFI handlers registered without importing the DSL.
   pipeline       ``pipeline.py``: the XLA glue, ``CuTeDSLEngine`` (the engine interface
                  of :mod:`gdp_jax.engine`) - operands, checkpoints, summaries.
   emulation      ``emulate.py``: pure-JAX stand-ins with the kernels' exact contracts

@@ -2,10 +2,17 @@
 
 What every kernel call needs, done once here:
 
-- the CuTe DSL import (lazy; ``CUTE_DSL_ARCH=sm_90a`` so a host without a GPU compiles for
-  Hopper instead of the DSL's sm_100a default);
+- one compiled object per *variant* (:mod:`gdp_jax.kernels.aot`: dtypes, tile extents,
+  compile-time keywords; not the batch, chunk, head or sequence counts, which the object
+  reads from XLA's buffers at run time), taken from the prebuilt ones of ``ffi/build.py``
+  when present, else compiled once per process at trace time (at its canonical shape, so
+  both give the same bytes) and emitted as a ``jax.ffi.ffi_call`` to the CuTe DSL
+  runtime's handler;
+- the CuTe DSL import (only when a variant must be compiled; ``CUTE_DSL_ARCH=sm_90a`` so
+  a host without a GPU compiles for Hopper instead of the DSL's sm_100a default);
 - compile keys that include a hash of the device sources (``kernels/*_sm90.py`` and
-  ``kernels/sm90.py``): editing a kernel can never reuse a stale binary in one process;
+  ``kernels/sm90.py``): editing a kernel can never reuse a stale binary (in memory or on
+  disk);
 - ``jax.vmap``: ``cutlass_call`` has no batching rule; :func:`vmappable` folds a mapped
   axis into the batch rows (the kernels run one CTA per (value tile, head, row) and look
   per-sequence tables up through an int32 ``seq`` [B, NC] index, so M mapped problems
@@ -20,14 +27,16 @@ import functools
 import hashlib
 import os
 import pathlib
+import threading
 
 import jax
 import jax.numpy as jnp
 from jax import custom_batching
 
 from gdp_jax import _vma
+from gdp_jax.kernels import aot
 
-MAX_ELEMS = 2 ** 31 - 1      # the kernels index with 32-bit offsets (static layouts)
+MAX_ELEMS = 2 ** 31 - 1      # 32-bit extents (and offsets, in the per-shape objects)
 _HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -38,10 +47,16 @@ def import_cutlass():
     import cutlass  # noqa: F401
     import cutlass.cute  # noqa: F401
     import cutlass.jax  # noqa: F401
+    aot.note_cutlass_imported()
     return cutlass
 
 
 def cutlass_importable() -> tuple[bool, str]:
+    """(ok, reason): can kernels be run here? Prebuilt ones need only the DSL's runtime
+    library (no import: it takes seconds); otherwise the DSL must import."""
+    st = aot.store(device_source_hash())
+    if kernel_shapes() == "generic" and st.entries and aot.runtime_library(st.flavor):
+        return True, f"ok ({st.reason})"
     try:
         import_cutlass()
     except Exception as e:  # ImportError, or the DSL's own load errors
@@ -59,29 +74,119 @@ def device_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def custom_call(launch, name: str, outputs, args, *, key=(), aliases=None, **constexprs):
-    """Run ``launch`` (a ``cute.jit`` function of (stream, *args, *outputs)) as an XLA
-    custom call on ``args``; returns the results typed like ``outputs``
-    (``jax.ShapeDtypeStruct``s), with the operands' varying mesh axes.
+def kernel_shapes() -> str:
+    """How kernels are compiled (``GDP_JAX_KERNEL_SHAPES``): "generic", one object per
+    variant for every (B, T) (leading dims read at run time), prebuilt ones used when
+    present; "static", one compile per shape with every extent baked in; "auto"
+    (default): generic when prebuilt kernels are present (``python ffi/build.py``), else
+    static - the path every GPU test and benchmark so far ran on (the generic objects'
+    steady-state speed is measured by ``benchmarks/cold_start.py``)."""
+    mode = os.environ.get("GDP_JAX_KERNEL_SHAPES", "auto")
+    if mode not in ("auto", "generic", "static"):
+        raise ValueError(f"GDP_JAX_KERNEL_SHAPES={mode!r}; expected 'auto', 'generic' or "
+                         f"'static'")
+    if mode == "auto":
+        mode = "generic" if aot.store(device_source_hash()).entries else "static"
+    return mode
 
-    ``key``: everything besides shapes that selects the compiled variant; ``aliases``:
+
+_compiled: dict = {}        # variant key -> aot.Artifact compiled in this process
+_compile_lock = threading.RLock()
+
+
+def compiled_variants() -> dict:
+    """{variant key: aot.Artifact} of every generic variant this process compiled
+    (what ``ffi/build.py`` writes)."""
+    return dict(_compiled)
+
+
+def custom_call(launcher, name: str, outputs, args, *, tile_dims, key=(), aliases=None,
+                **constexprs):
+    """Run the kernel of ``launcher()`` (a ``cute.jit`` function of (stream, *args,
+    *outputs), built only when it must be compiled) as an XLA custom call on ``args``;
+    returns the results typed like ``outputs`` (``jax.ShapeDtypeStruct``s), with the
+    operands' varying mesh axes.
+
+    ``tile_dims``: per tensor (args, then outputs), how many trailing dims the compiled
+    variant fixes (head dims, chunk length); the leading ones are read at run time.
+    ``key``: everything else besides shapes that selects the variant; ``aliases``:
     {input index: output index} buffers updated in place; ``constexprs``: the launcher's
     compile-time keyword arguments.
     """
+    outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else outputs
+    outs = outputs if isinstance(outputs, tuple) else (outputs,)
+    aliases = dict(aliases or {})
+    if len(tile_dims) != len(args) + len(outs):
+        raise ValueError(f"tile_dims has {len(tile_dims)} entries for {len(args)} args and "
+                         f"{len(outs)} outputs of {name}")
+    if kernel_shapes() == "static":
+        res = _static_call(launcher, name, outputs, args, key, aliases, constexprs)
+        return _vma.like(res, args)
+    sigs = [aot.tensor_sig(t.shape, t.dtype, d) for t, d in zip(tuple(args) + outs, tile_dims)]
+    vkey = aot.variant_key(name, device_source_hash(), sigs[:len(args)], sigs[len(args):],
+                           key, aliases.items(), constexprs.items())
+    art = _compiled.get(vkey)
+    if art is None:
+        art = aot.lookup(vkey)
+        if art is not None:
+            aot.register_runtime(aot.store(vkey[1]).flavor)
+    if art is None:
+        art = _compile(launcher, vkey, aliases, constexprs)
+    call = jax.ffi.ffi_call(aot.target_name(), outs, input_output_aliases=aliases)
+    res = call(*args, module=art.module, key=art.fingerprint)
+    res = tuple(res) if isinstance(outputs, tuple) else res[0]
+    return _vma.like(res, args)
+
+
+def _compile(launcher, vkey, aliases, constexprs):
+    """Compile one generic variant at its canonical shape (extent 1 in the run-time dims)
+    through ``cutlass_call`` and take its object out of the lowered module."""
+    with _compile_lock:
+        if vkey in _compiled:
+            return _compiled[vkey]
+        import_cutlass()
+        import cutlass.jax as cjax
+
+        _, _, in_sigs, out_sigs, _, _, _ = vkey
+
+        def spec(sig):      # run-time dims: no divisibility assumed; tile dims: their extent
+            shape = aot.canonical_shape(sig)
+            div = tuple(1 if i < sig[1] - len(sig[2]) else d for i, d in enumerate(shape))
+            return cjax.TensorSpec(static=False, divisibility=div)
+
+        avals = [jax.ShapeDtypeStruct(aot.canonical_shape(s), s[0]) for s in in_sigs]
+        outs = tuple(jax.ShapeDtypeStruct(aot.canonical_shape(s), s[0]) for s in out_sigs)
+        call = cjax.cutlass_call(launcher(), output_shape_dtype=outs,
+                                 input_spec=tuple(spec(s) for s in in_sigs),
+                                 output_spec=tuple(spec(s) for s in out_sigs),
+                                 input_output_aliases=aliases, compile_key=vkey,
+                                 **constexprs)
+        lowered = jax.jit(lambda *a: call(*a)).trace(*avals).lower(
+            lowering_platforms=("cuda",))
+        target, art = aot.harvest(lowered)
+        if target != aot.target_name():
+            raise RuntimeError(f"cutlass_call emitted {target}, expected {aot.target_name()}")
+        _compiled[vkey] = art
+        return art
+
+
+
+def _static_call(launcher, name, outputs, args, key, aliases, constexprs):
+    """The per-shape compile (every extent baked into the object)."""
     import_cutlass()
     import cutlass.jax as cjax
 
     shapes = tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in args)
     call = cjax.cutlass_call(
-        launch,
+        launcher(),
         output_shape_dtype=outputs,
-        input_output_aliases=aliases or {},
+        input_output_aliases=aliases,
         use_static_tensors=True,
         compile_key=(name, device_source_hash(), shapes, tuple(key),
                      tuple(sorted(constexprs.items()))),
         **constexprs,
     )
-    return _vma.like(call(*args), args)
+    return call(*args)
 
 
 def vmappable(call, *, seq_arg=None, table_arg=None, out_kinds):

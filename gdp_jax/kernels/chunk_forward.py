@@ -96,10 +96,41 @@ class ChunkForwardKernel:
             raise ValueError(f"states_dtype must be float32 or {ab_name}; got {states_dtype}")
         outputs = (binding.out((B, NC, HV, C_, V), w.dtype), binding.out(h0.shape, jnp.float32),
                    binding.out((B, n_ckpt, HV, K, V) if ckpt else (1,), states_dtype))
-        return binding.custom_call(_launcher(), "gdp_chunk_fwd_sm90", outputs,
+        return binding.custom_call(_launcher, "gdp_chunk_fwd_sm90", outputs,
                                    (w, kt, qg, p, u, decay, reset, seq, last, h0),
+                                   tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2,
+                                              2, 2, 2 if ckpt else 1),
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
                                    ab_name=ab_name, split=split, ckpt=ckpt)
+
+    @classmethod
+    def variants(cls, recompute_chunk_nums=(0,)):
+        """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
+        dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
+        checkpoints of each ``recompute_chunk_nums``) and the CP summary (V + K columns)."""
+        from gdp_jax.kernels import aot
+        from gdp_jax.kernels.pipeline import checkpoint_dtype
+        out = []
+        for name in cls.DTYPES:
+            for K in cls.HEAD_DIMS:
+                for V in cls.HEAD_DIMS:
+                    runs = [(V, 0)] + [(V, r + 1) for r in recompute_chunk_nums] + [(V + K, 0)]
+                    for Vx, ckpt in runs:
+                        fn = functools.partial(cls.raw_call, BV=cls.pick_bv(1, 1, Vx),
+                                               ckpt=ckpt, states_dtype=checkpoint_dtype(name))
+                        out.append(aot.Variant(f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} "
+                                               f"ckpt={ckpt}", fn, _avals(name, K, Vx)))
+        return out
+
+
+def _avals(dtype, K, V):
+    """The kernel's operands at the canonical shape (one row, chunk, head, sequence)."""
+    import jax
+    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    f32, i32 = jnp.float32, jnp.int32
+    return ((S((1, 1, 1, C, K), dtype),) * 3 + (S((1, 1, 1, C, C), dtype),
+            S((1, 1, 1, C, V), f32), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
+            + (S((1, 1, K, V), f32),))
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,6 +12,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from gdp_jax import grid
 from gdp_jax.kernels import binding
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
@@ -50,9 +51,36 @@ class StateGradKernel:
         split = ChunkForwardKernel.default_split(kt.dtype) if split is None else bool(split)
         outputs = (binding.out((B, NC, HV, K, V), jnp.float32),
                    binding.out(dfinal.shape, jnp.float32))
-        return binding.custom_call(_launcher(), "gdp_chunk_bwd_dh_sm90", outputs,
+        return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
                                    (kt, w, qg, ddo, do, decay, reset, seq, last, dfinal),
+                                   tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2),
                                    K=K, V=V, BV=BV, ab_name=ab_name, split=split)
+
+    @classmethod
+    def variants(cls):
+        """The variants the cutedsl engine runs: per dtype and head dims, the backward
+        and the CP summary (V + K columns)."""
+        from gdp_jax.kernels import aot
+        out = []
+        for name in ChunkForwardKernel.DTYPES:
+            for K in ChunkForwardKernel.HEAD_DIMS:
+                for V in ChunkForwardKernel.HEAD_DIMS:
+                    for Vx in (V, V + K):
+                        fn = functools.partial(cls.raw_call,
+                                               BV=ChunkForwardKernel.pick_bv(1, 1, Vx))
+                        out.append(aot.Variant(f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx}",
+                                               fn, _avals(name, K, Vx)))
+        return out
+
+
+def _avals(dtype, K, V):
+    """(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal) at the canonical shape."""
+    import jax
+    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    C, f32, i32 = grid.CHUNK, jnp.float32, jnp.int32
+    return ((S((1, 1, 1, C, K), dtype),) * 3 + (S((1, 1, 1, C, V), f32),
+            S((1, 1, 1, C, V), dtype), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
+            + (S((1, 1, K, V), f32),))
 
 
 @functools.lru_cache(maxsize=None)

@@ -64,9 +64,28 @@ class StepKernel:
         B, HV, n, K = k.shape
         V = v.shape[-1]
         outputs = (binding.out((B, HV, V), jnp.float32), binding.out(S.shape, jnp.float32))
-        return binding.custom_call(_launcher(), "gdp_step_sm90", outputs,
-                                   (q, k, v, beta, decay, S), aliases={5: 1}, K=K, n=n,
+        return binding.custom_call(_launcher, "gdp_step_sm90", outputs,
+                                   (q, k, v, beta, decay, S), aliases={5: 1},
+                                   tile_dims=(1, 2, 2, 1, 0, 2, 1, 2), K=K, n=n,
                                    BV=StepKernel.pick_bv(V))
+
+    @classmethod
+    def variants(cls, householder=(1, 2, 3)):
+        """Variants to prebuild: the kernels' head dims and ``householder`` steps n (the
+        step runs any K <= 128, V % 32 == 0; others compile at trace time)."""
+        import jax
+        from gdp_jax.kernels import aot
+        from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        out = []
+        for K in ChunkForwardKernel.HEAD_DIMS:
+            for V in ChunkForwardKernel.HEAD_DIMS:
+                for n in householder:
+                    avals = (f32(1, 1, K), f32(1, 1, n, K), f32(1, 1, n, V), f32(1, 1, n),
+                             f32(1, 1), f32(1, 1, K, V))
+                    out.append(aot.Variant(f"gdp_step_sm90 K={K} V={V} n={n}", cls.raw_call,
+                                           avals))
+        return out
 
 
 @functools.lru_cache(maxsize=None)

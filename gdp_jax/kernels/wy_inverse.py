@@ -38,8 +38,17 @@ class WYInverseKernel:
         why = WYInverseKernel.can_implement(shape=A.shape, dtype=A.dtype)
         if why:
             raise ValueError(why)
-        return binding.custom_call(_launcher(), "gdp_wy_inverse_sm90",
-                                   binding.out(A.shape, jnp.float32), (A,))
+        return binding.custom_call(_launcher, "gdp_wy_inverse_sm90",
+                                   binding.out(A.shape, jnp.float32), (A,), tile_dims=(2, 2))
+
+    @classmethod
+    def variants(cls):
+        """Its one variant (float32 [num, 64, 64])."""
+        import jax
+        from gdp_jax.kernels import aot
+        s = cls.SIZE
+        return [aot.Variant("gdp_wy_inverse_sm90", cls.raw_call,
+                            (jax.ShapeDtypeStruct((1, s, s), jnp.float32),))]
 
 
 @functools.lru_cache(maxsize=None)
