@@ -76,7 +76,7 @@ class XlaEngine(Engine):
         x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
         stride = spec.checkpoint_stride if keep_states else 0
         o, final, states = recurrence.forward(blk, x, recurrence.flags(blk, layout), h0,
-                                              spec.N, stride, checkpoint_dtype(spec))
+                                              spec.N, stride, spec.checkpoint_dtype)
         o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
         final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
         return blk.unblock(o), final, states
@@ -103,15 +103,6 @@ class XlaEngine(Engine):
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         return chunked.backward_summaries(ch, layout, doc, dfinal, spec.scale), None
-
-
-def checkpoint_dtype(spec: CallSpec):
-    """dtype of the chunk-state checkpoints: bfloat16 for bfloat16 inputs (half the
-    memory; what FLA and Megatron keep), else the compute dtype (float16's range,
-    65504, is too small for states)."""
-    if spec.ab_dtype == jnp.dtype(jnp.bfloat16):
-        return jnp.dtype(jnp.bfloat16)
-    return spec.cdt
 
 
 XLA = XlaEngine()

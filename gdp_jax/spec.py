@@ -70,12 +70,26 @@ class CallSpec:
         return jnp.dtype(self.input_dtype)
 
     @property
+    def checkpoint_dtype(self):
+        """dtype of the chunk-state checkpoints the forward keeps: :func:`checkpoint_dtype`."""
+        return checkpoint_dtype(self.ab_dtype)
+
+    @property
     def checkpoint_stride(self) -> int:
         """The cutedsl forward keeps the start state of every this-many-th chunk."""
         return self.recompute_chunk_num + 1
 
     def replace(self, **changes) -> "CallSpec":
         return dataclasses.replace(self, **changes)
+
+
+def checkpoint_dtype(input_dtype):
+    """dtype of the chunk-state checkpoints for inputs of ``input_dtype``: bfloat16 for
+    bfloat16 inputs (half the memory; what FLA and Megatron keep), else float32 (float16's
+    range, 65504, is too small for states), float64 for float64 inputs."""
+    if jnp.dtype(input_dtype) == jnp.dtype(jnp.bfloat16):
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.promote_types(jnp.float32, input_dtype)
 
 
 class Unsupported(str):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from gdp_jax.grid import CHUNK as C
 from gdp_jax.kernels import binding
-from gdp_jax.spec import Unsupported
+from gdp_jax.spec import Unsupported, checkpoint_dtype
 
 
 class ChunkForwardKernel:
@@ -109,7 +109,6 @@ class ChunkForwardKernel:
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
         checkpoints of each ``recompute_chunk_nums``) and the CP summary (V + K columns)."""
         from gdp_jax.kernels import aot
-        from gdp_jax.kernels.pipeline import checkpoint_dtype
         out = []
         for name in cls.DTYPES:
             for K in cls.HEAD_DIMS:

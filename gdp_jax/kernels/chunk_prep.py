@@ -70,9 +70,27 @@ class ChunkPrepKernel:
                    binding.out(rows + (V,), jnp.float32), binding.out((B, NC, HV), jnp.float32),
                    binding.out(rows, jnp.int32))
         f32 = lambda x: x.astype(jnp.float32)
-        return binding.custom_call(_launcher(), "gdp_chunk_prep_sm90", outputs,
+        return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (f32(q), f32(k), f32(v), f32(g), f32(beta)),
+                                   tile_dims=(2, 2, 2, 1, 1, 2, 2, 2, 2, 2, 0, 1),
                                    K=K, V=V, ab_name=ab.name, scale=float(scale))
+
+    @classmethod
+    def variants(cls):
+        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims, at the
+        default scale K^-1/2 (``scale`` is compiled in: other scales compile at trace
+        time)."""
+        import jax
+        from gdp_jax.kernels import aot
+        out = []
+        for name in cls.DTYPES:
+            for K in cls.HEAD_DIMS:
+                for V in cls.HEAD_DIMS:
+                    S = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1, C) + shape, jnp.float32)
+                    fn = functools.partial(cls.raw_call, scale=K ** -0.5, ab_dtype=name)
+                    out.append(aot.Variant(f"gdp_chunk_prep_sm90 {name} K={K} V={V}", fn,
+                                           (S(K), S(K), S(V), S(), S())))
+        return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,15 +41,6 @@ def acc_dtype(ab_dtype):
     return jnp.promote_types(jnp.float32, ab_dtype)
 
 
-def checkpoint_dtype(ab_dtype):
-    """dtype of the chunk-state checkpoints: bfloat16 for bfloat16 inputs (half the
-    memory; what FLA and Megatron keep), float32 for float16 (states can exceed float16's
-    range, 65504), the accumulator dtype otherwise."""
-    if jnp.dtype(ab_dtype) == jnp.dtype(jnp.bfloat16):
-        return jnp.dtype(jnp.bfloat16)
-    return acc_dtype(ab_dtype)
-
-
 def intra_chunk(ch: grid.ChunkInputs) -> chunked.Intra:
     """:func:`gdp_jax.chunked.intra_chunk` with the WY inverse on its kernel."""
     return chunked.intra_chunk(ch, inverse=wy_inverse.unit_lower_inverse)
@@ -172,7 +163,7 @@ class CuTeDSLEngine(Engine):
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
             *operands, *_flags(layout), h0, BV=_bv(ch), ckpt=ckpt,
-            states_dtype=checkpoint_dtype(spec.ab_dtype))
+            states_dtype=spec.checkpoint_dtype)
         oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
         final = _where_has_tokens(layout, final, h0).astype(spec.cdt)
         return oc, final, states if keep_states else None
