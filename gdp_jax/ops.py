@@ -87,12 +87,11 @@ def gated_delta_product(
       cp_axis: name of a ``jax.shard_map`` mesh axis over which T is split contiguously:
         run context-parallel over it (see :mod:`gdp_jax.cp`).
       backend: "xla", "cutedsl" or "auto".
-      recompute_chunk_num: N in [0, 64], default 0. The cutedsl forward keeps the state
-        at the start of every (N + 1)-th chunk for the backward (N = 0: every chunk,
-        [B, NC, HV, K, V], bfloat16 for bfloat16 inputs, else float32) and the backward
-        recomputes the others: 1 / (N + 1) of the state memory for N extra chunk steps.
-        The xla backend keeps no chunk states at all (it recomputes every one), so N
-        changes nothing there.
+      recompute_chunk_num: N in [0, 64], default 0. The forward (both backends) keeps
+        the state at the start of every (N + 1)-th chunk for the backward (N = 0: every
+        chunk, [B, NC, HV, K, V], bfloat16 for bfloat16 inputs, else the compute dtype)
+        and the backward recomputes the others: 1 / (N + 1) of the state memory for N
+        extra chunk steps.
 
     Returns:
       o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
