@@ -4,10 +4,11 @@
 
 Stages (each its own jitted function on the same inputs, medians after warm-up; the
 whole op forward and forward + backward last, for the sum to be checked against):
-grid (API tensors -> chunk tensors), intra (the WY factors of every chunk), scan (the
-forward state recursion), readout (outputs from the start states), intra_vjp (the factors
-with their vjp), rscan (the reverse state-gradient recursion), local (the chunk-local
-gradients), then the whole op per backend. Prints one line per stage: ms, and XLA's compiled temporary bytes.
+grid (API tensors -> chunk tensors), block (the time-major relayout), factors+operands
+(WY factors, readout operands, non-finite row masks), forward pass (the state recursion
+with the readout and checkpoints), states (chunk states from the checkpoints), reverse
+pass (dS at every chunk end), local grads (the written-out chunk-local backward), then
+the whole op per backend. Prints one line per stage: ms, and XLA's compiled temporary bytes.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _temp_gb(fn, *args):
 
 
 def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
-    from gdp_jax import chunked, engine, gated_delta_product, grid
+    from gdp_jax import chunked, engine, gated_delta_product, recurrence
     from gdp_jax._checks import check_inputs
 
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
@@ -61,23 +62,23 @@ def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
     prob = jax.jit(to_grid)(q, k, v, g, beta)
     layout, ch = prob.layout, prob.ch
     h0 = engine.start_states(spec, None)
-    it = jax.jit(chunked.intra_chunk)(ch)
-    S0 = jax.jit(chunked.state_scan)(it, layout, h0)
-    doc = jax.random.normal(ks[0], ch.v.shape, ch.v.dtype)
+    NC = ch.k.shape[1]
+    blk = recurrence.Blocking(B, NC, recurrence.block_len(NC))
+    chb = jax.jit(blk.tree_block)(ch)
+    f = recurrence.flags(blk, layout)
+
+    def operands(chb):
+        it, X = chunked.wy_factors(chb)
+        return it, X, recurrence.forward_operands(chb, it, scale)[0]
+
+    it, X, x = jax.jit(operands)(chb)
+    docb = jax.random.normal(ks[0], chb.v.shape, chb.v.dtype)
     dfinal = jnp.zeros_like(h0)
-
-    def intra_vjp(ch):
-        it, pull = jax.vjp(chunked.intra_chunk, ch)
-        return pull(it)
-
-    def rscan(ch, it):
-        return chunked.reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)
-
-    def local(ch, S0, dS_end):
-        it, pull = jax.vjp(chunked.intra_chunk, ch)
-        return chunked.local_grads(ch, it, pull, S0, doc, dS_end, scale)
-
-    dS_end = jax.jit(rscan)(ch, it)[0]
+    fwd_pass = lambda x: recurrence.forward(blk, x, f, h0, spec.N, 1, spec.checkpoint_dtype)
+    states = jax.jit(fwd_pass)(x)[2]
+    S0 = jax.jit(lambda x, s: recurrence.states_from_checkpoints(x, f, h0, s, 1))(x, states)
+    rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
+    dS_end = jax.jit(lambda r: recurrence.reverse(blk, r, f, dfinal, spec.N)[0])(rev)
 
     def fwd(backend):
         return lambda *a: gated_delta_product(*a, backend=backend, use_qk_l2norm=True)
@@ -88,13 +89,15 @@ def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
 
     rows = [
         ("grid", jax.jit(to_grid), (q, k, v, g, beta)),
-        ("intra", jax.jit(chunked.intra_chunk), (ch,)),
-        ("scan", jax.jit(chunked.state_scan), (it, layout, h0)),
-        ("readout", jax.jit(lambda ch, it, S0: chunked.chunk_map(ch, it, S0, scale)[0]),
-         (ch, it, S0)),
-        ("intra_vjp", jax.jit(intra_vjp), (ch,)),
-        ("rscan", jax.jit(rscan), (ch, it)),
-        ("local", jax.jit(local), (ch, S0, dS_end)),
+        ("block", jax.jit(blk.tree_block), (ch,)),
+        ("factors+operands", jax.jit(operands), (chb,)),
+        ("forward pass", jax.jit(fwd_pass), (x,)),
+        ("states", jax.jit(lambda x, s: recurrence.states_from_checkpoints(x, f, h0, s, 1)),
+         (x, states)),
+        ("reverse pass", jax.jit(lambda r: recurrence.reverse(blk, r, f, dfinal, spec.N)),
+         (rev,)),
+        ("local grads", jax.jit(lambda c, i, X, S, d: chunked.local_grads_direct(
+            c, i, X, S, docb, d, scale)), (chb, it, X, S0, dS_end)),
     ]
     for b in backends:
         rows += [(f"{b} fwd", jax.jit(fwd(b)), (q, k, v, g, beta)),
@@ -104,7 +107,7 @@ def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
         ms = _time(fn, *args)
         gb = _temp_gb(fn, *args)
         out.append((name, ms, gb))
-        print(f"{name:12s} {ms:9.3f} ms   temp {gb:7.3f} GB", flush=True)
+        print(f"{name:18s} {ms:9.3f} ms   temp {gb:7.3f} GB", flush=True)
     return out
 
 
