@@ -52,3 +52,15 @@ def checks_vma(axis) -> bool:
     """Whether the enclosing shard_map tracks varying manual axes (check_vma=True): then
     ``lax.axis_index`` itself varies over ``axis``."""
     return axis in vma_of(lax.axis_index(axis))
+
+
+def cotangent_like(ct, primal):
+    """The cotangent ``ct`` of ``primal`` with ``primal``'s varying axes: summed over the
+    axes only ``ct`` varies over (a value replicated over an axis gets the sum of every
+    rank's gradient, as autodiff's transpose of the implicit broadcast gives)."""
+    def fix(c, p):
+        extra = tuple(sorted(vma_of(c) - vma_of(p)))
+        c = lax.psum(c, extra) if extra else c
+        return like(c, p)
+
+    return jax.tree_util.tree_map(fix, ct, primal)

@@ -429,7 +429,9 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     excl = prefix_sum(dseg, axis=-1) - dseg                          # [i, l] = sum_{j < l}
     dg = (_reverse_cumsum(dG) + (prefix_sum(dto_end, axis=-1) - dto_end)
           + jnp.sum(jnp.where(lower, excl, 0.0), axis=-2) + dG_last[..., None])
-    return ChunkInputs(dq, dk, dv, dg, dbeta)
+    # Under shard_map an input replicated over a mesh axis (the zero gate of an ungated
+    # call) needs a cotangent that is too.
+    return _vma.cotangent_like(ChunkInputs(dq, dk, dv, dg, dbeta), ch)
 
 
 # ---------------------------------------------------------------------------------------
