@@ -221,7 +221,9 @@ def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
         w, u, Kt, G_last, qg, P, reset, sid, last = xs
         S = jnp.where(_b(reset, S), h0[sid], S)
         S_end, delta = _advance(S, w, u, Kt, G_last)
-        o = _mm(qg, S) + _mm(P, delta)
+        # Delta can overflow inside the chunk (huge finite w, u): causal_mm keeps such a
+        # row from reaching earlier output rows through P's zeros.
+        o = _mm(qg, S) + chunked.causal_mm(P, delta)
         fin = _scatter_rows(fin, jnp.where(last, sid, N), S_end)
         return S_end, fin, o, S
 

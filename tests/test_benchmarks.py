@@ -113,11 +113,11 @@ def test_cp_rank_overhead_tiny():
     import jax.numpy as jnp
     from benchmarks import cp_rank
     from gdp_jax import gated_delta_product
-    row = cp_rank.measure("xla", 1, 256, 2, 2, P=2, K=16, V=16, dtype="float32", iters=1,
+    row = cp_rank.measure("xla", 1, 128, 2, 2, P=2, K=16, V=16, dtype="float32", iters=1,
                           reps=1)
     assert row["check_o"] < 1e-5
     assert row["overhead fwd"] > 0 and row["overhead fwd+bwd"] > 0
-    x, do = cp_rank.inputs(1, 256, 2, 2, 16, 16, jnp.float32)
+    x, do = cp_rank.inputs(1, 128, 2, 2, 16, 16, jnp.float32)
     rank_fwd, _, xr, _ = cp_rank.rank_functions("xla", x, do, 2)
     alone = gated_delta_product(*xr, use_qk_l2norm=True)[0]
     assert cp_rank._rel_rms(jax.jit(rank_fwd)(*xr)[0], alone) > 1e-2   # the fold matters
