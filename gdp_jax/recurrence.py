@@ -1,16 +1,20 @@
-"""The xla engine's sequential passes over the chunk grid, in two levels.
+"""The xla engine's sequential passes over the chunk grid: the forward state recursion
+with the readout fused into each step and the chunk-state checkpoints, and the reverse
+state-gradient recursion.
 
-A ``lax.scan`` over chunks pays a fixed cost per step on a GPU (several small kernels per
-step whatever their size), so walking NC chunks one by one is slow for long sequences.
-The passes here cut each row's chunks into blocks of L and use the affine-map algebra of
-the CP protocol inside one device (three stages, 2 L + NB sequential steps instead of
-NC, NB = ceil(NC / L) blocks):
+By default each row's chunks are walked in ONE level (a ``lax.scan`` of NC steps on the
+time-major grid, L = NC). Optionally (``MIN_BLOCKED_CHUNKS``) the chunks are cut into
+blocks of L and the passes use the affine-map algebra of the CP protocol inside one device
+(three stages, 2 L + NB sequential steps instead of NC, NB = ceil(NC / L) blocks):
 
 1. every block at once: the block's map on its start state, S_end = M S_start + E
    (forward; the state with K extra columns, started from [0 | I]) or dS_start =
    M^T dS_end + gamma (reverse) - L steps;
 2. every row: fold the blocks in order - NB steps of one small matmul;
 3. every block at once: the pass itself from its folded start - L steps.
+
+That pays only where a step costs a fixed time whatever its size; on the H200 the scans
+are throughput-bound, so it is off (see ``MIN_BLOCKED_CHUNKS``).
 
 Tensors are on the BLOCKED grid [L, R, HV, ...] (R = B * NB block rows): chunk j of block
 row r is chunk (r % NB) * L + j of row r // NB (see :class:`Blocking`); the padding chunks
