@@ -21,22 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 
-def _time(fn, args, iters=10, reps=5, warmup=2):
+def _time(fn, args, iters=10, reps=5):
     import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / iters * 1e3)
-    return statistics.median(ts)
+    from benchmarks.measure import median_ms
+    return median_ms(lambda: fn(*args), jax.block_until_ready, iters, reps)
 
 
 def _rel_rms(a, b):

@@ -19,19 +19,8 @@ import jax.numpy as jnp
 
 
 def _time(fn, *args, iters=10, reps=5):
-    import time
-    out = fn(*args)
-    jax.block_until_ready(out)
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
+    from benchmarks.measure import median_ms
+    return median_ms(lambda: fn(*args), jax.block_until_ready, iters, reps)
 
 
 def _temp_gb(fn, *args):

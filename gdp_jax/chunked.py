@@ -69,6 +69,24 @@ def nonfinite_rows(R, strict=False, finite=None):
     return finite, bad
 
 
+def mask_nonfinite_rows(w, u, Kt, qg, P):
+    """The forward recursion's operands (chunk tensors [.., C, X]) made safe for plain
+    matmuls, and ``bad`` [.., C]: the output rows to set to NaN.
+
+    ``P @ Delta`` multiplies P's zeros above the diagonal by later rows of Delta = u - w S,
+    so a non-finite row there would reach earlier output rows. A row with a non-finite w
+    or u enters as zeros and its Kt row as NaN (the chunk's end state, and all after it,
+    are NaN); a non-finite readout row (qg, P) enters as zeros; ``bad`` marks the rows
+    from the first non-finite w / u row on and every non-finite readout row. Exact when
+    all is finite. Returns ((w, u, Kt, qg, P), bad)."""
+    rows = lambda a: jnp.all(jnp.isfinite(a), axis=-1)
+    state_ok, bad = nonfinite_rows(None, finite=rows(w) & rows(u))
+    read_ok = rows(qg) & rows(P)
+    keep = lambda a, ok, fill: jnp.where(ok[..., None], a, jnp.asarray(fill, a.dtype))
+    return ((keep(w, state_ok, 0), keep(u, state_ok, 0), keep(Kt, state_ok, jnp.nan),
+             keep(qg, read_ok, 0), keep(P, read_ok, 0)), bad | ~read_ok)
+
+
 def causal_rows(f, A):
     """``f(A)`` for a row-causal map f of [.., m, m] (row i of f(A) depends on rows <= i of
     A, e.g. (I + A)^-1 for lower A) run where a non-finite row of A must not reach earlier

@@ -140,24 +140,11 @@ def readout_operands(ch: ChunkInputs, it: chunked.Intra, scale):
 
 
 def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale):
-    """The forward pass's operands made safe for its plain matmuls, and ``bad`` [.., C]:
-    the output rows to set to NaN.
-
-    ``P @ Delta`` multiplies P's zeros above the diagonal by later rows of Delta, so a
-    non-finite row there would reach earlier output rows. A row with a non-finite w or u
-    enters as zeros and its Kt row as NaN (the chunk's end state, and all after it, are
-    NaN); a non-finite readout row (qg, P) enters as zeros; ``bad`` marks the rows from
-    the first non-finite w / u row on and every non-finite readout row. Exact when all
-    is finite."""
+    """The forward pass's operands with non-finite rows masked, and ``bad`` [.., C] (the
+    output rows to set to NaN): :func:`gdp_jax.chunked.mask_nonfinite_rows`."""
     qg, P = readout_operands(ch, it, scale)
-    rows = lambda a: jnp.all(jnp.isfinite(a), axis=-1)
-    state_ok, bad = chunked.nonfinite_rows(None, finite=rows(it.w) & rows(it.u))
-    read_ok = rows(qg) & rows(P)
-    keep = lambda a, ok, fill: jnp.where(ok[..., None], a, jnp.asarray(fill, a.dtype))
-    x = Forward(keep(it.w, state_ok, 0), keep(it.u, state_ok, 0),
-                keep(it.Kt, state_ok, jnp.nan), it.G_last, keep(qg, read_ok, 0),
-                keep(P, read_ok, 0))
-    return x, bad | ~read_ok
+    (w, u, Kt, qg, P), bad = chunked.mask_nonfinite_rows(it.w, it.u, it.Kt, qg, P)
+    return Forward(w, u, Kt, it.G_last, qg, P), bad
 
 
 def _mm(a, b):
@@ -178,6 +165,22 @@ def _advance(S, w, u, Kt, G_last):
     return jnp.exp(G_last)[..., None, None] * S + _mm(_t(Kt), delta), delta
 
 
+def _fold_blocks(blk: Blocking, summaries, V: int, ref, reverse: bool):
+    """Stage 2: each block's incoming value from its row's block maps [R, HV, K, V + K]
+    (``[c | A]``: X -> A X + c), folded in order (``reverse``: from the row's last block),
+    starting from 0; -> [R, HV, K, V] (``ref``: the dtype and varying axes)."""
+    c, A = blk.rows(summaries[..., :V]), blk.rows(summaries[..., V:])   # [B, NB, HV, K, .]
+
+    def step(X, xs):
+        c_b, A_b = xs
+        return c_b + A_b @ X, X
+
+    X0 = _vma.like(jnp.zeros(c.shape[:1] + c.shape[2:], ref.dtype), c, ref)
+    _, into = lax.scan(step, X0, (jnp.moveaxis(c, 1, 0), jnp.moveaxis(A, 1, 0)),
+                       reverse=reverse)
+    return blk.flat(jnp.moveaxis(into, 0, 1))
+
+
 def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
     """Stages 1-2 of the forward: the start state of every block, [R, HV, K, V]."""
     L, R, HV, _, K = x.w.shape
@@ -196,16 +199,7 @@ def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
         return jnp.exp(G_last)[..., None, None] * Z + _mm(_t(Kt), D), None
 
     Z, _ = lax.scan(summary_step, Z0, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq))
-    E, M = blk.rows(Z[..., :V]), blk.rows(Z[..., V:])            # [B, NB, HV, K, .]
-
-    def fold_step(S, xs):
-        E_b, M_b = xs
-        return E_b + M_b @ S, S
-
-    S_first = jnp.zeros((blk.B, HV, K, V), h0.dtype)
-    _, starts = lax.scan(fold_step, _vma.like(S_first, E, h0),
-                         (jnp.moveaxis(E, 1, 0), jnp.moveaxis(M, 1, 0)))
-    return blk.flat(jnp.moveaxis(starts, 0, 1))
+    return _fold_blocks(blk, Z, V, h0, reverse=False)
 
 
 def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
@@ -308,16 +302,7 @@ def _block_end_grads(blk: Blocking, x: Reverse, f: Flags, dfinal):
         return jnp.where(_b(reset, Y_start), 0, Y_start), None
 
     Y, _ = lax.scan(summary_step, Y0, (*x, *f), reverse=True)
-    gamma, Mt = blk.rows(Y[..., :V]), blk.rows(Y[..., V:])      # [B, NB, HV, K, .]
-
-    def fold_step(dS, xs):
-        g_b, Mt_b = xs
-        return g_b + Mt_b @ dS, dS
-
-    dS_last = jnp.zeros((blk.B, HV, K, V), dfinal.dtype)
-    _, ends = lax.scan(fold_step, _vma.like(dS_last, gamma, dfinal),
-                       (jnp.moveaxis(gamma, 1, 0), jnp.moveaxis(Mt, 1, 0)), reverse=True)
-    return blk.flat(jnp.moveaxis(ends, 0, 1))
+    return _fold_blocks(blk, Y, V, dfinal, reverse=True)
 
 
 def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int):

@@ -62,20 +62,11 @@ def forward_operands(ch: grid.ChunkInputs, scale: float, ab_dtype):
 
 
 def causal_operands(operands):
-    """The forward kernel's operands made safe for its plain MMAs (``P @ Delta`` multiplies
-    P's zeros above the diagonal by later rows of Delta = u - w S): a row i with a
-    non-finite entry in w or u enters as zeros and its Kt row as NaN (so the chunk's end
-    state, and everything after it, is NaN); a non-finite readout row (qg, P) enters as
-    zeros. ``bad`` [B, NC, HV, C] marks the output rows to set to NaN: from the first
-    non-finite w/u row on, and every non-finite readout row. Exact when all is finite."""
+    """The forward kernel's operands (w, kt, qg, p, u, decay) made safe for its plain MMAs,
+    and ``bad`` [B, NC, HV, C]: :func:`gdp_jax.chunked.mask_nonfinite_rows`."""
     w, kt, qg, p, u, decay = operands
-    rows = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
-    state_ok, bad = chunked.nonfinite_rows(None, finite=rows(w) & rows(u))
-    read_ok = rows(qg) & rows(p)
-    keep = lambda x, ok, fill: jnp.where(ok[..., None], x, jnp.asarray(fill, x.dtype))
-    operands = (keep(w, state_ok, 0), keep(kt, state_ok, jnp.nan), keep(qg, read_ok, 0),
-                keep(p, read_ok, 0), keep(u, state_ok, 0), decay)
-    return operands, bad | ~read_ok
+    (w, u, kt, qg, p), bad = chunked.mask_nonfinite_rows(w, u, kt, qg, p)
+    return (w, kt, qg, p, u, decay), bad
 
 
 def masked_operands(spec, ch: grid.ChunkInputs):
