@@ -88,6 +88,27 @@ def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
         ("local grads", jax.jit(lambda c, i, X, S, d: chunked.local_grads_direct(
             c, i, X, S, docb, d, scale)), (chb, it, X, S0, dS_end)),
     ]
+    def local_autodiff(c, S, d):
+        # the reference path: vjp of the intra-chunk factors + autodiff of the chunk map
+        it_, pull = jax.vjp(chunked.intra_chunk, c)
+        return chunked.local_grads(c, it_, pull, S, docb, d, scale)
+
+    def local_direct(c, S, d):
+        # what the engines run: the factors with X, then the written-out backward
+        it_, X_ = chunked.wy_factors(c)
+        return chunked.local_grads_direct(c, it_, X_, S, docb, d, scale)
+
+    rows += [("factors+local (autodiff)", jax.jit(local_autodiff), (chb, S0, dS_end)),
+             ("factors+local (direct)", jax.jit(local_direct), (chb, S0, dS_end))]
+    if "cutedsl" in backends:
+        from gdp_jax.kernels import pipeline
+        chc = ch                                   # the cutedsl engine's [B, NC, HV, ..] grid
+        docc = jax.random.normal(ks[1], chc.v.shape, chc.v.dtype)
+        ab = spec.ab_dtype
+        work = lambda c, d: pipeline.BackwardWork(c, d, scale, ab).operands
+        rows += [("cutedsl operands", jax.jit(lambda c: pipeline.masked_operands(spec, c)),
+                  (chc,)),
+                 ("cutedsl bwd work", jax.jit(work), (chc, docc))]
     for b in backends:
         rows += [(f"{b} fwd", jax.jit(fwd(b)), (q, k, v, g, beta)),
                  (f"{b} fwd+bwd", jax.jit(fwdbwd(b)), (q, k, v, g, beta))]
@@ -96,7 +117,7 @@ def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
         ms = _time(fn, *args)
         gb = _temp_gb(fn, *args)
         out.append((name, ms, gb))
-        print(f"{name:18s} {ms:9.3f} ms   temp {gb:7.3f} GB", flush=True)
+        print(f"{name:26s} {ms:9.3f} ms   temp {gb:7.3f} GB", flush=True)
     return out
 
 

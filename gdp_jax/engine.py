@@ -67,34 +67,52 @@ class XlaEngine(Engine):
 
     @staticmethod
     def _blocking(spec, ch):
-        B, NC = ch.k.shape[:2]
-        return recurrence.Blocking(B, NC, recurrence.block_len(NC, spec.checkpoint_stride))
+        """(the blocked grid, chunks per segment or None): long calls run in segments
+        (:func:`gdp_jax.recurrence.segment_len`), on one level padded to whole segments."""
+        B, NC, HV = ch.k.shape[:3]
+        stride = spec.checkpoint_stride
+        Ls = recurrence.segment_len(NC, B * HV, stride)
+        if Ls is not None:
+            return recurrence.Blocking(B, NC, Ls * -(-NC // Ls)), Ls
+        return recurrence.Blocking(B, NC, recurrence.block_len(NC, stride)), None
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
-        blk = self._blocking(spec, ch)
-        chb = blk.tree_block(ch)
-        x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
+        blk, Ls = self._blocking(spec, ch)
+        chb, f = blk.tree_block(ch), recurrence.flags(blk, layout)
         stride = spec.checkpoint_stride if keep_states else 0
-        o, final, states = recurrence.forward(blk, x, recurrence.flags(blk, layout), h0,
-                                              spec.N, stride, spec.checkpoint_dtype)
-        o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+        if Ls is not None:
+            o, final, states = recurrence.forward_segmented(
+                chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls)
+        else:
+            x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
+            o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride,
+                                                  spec.checkpoint_dtype)
+            o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
         final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
         return blk.unblock(o), final, states
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
-        blk = self._blocking(spec, ch)
+        blk, Ls = self._blocking(spec, ch)
         chb, docb = blk.tree_block(ch), blk.block(doc)
         f = recurrence.flags(blk, layout)
-        it, X = chunked.wy_factors(chb)
-        x, _ = recurrence.forward_operands(chb, it, spec.scale)
         stride = spec.checkpoint_stride
-        if states is None:      # not kept (a direct caller): recompute them
-            stride = 1
-            states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype)[2]
-        S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride)
-        rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
-        dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N)
-        dchb = chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, spec.scale)
+        if Ls is not None:
+            if states is None:      # not kept (a direct caller): recompute them
+                stride = 1
+                states = recurrence.forward_segmented(chb, f, h0, spec.N, 1, h0.dtype,
+                                                      spec.scale, Ls)[2]
+            dchb, first = recurrence.backward_segmented(chb, docb, f, h0, dfinal, states,
+                                                        spec.N, stride, spec.scale, Ls)
+        else:
+            it, X = chunked.wy_factors(chb)
+            x, _ = recurrence.forward_operands(chb, it, spec.scale)
+            if states is None:      # not kept (a direct caller): recompute them
+                stride = 1
+                states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype)[2]
+            S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride)
+            rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
+            dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N)
+            dchb = chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, spec.scale)
         dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
         return blk.tree_unblock(dchb), dh0
 

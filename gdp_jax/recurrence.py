@@ -212,8 +212,17 @@ def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
     L, R, HV, _, K = x.w.shape
     V = x.u.shape[-1]
     S_blk = _block_start_states(blk, x, f, h0)
-    group = max(stride, 1)
     fin0 = _vma.like(jnp.zeros((N, HV, K, V), h0.dtype), x.w, h0)
+    _, fin, o, states = forward_walk(x, f, h0, N, stride, states_dtype, S_blk, fin0)
+    return o, fin, states
+
+
+def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S, fin):
+    """The forward recursion over the L chunks of ``x`` [L, R, HV, ...] from the start
+    states ``S`` [R, HV, K, V], final states collected into ``fin`` [N, HV, K, V]:
+    (S after the last chunk, fin, o rows [L, R, HV, C, V], checkpoints or None)."""
+    L = x.w.shape[0]
+    group = max(stride, 1)
 
     def chunk(S, fin, xs):
         w, u, Kt, G_last, qg, P, reset, sid, last = xs
@@ -237,8 +246,8 @@ def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
 
     xs = (*x, *f)
     xs = jax.tree_util.tree_map(lambda a: a.reshape((L // group, group) + a.shape[1:]), xs)
-    (_, fin), (o, states) = lax.scan(step, (S_blk, fin0), xs)
-    return o.reshape((L,) + o.shape[2:]), fin, states
+    (S, fin), (o, states) = lax.scan(step, (S, fin), xs)
+    return S, fin, o.reshape((L,) + o.shape[2:]), states
 
 
 def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int):
@@ -313,6 +322,15 @@ def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int):
     V = x.do.shape[-1]
     dS_blk = _block_end_grads(blk, x, f, dfinal)
     first0 = _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype), x.w, dfinal)
+    _, first, dS_end = reverse_walk(x, f, dfinal, N, dS_blk, first0)
+    return dS_end, first
+
+
+def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first):
+    """The reverse recursion over the L chunks of ``x`` [L, R, HV, ...], last chunk first,
+    from the gradient ``dS`` [R, HV, K, V] arriving after the last one, first-chunk
+    gradients collected into ``first`` [N, HV, K, V]: (the gradient leaving the first
+    chunk's start, first, dS_end of every chunk [L, R, HV, K, V])."""
 
     def step(carry, xs):
         dS, first = carry
@@ -325,5 +343,84 @@ def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int):
         first = _scatter_rows(first, jnp.where(reset, sid, N), dS_start)
         return (jnp.where(_b(reset, dS_start), 0, dS_start), first), dS_end
 
-    (_, first), dS_end = lax.scan(step, (dS_blk, first0), (*x, *f), reverse=True)
-    return dS_end, first
+    (dS, first), dS_end = lax.scan(step, (dS, first), (*x, *f), reverse=True)
+    return dS, first, dS_end
+
+
+# ------------------------------------------------------- segments: bounded memory per pass
+
+# A pass over more (chunk, row, head) problems than this runs in segments of consecutive
+# chunks: the chunk-local factors and gradients of one segment at a time (a ``lax.scan``
+# over segments carrying the state), so the temporaries stay the size of one segment while
+# the walk is the same NC sequential steps. Below it everything is computed at once, which
+# is what the benchmark shapes up to (8, 4096, 16, 3) and (2, 16384, 16, 2) run.
+MAX_PROBLEMS = 32768
+SEGMENT_PROBLEMS = 8192
+
+
+def segment_len(NC: int, rows: int, stride: int = 1):
+    """Chunks per segment for NC chunks of ``rows`` (row, head) pairs, a multiple of the
+    checkpoint stride; None when one segment (no segmenting) is used."""
+    if NC * rows <= MAX_PROBLEMS:
+        return None
+    Ls = max(1, SEGMENT_PROBLEMS // rows)
+    Ls = stride * max(1, Ls // stride)
+    return None if Ls >= NC else Ls
+
+
+def _segments(Ls: int, tree):
+    """[L, ...] -> [L / Ls, Ls, ...] for every leaf."""
+    return jax.tree_util.tree_map(lambda a: a.reshape((a.shape[0] // Ls, Ls) + a.shape[1:]),
+                                  tree)
+
+
+def _unsegment(tree):
+    return jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
+
+
+def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, states_dtype,
+                      scale, Ls: int):
+    """The xla engine's forward in segments of Ls chunks (one level, L a multiple of Ls):
+    each segment's factors and operands, then its walk from the carried state. Returns
+    (o rows [L, R, HV, C, V] with non-finite rows NaN, final states, checkpoints or None)."""
+    L, R, HV, _, K = chb.k.shape
+    V = chb.v.shape[-1]
+    S0 = _vma.like(jnp.zeros((R, HV, K, V), h0.dtype), chb.k, h0)
+    fin0 = _vma.like(jnp.zeros((N, HV, K, V), h0.dtype), chb.k, h0)
+
+    def step(carry, xs):
+        c, fs = xs
+        x, bad = forward_operands(c, chunked.intra_chunk(c), scale)
+        S, fin, o, states = forward_walk(x, fs, h0, N, stride, states_dtype, *carry)
+        o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+        return (S, fin), (o, states)
+
+    (_, fin), (o, states) = lax.scan(step, (S0, fin0), _segments(Ls, (chb, f)))
+    return _unsegment(o), fin, None if states is None else _unsegment(states)
+
+
+def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: int,
+                       stride: int, scale, Ls: int):
+    """The xla engine's backward in segments of Ls chunks, last segment first: each
+    segment's factors, its chunk start states from the checkpoints, its reverse walk from
+    the carried gradient and its chunk-local gradients. Returns (the chunk-input
+    cotangents on the blocked grid, the first-chunk start-state gradients [N, HV, K, V])."""
+    L, R, HV, _, K = chb.k.shape
+    V = chb.v.shape[-1]
+    dS0 = _vma.like(jnp.zeros((R, HV, K, V), dfinal.dtype), chb.k, dfinal)
+    first0 = _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype), chb.k, dfinal)
+
+    def step(carry, xs):
+        c, do, fs, st = xs
+        it, X = chunked.wy_factors(c)
+        x, _ = forward_operands(c, it, scale)
+        S0 = states_from_checkpoints(x, fs, h0, st, stride)
+        rev = Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, do)
+        dS, first, dS_end = reverse_walk(rev, fs, dfinal, N, *carry)
+        dch = chunked.local_grads_direct(c, it, X, S0, do, dS_end, scale)
+        return (dS, first), dch
+
+    seg_states = states.reshape((L // Ls, Ls // stride) + states.shape[1:])
+    (_, first), dch = lax.scan(step, (dS0, first0),
+                               (*_segments(Ls, (chb, docb, f)), seg_states), reverse=True)
+    return _unsegment(dch), first

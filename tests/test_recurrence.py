@@ -4,7 +4,8 @@ float64, random inputs: the blocked forward (outputs, final states, checkpoints)
 reverse pass (dS_end, start-state gradients) equal the plain chunk-by-chunk scans of
 gdp_jax.chunked for block lengths 1 .. NC, checkpoint strides 1 and 2, batched and packed
 rows (empty and one-token sequences, sequences inside one block and across several);
-then the op with blocking forced on short rows against the token recurrence.
+then the op with blocking forced on short rows against the token recurrence, and the
+segmented (memory-bounded) passes against the same reference and the unsegmented op.
 """
 from __future__ import annotations
 
@@ -120,3 +121,38 @@ def test_op_blocked_matches_reference(monkeypatch, packed):
         assert rel_max(o, o_r) < 1e-10 and rel_max(s, s_r) < 1e-10
         for name in dg:
             assert rel_max(dg[name], dg_r[name]) < 1e-10, (name, N_rc)
+
+
+def test_segment_len():
+    assert recurrence.segment_len(128, 8 * 16) is None              # (8, 4096, 16, 2)
+    assert recurrence.segment_len(512, 2 * 16) is None              # (2, 16384, 16, 2)
+    Ls = recurrence.segment_len(8192, 16)                            # (1, 262144, 16, 2)
+    assert Ls * 16 <= recurrence.SEGMENT_PROBLEMS and 8192 % Ls == 0
+    assert recurrence.segment_len(8192, 16, stride=3) % 3 == 0
+    assert recurrence.segment_len(40000, 1) == recurrence.SEGMENT_PROBLEMS
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_op_segmented_matches_reference(monkeypatch, packed):
+    """Segments forced (3 or 2 chunks per segment, a partial last segment): outputs, final
+    states and every gradient equal the token recurrence and the unsegmented op."""
+    T, n = 300, 2
+    N = 5 if packed else 2
+    inp = make_inputs(5, 1 if packed else 2, T, n, 1, 2, 8, 6, jnp.float64, N=N,
+                      gate="strong")
+    cu = jnp.asarray([0, 0, 1, 90, 91, T], jnp.int32) if packed else None
+    w = default_weights(inp, cu, None)
+    run = lambda N_rc: loss_and_grads(gdp_jax.gated_delta_product, inp, w, cu_seqlens=cu,
+                                      backend="xla", recompute_chunk_num=N_rc)
+    ref = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w, cu_seqlens=cu)
+    plain = run(0)
+    monkeypatch.setattr(recurrence, "MAX_PROBLEMS", 0)
+    monkeypatch.setattr(recurrence, "SEGMENT_PROBLEMS", 3 if packed else 6)
+    for N_rc in ((0, 2) if packed else (0, 1)):
+        jax.clear_caches()
+        got = run(N_rc)
+        for a, b, c in ((got[0], ref[0], plain[0]), (got[1], ref[1], plain[1])):
+            assert rel_max(a, b) < 1e-10 and rel_max(a, c) < 1e-12
+        for name in got[3]:
+            assert rel_max(got[3][name], ref[3][name]) < 1e-10, (name, N_rc)
+            assert rel_max(got[3][name], plain[3][name]) < 1e-12, (name, N_rc)
