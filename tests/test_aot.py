@@ -231,3 +231,54 @@ def test_auto_mode_is_static_without_prebuilt_kernels(built, fresh, tmp_path):
     aot._stores.clear()
     fresh.setenv(aot.ENV_DIR, str(built))
     assert binding.kernel_shapes() == "generic"
+
+
+@pytest.mark.parametrize("scale", [None, 0.1])
+def test_engine_runs_only_listed_variants(fresh, scale):
+    """Every kernel variant the cutedsl engine lowers (forward, backward and CP summaries,
+    bf16, K = V = 128, any scale) is one of the variants ffi/build.py prebuilds: a
+    prebuilt directory then compiles nothing (the prep kernel once had the scale compiled
+    in, so a non-default scale compiled it at trace time)."""
+    from gdp_jax import _checks, grid
+    from gdp_jax.kernels.pipeline import CUTEDSL
+
+    build = _load_build_script()
+    seen = []
+
+    def record(launcher, vkey, aliases, constexprs):      # the key only, nothing compiled
+        seen.append(vkey)
+        binding._compiled[vkey] = aot.Artifact(b"x", b"0" * 32)
+        return binding._compiled[vkey]
+
+    fresh.setattr(binding, "_compile", record)
+    fresh.setattr(binding, "import_cutlass", lambda: None)
+    listed = [v for v in build.all_variants() if "step" not in v.what]
+    for v in listed:
+        jax.jit(v.fn).trace(*v.avals).lower(lowering_platforms=("cuda",))
+    listed_keys = set(seen)
+    seen.clear()
+    binding._compiled.clear()
+
+    B, T, n, HV, K, V = 1, 130, 2, 2, 128, 128
+    layout = grid.make_layout(B, T, n, None)
+    NC = layout.reset.shape[1]
+    f32 = lambda *s: S(s, jnp.float32)
+    ch = grid.ChunkInputs(f32(B, NC, HV, grid.CHUNK, K), f32(B, NC, HV, grid.CHUNK, K),
+                          f32(B, NC, HV, grid.CHUNK, V), f32(B, NC, HV, grid.CHUNK),
+                          f32(B, NC, HV, grid.CHUNK))
+    z = jnp.zeros
+    spec = _checks.check_inputs(z((B, T, 1, K), jnp.bfloat16), z((B, T, n, 1, K), jnp.bfloat16),
+                                z((B, T, n, HV, V), jnp.bfloat16), None,
+                                z((B, T, n, HV), jnp.bfloat16), scale=scale,
+                                recompute_chunk_num=0)
+    h0, doc, dfinal = f32(B, HV, K, V), f32(B, NC, HV, grid.CHUNK, V), f32(B, HV, K, V)
+
+    def fwd_bwd(c, h, d, df):
+        oc, _, states = CUTEDSL.forward(spec, c, layout, h, keep_states=True)
+        return oc, CUTEDSL.backward(spec, c, layout, h, d, df, states)
+
+    _lower(fwd_bwd, ch, h0, doc, dfinal)
+    _lower(lambda c: CUTEDSL.forward_summaries(spec, c, layout)[0], ch)
+    _lower(lambda c, d, df: CUTEDSL.backward_summaries(spec, c, layout, d, df)[0],
+           ch, doc, dfinal)
+    assert seen and set(seen) <= listed_keys, [k[0] for k in set(seen) - listed_keys]

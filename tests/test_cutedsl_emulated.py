@@ -313,9 +313,11 @@ def test_operands_kernel_contract_is_the_xla_pipeline(nonfinite):
                                    rtol=1e-2, atol=1e-6)      # bf16 rounding of w, P
 
 
-def test_engine_forward_runs_the_operands_kernel(monkeypatch):
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
     """bf16, K = V = 64: CuTeDSLEngine.forward (and the CP summaries) take their operands
-    from ChunkPrepKernel, and the op's outputs equal those of the XLA operands path."""
+    from ChunkPrepKernel (run at scale 1 on scale * q), and the op's outputs equal those
+    of the XLA operands path, at the default and another scale."""
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     from gdp_jax.spec import Unsupported
     calls = []
@@ -323,8 +325,8 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch):
     monkeypatch.setattr(ChunkPrepKernel, "raw_call",
                         staticmethod(lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
     inp = make_inputs(6, 2, 100, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
-    run = lambda: OP(*inp[:5], initial_state=inp.initial_state, output_final_state=True,
-                     use_qk_l2norm=True, backend="cutedsl")
+    run = lambda: OP(*inp[:5], scale=scale, initial_state=inp.initial_state,
+                     output_final_state=True, use_qk_l2norm=True, backend="cutedsl")
     o, s = run()
     assert calls
     spec, ch = _bf16_chunks(7)

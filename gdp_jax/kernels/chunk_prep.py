@@ -77,9 +77,9 @@ class ChunkPrepKernel:
 
     @classmethod
     def variants(cls):
-        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims, at the
-        default scale K^-1/2 (``scale`` is compiled in: other scales compile at trace
-        time)."""
+        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims, at
+        scale 1 (``scale`` is compiled in; the engine passes scale * q at scale 1, so
+        these serve every scale)."""
         import jax
         from gdp_jax.kernels import aot
         out = []
@@ -87,7 +87,7 @@ class ChunkPrepKernel:
             for K in cls.HEAD_DIMS:
                 for V in cls.HEAD_DIMS:
                     S = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1, C) + shape, jnp.float32)
-                    fn = functools.partial(cls.raw_call, scale=K ** -0.5, ab_dtype=name)
+                    fn = functools.partial(cls.raw_call, scale=1.0, ab_dtype=name)
                     out.append(aot.Variant(f"gdp_chunk_prep_sm90 {name} K={K} V={V}", fn,
                                            (S(K), S(K), S(V), S(), S())))
         return out
