@@ -344,3 +344,33 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
     assert rel_max(s, s2) < 1e-2
     for a, b in zip(summ, summ2):
         assert rel_max(a, b) < 1e-2
+
+
+def test_differentiated_forward_shares_its_operands_with_the_backward(monkeypatch):
+    """Under jax.grad the forward builds its operands in XLA, not on the (opaque) operands
+    kernel: XLA then computes the intra-chunk factors once for the forward and the
+    backward. With the kernel made opaque (an optimization barrier on its inputs, as a
+    custom call is on the GPU) the fwd+bwd program costs what it costs without it."""
+    from jax import lax
+    from gdp_jax.kernels import emulate
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    loss = lambda q, k, v: OP(q, k, v, inp.g, inp.beta, use_qk_l2norm=True,
+                              backend="cutedsl")[0].astype(jnp.float32).sum()
+    cost = lambda: jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        *inp[:3]).compile().cost_analysis()
+    flops = lambda ca: (ca[0] if isinstance(ca, list) else ca)["flops"]
+    shared = flops(cost())
+    opaque = emulate.chunk_prep_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
+        lambda *a, **kw: opaque(*lax.optimization_barrier(a), **kw)))
+    jax.clear_caches()
+    assert flops(cost()) == pytest.approx(shared, rel=1e-3)
+    calls = []
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call",
+                        staticmethod(lambda *a, **kw: calls.append(1) or opaque(*a, **kw)))
+    jax.clear_caches()
+    jax.grad(loss)(*inp[:3])
+    assert not calls                    # not in the differentiated forward
+    OP(*inp[:5], use_qk_l2norm=True, backend="cutedsl")
+    assert calls                        # but in the plain forward

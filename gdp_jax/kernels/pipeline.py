@@ -6,7 +6,8 @@ Forward:
     qg = scale exp(G) q and P = scale tril(q k^T Gam), cast to the 16-bit input dtype (u,
     decay stay float32) and masked for non-finite rows (:func:`causal_operands`); where it
     cannot run, the same in XLA (batched float32 matmuls, the inverse (I + A)^-1 on its
-    kernel, :mod:`gdp_jax.kernels.wy_inverse`);
+    kernel, :mod:`gdp_jax.kernels.wy_inverse`) - and always in XLA under differentiation,
+    where XLA shares them with the backward's factors;
   kernel (:class:`~gdp_jax.kernels.chunk_forward.ChunkForwardKernel`): the state recursion
     fused with the output and the final states, and under differentiation the start state
     of every (N + 1)-th chunk (N = recompute_chunk_num).
@@ -69,9 +70,12 @@ def causal_operands(operands):
     return (w, kt, qg, p, u, decay), bad
 
 
-def masked_operands(spec, ch: grid.ChunkInputs):
+def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True):
     """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
-    the operands kernel when it takes the call (one pass per chunk), else in XLA."""
+    the operands kernel when ``use_kernel`` and it takes the call (one pass per chunk),
+    else in XLA."""
+    if not use_kernel:
+        return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
     B, NC, HV, _, K = ch.k.shape
     why = ChunkPrepKernel.can_implement(ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K,
                                         V=ch.v.shape[-1], rows=B, NC=NC, HV=HV)
@@ -152,7 +156,13 @@ class CuTeDSLEngine(Engine):
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
         self._check(spec, ch)
-        operands, bad = work if work is not None else masked_operands(spec, ch)
+        # Under differentiation (keep_states) the operands are built in XLA: the backward
+        # builds the same intra-chunk factors in XLA (BackwardWork), and XLA computes them
+        # once for both (CSE); the kernel's are opaque to it, so the backward would build
+        # them again (+19% FLOPs and bytes of the fwd+bwd program, CPU compile with the
+        # kernels emulated: benchmarks/results/history/2026-12-01/cse_operands.md).
+        operands, bad = (work if work is not None
+                         else masked_operands(spec, ch, use_kernel=not keep_states))
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
