@@ -121,3 +121,20 @@ def test_cp_rank_overhead_tiny():
     rank_fwd, _, xr, _ = cp_rank.rank_functions("xla", x, do, 2)
     alone = gated_delta_product(*xr, use_qk_l2norm=True)[0]
     assert cp_rank._rel_rms(jax.jit(rank_fwd)(*xr)[0], alone) > 1e-2   # the fold matters
+
+
+def test_segments_tiny():
+    """benchmarks/segments: each segment size is traced with segments forced on (the
+    gradients equal the unsegmented ones to float32 rounding) and the module's thresholds
+    are restored afterwards."""
+    from benchmarks import segments
+    from gdp_jax import recurrence
+    saved = recurrence.MAX_PROBLEMS, recurrence.SEGMENT_PROBLEMS
+    rows = segments.measure((1, 256, 2, 2, 16, 16), [None, 4, 8], dtype="float32",
+                            iters=1, reps=1)
+    assert [r["segment_problems"] for r in rows] == [None, 4, 8]
+    assert all(r["fwdbwd_ms"] > 0 for r in rows)
+    assert all(r["max_rel_diff_vs_first"] < 1e-5 for r in rows[1:])
+    assert (recurrence.MAX_PROBLEMS, recurrence.SEGMENT_PROBLEMS) == saved
+    with segments.segments(4):
+        assert recurrence.segment_len(8, 2) == 2
