@@ -46,6 +46,11 @@ def main(argv=None):
     ap.add_argument("--out", default="/tmp/gdp_trace")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # XLA replays whole programs as CUDA graphs ("command buffers"): the trace then shows one
+    # "command_buffer" entry per step instead of the kernels (seen on the H200, 2026-12-01).
+    flag = "--xla_gpu_enable_command_buffer="
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     import jax
     from benchmarks import registry
 
