@@ -63,7 +63,7 @@ def rank_functions(backend: str, x, do, P: int, recompute_chunk_num: int = 0):
     shard = lambda a, r: a[:, r * Tl:(r + 1) * Tl]
     spec = _checks.check_inputs(*(shard(a, 0) for a in x), cp_size=P, use_qk_l2norm=True,
                                 backend=backend, recompute_chunk_num=recompute_chunk_num)
-    be = driver._backend_for(spec, backend)
+    be = driver.backend_for(spec, backend)
     h0 = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
 
     def gdp_inputs(xs, r):

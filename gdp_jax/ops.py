@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _checks, _guard, backends, engine
+from gdp_jax.cp import split
 
 
 # --- the single-device op, on any engine ------------------------------------------------
@@ -47,7 +48,7 @@ _op.defvjp(_op_fwd, _op_bwd)
 
 
 # Flags that choose code at trace time: under a bare ``jax.jit`` they arrive as tracers.
-_STATIC_FLAGS = ("output_final_state", "use_qk_l2norm", "recompute_chunk_num")
+_STATIC_FLAGS = ("output_final_state", "use_qk_l2norm", "recompute_chunk_num", "intra_cp")
 
 
 def _require_static(name: str, value) -> None:
@@ -67,6 +68,7 @@ def gated_delta_product(
         cu_seqlens: Optional[jax.Array] = None, use_qk_l2norm: bool = False,
         cp_axis: Optional[str] = None, backend: str = "auto",
         recompute_chunk_num: Optional[int] = None,
+        intra_cp: Union[None, int, str] = None,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """Gated DeltaProduct linear attention (chunkwise), forward and backward.
 
@@ -92,6 +94,11 @@ def gated_delta_product(
         chunk, [B, NC, HV, K, V], bfloat16 for bfloat16 inputs, else the compute dtype)
         and the backward recomputes the others: 1 / (N + 1) of the state memory for N
         extra chunk steps.
+      intra_cp: None (default), an int S or "auto": cut each row's T into S equal
+        segments and run them as context-parallel ranks inside this device (a
+        ``jax.vmap`` axis; :mod:`gdp_jax.cp.split`), so a call of few rows x heads walks
+        S x as many in parallel. "auto" picks S from B x HV and T (1 = no split). Same
+        results up to rounding; not with ``cp_axis``.
 
     Returns:
       o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
@@ -108,11 +115,11 @@ def gated_delta_product(
     code): ``jax.jit(gated_delta_product, static_argnames=(...))`` or functools.partial.
     """
     for name, value in zip(_STATIC_FLAGS, (output_final_state, use_qk_l2norm,
-                                           recompute_chunk_num)):
+                                           recompute_chunk_num, intra_cp)):
         _require_static(name, value)
     kw = dict(initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, cp_axis=cp_axis,
-              backend=backend, recompute_chunk_num=recompute_chunk_num)
+              backend=backend, recompute_chunk_num=recompute_chunk_num, intra_cp=intra_cp)
     if isinstance(scale, jax.core.Tracer):
         return _with_traced_scale(scale, q, k, v, g, beta, **kw)
     o, final = _run(q, k, v, g, beta, scale, **kw)
@@ -130,7 +137,7 @@ def _with_traced_scale(scale, q, k, v, g, beta, *, output_final_state, **kw):
 
 
 def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, cp_axis,
-         backend, recompute_chunk_num, output_final_state=True):
+         backend, recompute_chunk_num, intra_cp=None, output_final_state=True):
     """Checks, backend choice, the offsets guard and dispatch: (o, final states)."""
     del output_final_state          # the final states are always computed (and cheap)
     # cu_seqlens stays as given: NumPy offsets are concrete, checked at trace time.
@@ -144,6 +151,10 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
                                 use_qk_l2norm=use_qk_l2norm,
                                 recompute_chunk_num=recompute_chunk_num)
     one_token = spec.T == 1 and cu_seqlens is None and cp_axis is None
+    if cp_axis is not None and intra_cp not in (None, 1):
+        raise ValueError(f"intra_cp={intra_cp!r} with cp_axis={cp_axis!r}: the split inside "
+                         f"a device does not compose with shard_map CP yet; pass one")
+    segments = 1 if one_token else split.num_segments(spec, intra_cp)
     backend = backends.resolve(backend, spec, cp=cp_axis is not None,
                                available=backends.step_available if one_token else None)
     ok = None
@@ -160,6 +171,10 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
     elif cp_axis is not None:
         o, final = driver.cp_gated_delta_product(
             spec, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
+            backend=backend)
+    elif segments > 1:
+        o, final = split.split_gated_delta_product(
+            spec, q, k, v, g, beta, initial_state, cu_seqlens, segments=segments,
             backend=backend)
     else:
         o, final = _op(backends.engine(backend), spec, q, k, v, g, beta, initial_state,

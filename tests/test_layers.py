@@ -46,7 +46,8 @@ LAYERS = {
     # 8: backend selection; 9: the decoding step (the op's T = 1 path uses it)
     "gdp_jax.backends": 8, "gdp_jax.step": 9,
     # 10: context parallelism (protocol + driver); 11: the op (dispatches to CP for cp_axis)
-    "gdp_jax.cp.protocol": 10, "gdp_jax.cp.driver": 10, "gdp_jax.cp": 10, "gdp_jax.ops": 11,
+    "gdp_jax.cp.protocol": 10, "gdp_jax.cp.driver": 10, "gdp_jax.cp.split": 10, "gdp_jax.cp": 10,
+    "gdp_jax.ops": 11,
     # 12: the flax layer and FLA weight loading; 13: the S3 model built from it
     "gdp_jax.nn": 12, "gdp_jax.fla_weights": 12, "gdp_jax.s3": 13,
     # 14: the public facade; 15: its users (command line, testing helpers); 16: entry point

@@ -108,7 +108,7 @@ def axis_size(cp_axis) -> int:
                          f"inside jax.shard_map over a mesh with that axis ({e})") from None
 
 
-def _backend_for(spec, backend: str):
+def backend_for(spec, backend: str):
     if backend == "cutedsl":
         return CuTeDSLGatedDeltaProductCPBackend(spec, spec.recompute_chunk_num)
     return XlaGatedDeltaProductCPBackend(spec)
@@ -164,10 +164,12 @@ def summary_nbytes(spec) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _cp_op(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
-    return _cp_fwd(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens)[0]
+    return rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens)[0]
 
 
-def _cp_fwd(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
+def rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
+    """One rank's forward: ((o, this rank's part of the final states), residuals); the
+    custom_vjp's fwd, also run under a vmap axis by :mod:`gdp_jax.cp.split`."""
     P = axis_size(cp_axis)
     rank = lax.axis_index(cp_axis)
     meta = rank_metadata(cu_seqlens, rank, P, q.shape[1], q.shape[0])
@@ -182,7 +184,9 @@ def _cp_fwd(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
     return (o, final), (saved, meta, cu_seqlens, h0_dtype_tag)
 
 
-def _cp_bwd(backend, cp_axis, fold, res, cts):
+def rank_backward(backend, cp_axis, fold, res, cts):
+    """One rank's backward: the cotangents of (q, k, v, g, beta, this rank's part of h0's,
+    None for cu_seqlens) from those of (o, its final-state part)."""
     saved, meta, cu_seqlens, h0_dtype_tag = res
     do, dfinal = cts
     dfinal_local = _mask_rows(dfinal, meta.owns_end)
@@ -194,7 +198,7 @@ def _cp_bwd(backend, cp_axis, fold, res, cts):
     return dq, dk, dv, dg, dbeta, dh0.astype(h0_dtype_tag.dtype), None
 
 
-_cp_op.defvjp(_cp_fwd, _cp_bwd)
+_cp_op.defvjp(rank_forward, rank_backward)
 
 
 def cp_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *, cp_axis,
@@ -211,7 +215,7 @@ def cp_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *,
     # Rank-varying inside the custom_vjp: each rank returns its own part of the gradient
     # and the cast's transpose (check_vma=True) or shard_map's (check_vma=False) sums them.
     h0 = _vma.vary(initial_state, cp_axis)
-    o, final_part = _cp_op(_backend_for(spec, backend), cp_axis, fold, q, k, v, g, beta, h0,
+    o, final_part = _cp_op(backend_for(spec, backend), cp_axis, fold, q, k, v, g, beta, h0,
                            cu_seqlens)
     return o, lax.psum(final_part, cp_axis)
 

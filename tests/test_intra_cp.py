@@ -1,0 +1,108 @@
+"""Context parallelism inside one device (``intra_cp``, gdp_jax.cp.split): T cut into S
+segments run as CP ranks of a vmap axis.
+
+float64, random inputs, against the unsplit op and the token recurrence: outputs, final
+states and every input's gradient (initial_state included), dense rows and packed
+sequences crossing segments (empty and length-1 sequences), GVA, gates strong and off,
+recompute_chunk_num; the emulated cutedsl kernels under the split; how "auto" picks S;
+bad values.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from gdp_jax._checks import check_inputs
+from gdp_jax.cp import split
+from gdp_jax.testing import (default_weights, emulated_kernels, loss_and_grads, make_inputs,
+                             rel_max)
+
+OP = gdp_jax.gated_delta_product
+REF = gdp_jax.gated_delta_product_reference
+
+
+def _compare(inp, cu, S, tol, **kw):
+    w = default_weights(inp, cu, None)
+    got = loss_and_grads(OP, inp, w, cu_seqlens=cu, intra_cp=S, **kw)
+    plain = loss_and_grads(OP, inp, w, cu_seqlens=cu, **kw)
+    ref = loss_and_grads(REF, inp, w, cu_seqlens=cu)
+    for a, b, c in ((got[0], plain[0], ref[0]), (got[1], plain[1], ref[1])):
+        assert rel_max(a, b) < tol and rel_max(a, c) < tol
+    assert set(got[3]) >= {"q", "k", "v", "beta", "initial_state"}
+    for name in got[3]:
+        assert rel_max(got[3][name], plain[3][name]) < tol, name
+        assert rel_max(got[3][name], ref[3][name]) < tol, name
+
+
+@pytest.mark.parametrize("S", [2, 4])
+def test_dense_rows_gva(S):
+    inp = make_inputs(0, 2, 256, 2, 1, 2, 8, 6, jnp.float64, gate="strong")
+    _compare(inp, None, S, 1e-10, backend="xla")
+
+
+def test_packed_sequences_cross_segments():
+    """Sequences longer than a segment, inside one, empty and of one token."""
+    T = 320
+    cu = jnp.asarray([0, 0, 1, 150, 151, 230, T], jnp.int32)
+    inp = make_inputs(1, 1, T, 3, 1, 1, 8, 8, jnp.float64, N=6, gate="normal")
+    _compare(inp, cu, 4, 1e-10, backend="xla", recompute_chunk_num=1)
+
+
+def test_no_gate_no_initial_state():
+    inp = make_inputs(2, 1, 192, 1, 2, 2, 8, 8, jnp.float64, gate="none")
+    inp = inp._replace(initial_state=None)
+    o1 = OP(*inp[:5], intra_cp=3)
+    o2 = REF(*inp[:5])
+    assert rel_max(o1, o2) < 1e-10
+
+
+def test_emulated_cutedsl_split_matches_xla():
+    """The cutedsl engine's kernels (emulated) under the split: the segment axis folds
+    into the kernels' rows."""
+    inp = make_inputs(3, 1, 256, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    with emulated_kernels():
+        o, s = OP(*inp[:5], initial_state=inp.initial_state, output_final_state=True,
+                  use_qk_l2norm=True, backend="cutedsl", intra_cp=4)
+    o2, s2 = OP(*inp[:5], initial_state=inp.initial_state, output_final_state=True,
+                use_qk_l2norm=True, backend="xla")
+    assert rel_max(o, o2) < 2e-2 and rel_max(s, s2) < 2e-2
+
+
+def test_under_vmap():
+    inp = make_inputs(4, 2, 128, 1, 1, 1, 8, 8, jnp.float64)
+    vm = jax.vmap(lambda q, k, v, g, b: OP(q[None], k[None], v[None], g[None], b[None],
+                                          intra_cp=2)[0])(*inp[:5])
+    assert rel_max(vm, OP(*inp[:5])) < 1e-12
+
+
+def _spec(B, T, HV):
+    z = jnp.zeros
+    return check_inputs(z((B, T, 1, 64)), z((B, T, 1, 1, 64)), z((B, T, 1, HV, 64)), None,
+                        z((B, T, 1, HV)))
+
+
+def test_auto_segments():
+    assert split.num_segments(_spec(1, 65536, 16), "auto") == 8     # 16 walks -> 128
+    assert split.num_segments(_spec(8, 4096, 16), "auto") == 1      # already 128 walks
+    assert split.num_segments(_spec(1, 4096, 2), "auto") == 1       # segments too short
+    assert split.num_segments(_spec(1, 8193, 1), "auto") == 1       # 2 does not divide T
+    assert split.num_segments(_spec(1, 12288, 1), "auto") == 2      # 4 segments too short
+    assert split.num_segments(_spec(1, 8192, 1), None) == 1
+    assert split.num_segments(_spec(1, 8192, 1), 4) == 4
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "yes"])
+def test_bad_intra_cp(bad):
+    with pytest.raises(ValueError, match="intra_cp"):
+        split.num_segments(_spec(1, 128, 1), bad)
+
+
+def test_intra_cp_must_divide_T():
+    inp = make_inputs(5, 1, 100, 1, 1, 1, 8, 8, jnp.float64)
+    with pytest.raises(ValueError, match=r"intra_cp=3 does not divide T=100"):
+        OP(*inp[:5], intra_cp=3)
