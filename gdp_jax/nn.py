@@ -243,6 +243,10 @@ class GatedDeltaProduct(nnx.Module):
       norm_eps: epsilon of the (gated) RMSNorm.
       cp_axis: shard_map mesh axis name for context parallelism, or None.
       backend: op backend, "auto" | "xla" | "cutedsl".
+      recompute_chunk_num: the op's ``recompute_chunk_num`` (checkpoint memory for the
+        backward: one state per N + 1 chunks), None for its default.
+      intra_cp: the op's ``intra_cp`` (None, S or "auto": CP over S segments inside one
+        device for rows too few to fill it); not with ``cp_axis``.
       dtype: compute dtype of the projections and the op's inputs; None follows x (bf16
         activations with float32 parameters compute in bf16, so "auto" can pick the
         kernels).
@@ -267,7 +271,8 @@ class GatedDeltaProduct(nnx.Module):
                  use_forget_gate: bool = True, use_output_gate: bool = True,
                  allow_neg_eigval: bool = True, qkv_activation: bool = True,
                  learn_initial_state: bool = False, norm_eps: float = 1e-5,
-                 cp_axis: Optional[str] = None, backend: str = "auto", dtype=None,
+                 cp_axis: Optional[str] = None, backend: str = "auto",
+                 recompute_chunk_num: Optional[int] = None, intra_cp=None, dtype=None,
                  param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(),
                  rngs: nnx.Rngs):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
@@ -289,6 +294,7 @@ class GatedDeltaProduct(nnx.Module):
         self.allow_neg_eigval = allow_neg_eigval
         self.qkv_activation, self.learn_initial_state = qkv_activation, learn_initial_state
         self.norm_eps, self.cp_axis, self.backend = norm_eps, cp_axis, backend
+        self.recompute_chunk_num, self.intra_cp = recompute_chunk_num, intra_cp
         self.dtype = dtype
 
         H, HV, K, V, n = num_heads, num_v_heads, head_k_dim, head_v_dim, num_householder
@@ -415,7 +421,9 @@ class GatedDeltaProduct(nnx.Module):
             o = gated_delta_product(p["q"], p["k"], p["v"], p["g"], p["beta"],
                                     initial_state=h0, cu_seqlens=cu_seqlens,
                                     use_qk_l2norm=True, cp_axis=self.cp_axis,
-                                    backend=self.backend)
+                                    backend=self.backend,
+                                    recompute_chunk_num=self.recompute_chunk_num,
+                                    intra_cp=self.intra_cp)
         y = self.readout(o, p["z"])
         return y if cache is None else (y, GDPCache(state, p["conv_tail"]))
 

@@ -279,3 +279,24 @@ def test_s3_streaming_equals_parallel_forward():
     stream = np.asarray(s3.streaming_logits(cfg, params, x))
     assert stream.shape == par.shape == (3, 21, 6)
     assert rel(stream, par) < 1e-5                      # float32 model
+
+
+def test_recompute_and_intra_cp_pass_through():
+    """The layer hands recompute_chunk_num and intra_cp to the op: the same outputs and
+    parameter gradients as without them (float64)."""
+    x = rand_x(1, 128)
+    base = make()
+    graphdef, params = nnx.split(base, nnx.Param)
+
+    def grads(layer):
+        g, p = nnx.split(layer, nnx.Param)
+        loss = lambda p, x: jnp.sum(nnx.merge(g, p)(x) ** 2)
+        return jax.jit(jax.grad(loss))(p, x)
+
+    want = grads(base)
+    other = make(recompute_chunk_num=1, intra_cp=2)
+    nnx.update(other, params)
+    assert other.intra_cp == 2 and other.recompute_chunk_num == 1
+    assert rel(fwd(other, x), fwd(base, x)) < 1e-10
+    for a, b in zip(jax.tree.leaves(grads(other)), jax.tree.leaves(want)):
+        assert rel(a, b) < 1e-10
