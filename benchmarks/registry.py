@@ -5,7 +5,8 @@ small object: ``available()`` says why it cannot run here (or None), ``build(x)`
 ONE set of inputs of a shape (:class:`Inputs`, JAX arrays) and returns a :class:`Built` whose
 callables take no arguments, so every implementation is timed on the same values.
 
-Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>``, ``xla``.
+Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>``, ``xla``,
+and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP inside the device).
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
 """
@@ -145,10 +146,11 @@ class OursOp:
     kept = bytes of ``jax.vjp``'s residuals beyond the inputs."""
     family = "ours"
 
-    def __init__(self, name, backend, N=None):
-        self.name, self.backend, self.N = name, backend, N
+    def __init__(self, name, backend, N=None, intra_cp=None):
+        self.name, self.backend, self.N, self.intra_cp = name, backend, N, intra_cp
         # without grad no checkpoints are kept, so the forward of N > 0 is N = 0's
-        self.fwd_same_as = "cutedsl" if backend == "cutedsl" and N else None
+        self.fwd_same_as = ("cutedsl" if backend == "cutedsl" and N and intra_cp is None
+                            else None)
 
     def available(self) -> Optional[str]:
         if self.backend == "cutedsl":
@@ -160,6 +162,8 @@ class OursOp:
     def op(self):
         from gdp_jax import gated_delta_product
         kw = {} if self.N is None else {"recompute_chunk_num": self.N}
+        if self.intra_cp is not None:
+            kw["intra_cp"] = self.intra_cp
         return lambda q, k, v, g, beta: gated_delta_product(
             q, k, v, g, beta, use_qk_l2norm=True, backend=self.backend, **kw)
 
@@ -223,10 +227,18 @@ def _ours(name: str, bench: str):
     if name == "cutedsl":
         return OursOp("cutedsl", "cutedsl", 0)
     m = re.fullmatch(r"cutedsl-n(\d+)", name)
-    return OursOp(name, "cutedsl", int(m.group(1))) if m else None
+    if m:
+        return OursOp(name, "cutedsl", int(m.group(1)))
+    m = re.fullmatch(r"(cutedsl|xla)-cp(\d+|auto)", name)
+    if m:
+        S = m.group(2)
+        return OursOp(name, m.group(1), 0 if m.group(1) == "cutedsl" else None,
+                      intra_cp=S if S == "auto" else int(S))
+    return None
 
 
-IMPL_NAMES = "cutedsl, cutedsl-n<N> (recompute_chunk_num=N), xla, fla"
+IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), xla, <backend>-cp<S> and "
+              "<backend>-cpauto (intra_cp), fla")
 
 
 def impl(name: str, bench: str):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The measurements still owed on the H200, as two device calls of < 600 s each:
+# The measurements still owed on the H200, as three device calls of < 600 s each:
 #   bash benchmarks/run_gpu_measurements.sh 1   # timings: fwdbwd vs FLA, xla segment sizes, kernel trace, cold start
 #   bash benchmarks/run_gpu_measurements.sh 2   # the AOT GPU test alone, one xla CP rank, the GPU tests cut short on 2026-12-01
+#   bash benchmarks/run_gpu_measurements.sh 3   # intra_cp (CP inside the device) at (1, 65536, 16, 2) beside FLA
 # (device run: carry [".gpu-deps"]). Logs and raw files under $OUT/m; a summary is printed last.
 # Each step has its own timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
@@ -25,4 +26,7 @@ case "${1:-1}" in
   step 150 cp_rank_xla python -m benchmarks.cp_rank --backend xla --T 131072 --P 2 --json $M/cp_rank_xla.json
   step 130 rest $P tests/test_cutedsl_gpu.py tests/test_robust_gpu.py -k "packed_gradients_match or tiny_lengths"
   grep -hE "PASSED|FAILED|passed|failed" $M/aot.log $M/rest.log | tail -20; tail -3 $M/cp_rank_xla.log ;;
+3)
+  step 560 long python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cpauto,xla-cpauto,fla --shapes "1,65536,16,2;1,131072,8,2" --deadline 480 --out $M/long
+  tail -20 $M/long.log ;;
 esac

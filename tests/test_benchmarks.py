@@ -138,3 +138,14 @@ def test_segments_tiny():
     assert (recurrence.MAX_PROBLEMS, recurrence.SEGMENT_PROBLEMS) == saved
     with segments.segments(4):
         assert recurrence.segment_len(8, 2) == 2
+
+
+def test_intra_cp_impl_names():
+    """``<backend>-cp<S>`` / ``-cpauto`` run the op with intra_cp (CP inside the device)."""
+    for name, backend, S in (("xla-cp2", "xla", 2), ("cutedsl-cp8", "cutedsl", 8),
+                             ("cutedsl-cpauto", "cutedsl", "auto")):
+        o = registry.impl(name, "fwdbwd")
+        assert (o.backend, o.intra_cp) == (backend, S) and o.fwd_same_as is None
+    for bad in ("xla-cp", "xla-cpx", "fla-cp2"):
+        with pytest.raises(ValueError, match="unknown implementation"):
+            registry.impl(bad, "fwdbwd")
