@@ -61,15 +61,19 @@ def test_no_gate_no_initial_state():
     assert rel_max(o1, o2) < 1e-10
 
 
-def test_emulated_cutedsl_split_matches_xla():
+@pytest.mark.parametrize("packed", [False, True])
+def test_emulated_cutedsl_split_matches_xla(packed):
     """The cutedsl engine's kernels (emulated) under the split: the segment axis folds
-    into the kernels' rows."""
-    inp = make_inputs(3, 1, 256, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    into the kernels' rows (and their per-sequence tables, packed)."""
+    T = 256
+    cu = jnp.asarray([0, 30, 30, 31, 200, T], jnp.int32) if packed else None
+    inp = make_inputs(3, 1, T, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal",
+                      N=5 if packed else None)
+    kw = dict(initial_state=inp.initial_state, output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True)
     with emulated_kernels():
-        o, s = OP(*inp[:5], initial_state=inp.initial_state, output_final_state=True,
-                  use_qk_l2norm=True, backend="cutedsl", intra_cp=4)
-    o2, s2 = OP(*inp[:5], initial_state=inp.initial_state, output_final_state=True,
-                use_qk_l2norm=True, backend="xla")
+        o, s = OP(*inp[:5], backend="cutedsl", intra_cp=4, **kw)
+    o2, s2 = OP(*inp[:5], backend="xla", **kw)
     assert rel_max(o, o2) < 2e-2 and rel_max(s, s2) < 2e-2
 
 
