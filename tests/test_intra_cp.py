@@ -98,6 +98,7 @@ def test_auto_segments():
     assert split.num_segments(_spec(1, 12288, 1), "auto") == 2      # 4 segments too short
     assert split.num_segments(_spec(1, 8192, 1), None) == 1
     assert split.num_segments(_spec(1, 8192, 1), 4) == 4
+    assert split.num_segments(_spec(1, 8192, 1), np.int64(2)) == 2
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, True, "yes"])

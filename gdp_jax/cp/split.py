@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Optional, Union
 
 import jax
@@ -45,8 +46,10 @@ def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
                and spec.T // (2 * S) >= MIN_SEGMENT_TOKENS):
             S *= 2
         return S
-    if isinstance(intra_cp, bool) or not isinstance(intra_cp, int) or intra_cp < 1:
+    if (isinstance(intra_cp, bool) or not isinstance(intra_cp, numbers.Integral)
+            or intra_cp < 1):
         raise ValueError(f"intra_cp={intra_cp!r}; expected None, 'auto' or an int >= 1")
+    intra_cp = int(intra_cp)
     if spec.T % intra_cp:
         raise ValueError(f"intra_cp={intra_cp} does not divide T={spec.T} (q has shape "
                          f"[{spec.B}, {spec.T}, {spec.H}, {spec.K}]): the segments must be "
