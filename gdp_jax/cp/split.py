@@ -28,8 +28,9 @@ from gdp_jax.cp import driver
 from gdp_jax.cp import fold as scan_fold
 
 AXIS = "gdp_intra_device_cp"
-# "auto": segments of at least this many tokens, doubling while the walks number fewer than
-# FILL_WALKS (B x HV x S; the H200 has 132 SMs, one walk per SM and value tile).
+# "auto": segments of at least this many tokens, doubling S while the walks (B x HV x S
+# chains of chunks, each walked by one kernel program) number at most FILL_WALKS; the H200
+# has 132 SMs. Both values are first guesses, to be set from a GPU sweep.
 MIN_SEGMENT_TOKENS = 4096
 FILL_WALKS = 128
 
