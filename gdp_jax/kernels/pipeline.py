@@ -74,12 +74,10 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True):
     """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
     the operands kernel when ``use_kernel`` and it takes the call (one pass per chunk),
     else in XLA."""
-    if not use_kernel:
-        return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
     B, NC, HV, _, K = ch.k.shape
-    why = ChunkPrepKernel.can_implement(ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K,
-                                        V=ch.v.shape[-1], rows=B, NC=NC, HV=HV)
-    if why is None:
+    if use_kernel and ChunkPrepKernel.can_implement(
+            ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
+            HV=HV) is None:
         # scale enters through q (exact up to one float32 rounding of q): the kernel is
         # compiled at scale 1, so one prebuilt variant serves every scale
         return ChunkPrepKernel.call(ch._replace(q=ch.q * jnp.asarray(spec.scale, ch.q.dtype)),
@@ -157,10 +155,9 @@ class CuTeDSLEngine(Engine):
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
         self._check(spec, ch)
         # Under differentiation (keep_states) the operands are built in XLA: the backward
-        # builds the same intra-chunk factors in XLA (BackwardWork), and XLA computes them
+        # builds the same intra-chunk factors in XLA (BackwardWork) and XLA computes them
         # once for both (CSE); the kernel's are opaque to it, so the backward would build
-        # them again (+19% FLOPs and bytes of the fwd+bwd program, CPU compile with the
-        # kernels emulated: benchmarks/results/history/2026-12-01/cse_operands.md).
+        # them again (benchmarks/results/history/2026-12-01/cse_operands.md).
         operands, bad = (work if work is not None
                          else masked_operands(spec, ch, use_kernel=not keep_states))
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
