@@ -6,8 +6,9 @@ For each size (chunk problems per segment, ``recurrence.SEGMENT_PROBLEMS``; ``no
 segments), the xla op's jitted value-and-grad of sum(o * w) w.r.t. q, k, v, g, beta is traced
 afresh with segments forced on (``recurrence.MAX_PROBLEMS = 0``) and timed (median after
 warm-up), with XLA's compiled temporary bytes and, for sizes after the first, the largest
-relative difference of the gradients from the first size's. bf16, K = V = 128 unless the
-shape gives K, V; ``use_qk_l2norm``, gates on. Prints one line per size and, with
+relative difference of the gradients from the first size's. The inputs are the benchmark
+runner's (``benchmarks.registry.make_inputs``), in ``--dtype`` (bf16 by default), K = V =
+128 unless the shape gives K, V; ``use_qk_l2norm``, gates on. Prints one line per size and, with
 ``--json``, writes the rows. The default segmenting threshold is chosen from these rows.
 """
 from __future__ import annotations
@@ -35,19 +36,15 @@ def segments(size):
 def measure(shape, sizes, dtype="bfloat16", iters=5, reps=5, seed=0):
     import jax
     import jax.numpy as jnp
+    from benchmarks import registry
     from benchmarks.measure import median_ms
     from gdp_jax import gated_delta_product
 
-    B, T, H, n, *kv = shape
-    K, V = kv if kv else (128, 128)
+    # the runner's inputs (benchmarks.registry), cast to ``dtype``
+    inp = registry.make_inputs(registry.Shape(*shape), seed)
     dt = jnp.dtype(dtype)
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    x = (jax.random.normal(ks[0], (B, T, H, K), dt),
-         jax.random.normal(ks[1], (B, T, n, H, K), dt),
-         jax.random.normal(ks[2], (B, T, n, H, V), dt),
-         -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H), jnp.float32)),
-         2 * jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, n, H), jnp.float32)))
-    w = jax.random.normal(ks[5], (B, T, H, V), jnp.float32)
+    x = (inp.q.astype(dt), inp.k.astype(dt), inp.v.astype(dt), inp.g, inp.beta.astype(dt))
+    w = inp.w
 
     def loss(*a):
         o = gated_delta_product(*a, backend="xla", use_qk_l2norm=True)[0]

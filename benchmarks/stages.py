@@ -88,6 +88,7 @@ def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
         ("local grads", jax.jit(lambda c, i, X, S, d: chunked.local_grads_direct(
             c, i, X, S, docb, d, scale)), (chb, it, X, S0, dS_end)),
     ]
+
     def local_autodiff(c, S, d):
         # the reference path: vjp of the intra-chunk factors + autodiff of the chunk map
         it_, pull = jax.vjp(chunked.intra_chunk, c)
@@ -102,13 +103,12 @@ def stages(B, T, H, n, dtype, K=128, V=128, seed=0, backends=("xla",)):
              ("factors+local (direct)", jax.jit(local_direct), (chb, S0, dS_end))]
     if "cutedsl" in backends:
         from gdp_jax.kernels import pipeline
-        chc = ch                                   # the cutedsl engine's [B, NC, HV, ..] grid
-        docc = jax.random.normal(ks[1], chc.v.shape, chc.v.dtype)
-        ab = spec.ab_dtype
-        work = lambda c, d: pipeline.BackwardWork(c, d, scale, ab).operands
+        # on the cutedsl engine's own [B, NC, HV, ..] grid (ch, not the blocked chb)
+        docc = jax.random.normal(ks[1], ch.v.shape, ch.v.dtype)
+        work = lambda c, d: pipeline.BackwardWork(c, d, scale, spec.ab_dtype).operands
         rows += [("cutedsl operands", jax.jit(lambda c: pipeline.masked_operands(spec, c)),
-                  (chc,)),
-                 ("cutedsl bwd work", jax.jit(work), (chc, docc))]
+                  (ch,)),
+                 ("cutedsl bwd work", jax.jit(work), (ch, docc))]
     for b in backends:
         rows += [(f"{b} fwd", jax.jit(fwd(b)), (q, k, v, g, beta)),
                  (f"{b} fwd+bwd", jax.jit(fwdbwd(b)), (q, k, v, g, beta))]
