@@ -10,11 +10,24 @@ per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax
     forward_summaries(spec, ch, layout)                    -> ((E, M), work)
     backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
 
+and the CP rank's pair around them (defaults: the summaries, then the plain pass):
+
+    forward_prepare(spec, ch, layout, h0p)                 -> ((E, M), work)
+    forward_resume(spec, ch, layout, h0, seqs, work)       -> (o rows, final, states)
+    backward_prepare(spec, ch, layout, doc, dfinal)        -> ((gamma, M^T), work)
+    backward_resume(spec, ch, layout, h0, doc, dfinal, states, seqs, work)
+                                                           -> (cotangents, dh0)
+
 ``states``: what the forward keeps for the backward under differentiation (the cutedsl
 chunk-state checkpoints; None for the xla engine, which recomputes them). ``work``: what
 a summary pass computed that the matching apply pass can reuse (None: compute it).
 Summaries: S_end = M S_start + E per sequence, [N, HV, K, V] and [N, HV, K, K]; and
 dS_start = M^T dS_end + gamma with no gradient from beyond the sequence's end.
+CP pair: ``h0p`` are provisional start states [N, HV, K, V] (zero for the sequences whose
+start state is folded in later); resume gets the true ``h0`` / ``dfinal``, which differ
+from the prepare's only for the sequences ``seqs`` (a tuple of [B] index arrays, one
+sequence per row each), so an engine may resume from what prepare computed instead of
+walking the chunks a second time.
 
 The xla engine is here; the CuTe DSL engine is :class:`gdp_jax.kernels.pipeline.CuTeDSLEngine`.
 """
@@ -51,6 +64,18 @@ class Engine:
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         raise NotImplementedError
+
+    def forward_prepare(self, spec, ch, layout, h0p):
+        return self.forward_summaries(spec, ch, layout)
+
+    def forward_resume(self, spec, ch, layout, h0, seqs, work):
+        return self.forward(spec, ch, layout, h0, keep_states=True, work=work)
+
+    def backward_prepare(self, spec, ch, layout, doc, dfinal):
+        return self.backward_summaries(spec, ch, layout, doc, dfinal)
+
+    def backward_resume(self, spec, ch, layout, h0, doc, dfinal, states, seqs, work):
+        return self.backward(spec, ch, layout, h0, doc, dfinal, states, work=work)
 
     def __repr__(self):
         return f"<{type(self).__name__}>"

@@ -151,6 +151,59 @@ def test_cp_equals_single_device(packed, N):
         assert rel_max(g_cp[name], g_1[name]) < TOL, name
 
 
+# 4 ranks of 100 tokens (n = 2: 200 steps, 4 chunks each), so a rank's fragments span
+# several chunks and the checkpoints land inside them. A: [31, 380) starts mid-rank 0 and
+# crosses out (its own h0 corrects it), spans ranks 1-2 as their first AND last sequence
+# (continues in and out) and ends mid-rank 3; [30, 30) is empty, [30, 31) one token.
+# B: [31, 400) is rank 3's first and last sequence, continuing in only. C: [100, 400)
+# starts exactly at rank 1's start and crosses out (first = last, its own h0), after an
+# empty sequence on the boundary.
+CU400 = {"A": (0, 30, 30, 31, 380, 400), "B": (0, 30, 30, 31, 31, 400),
+         "C": (0, 100, 100, 400)}
+
+
+@pytest.mark.parametrize("N", [0, 2])
+@pytest.mark.parametrize("cu", ["A", "B", "C", None])
+def test_cp_multichunk_fragments_equal_single_device(cu, N):
+    """CP == one device when apply adds the folded state's response to the prepare pass's
+    rows, checkpoints and dS_end over several chunks per fragment (one kernel pass per
+    direction per rank), every gradient incl. the initial states'."""
+    cu = None if cu is None else CU400[cu]
+    B, T, n, H, HV, K, V = (1, 400, 2, 1, 2, 4, 3) if cu else (2, 400, 2, 1, 2, 4, 3)
+    Nseq = len(cu) - 1 if cu else B
+    inp = make_inputs(33, B, T, n, H, HV, K, V, N=Nseq, gate="normal")
+    args = tcp._args(inp)
+    w = tcp._weights(5, (B, T, HV, V), (Nseq, HV, K, V))
+    kw = (("backend", "cutedsl"), ("recompute_chunk_num", N))
+    o_cp, s_cp, g_cp = tcp._run("cp", args, cu, w, True, n_dev=4, kw=kw)
+    o_1, s_1, g_1 = tcp._run("op", args, cu, w, True, kw=(("backend", "xla"),))
+    assert rel_max(o_cp, o_1) < 1e-13 and rel_max(s_cp, s_1) < 1e-13
+    assert set(g_cp) == set(g_1) and "initial_state" in g_1
+    for name in g_1:
+        assert rel_max(g_cp[name], g_1[name]) < 1e-13, name
+
+
+def test_cp_16bit_error_is_the_single_device_error():
+    """bf16 inputs: apply's corrections read 16-bit output rows and checkpoints of the
+    response columns (as the kernels write them), and still add no error beyond the
+    single-device op's (both against float64)."""
+    from gdp_jax.testing import rel_rms
+    cu = CU400["A"]
+    inp = make_inputs(33, 1, 400, 2, 1, 2, 64, 64, jnp.bfloat16, N=len(cu) - 1, gate="normal")
+    args = tcp._args(inp)
+    w = tcp._weights(5, (1, 400, 2, 64), (len(cu) - 1, 2, 64, 64), np.float32)
+    kw = (("backend", "cutedsl"), ("recompute_chunk_num", 1))
+    cp = tcp._run("cp", args, cu, w, True, n_dev=4, kw=kw)
+    one = tcp._run("op", args, cu, w, True, kw=kw)
+    up = lambda x: np.asarray(x, np.float64)
+    ref = tcp._run("op", {n: up(a) for n, a in args.items()}, cu, tuple(map(up, w)), True,
+                   kw=(("backend", "xla"),))
+    pairs = [(cp[0], one[0], ref[0]), (cp[1], one[1], ref[1])]
+    pairs += [(cp[2][n], one[2][n], ref[2][n]) for n in ref[2]]
+    for got, single, want in pairs:
+        assert rel_rms(up(got), want) < 1.2 * rel_rms(up(single), want) + 1e-4
+
+
 def test_cp_saved_context_holds_checkpoints():
     from gdp_jax import cp as gcp
     inp = make_inputs(8, 1, 100, 2, 1, 2, 8, 8)           # 200 steps -> 4 chunks

@@ -212,6 +212,57 @@ def test_cp_summary_kernels_lower(K, V):
     assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # inverse + reverse
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp_rank_runs_one_kernel_pass_per_direction(packed):
+    """One CP rank (the four protocol functions, lowered for cuda): the forward holds ONE
+    forward chunk kernel and fwd+bwd ONE reverse kernel beside it, both on V + K state
+    columns (apply resumes from their outputs instead of walking the chunks again)."""
+    from gdp_jax import cp as gcp
+    B, T, n, H, HV, K, V = 1, 200, 2, 1, 2, 128, 64
+    bf, f32 = jnp.bfloat16, jnp.float32
+    N = 3 if packed else B
+    avals = _op_avals(B, T, n, H, HV, K, V, bf)[:5] + (S((N, HV, K, V), f32),)
+    cu = jnp.array([0, 20, 20, 200], jnp.int32) if packed else None
+    spec = _checks.check_inputs(*[jnp.zeros(a.shape, a.dtype) for a in avals[:5]],
+                                cu_seqlens=cu)
+
+    class Backend(gcp.XlaGatedDeltaProductCPBackend):
+        engine = CUTEDSL            # the cutedsl backend minus its device check
+
+    be = Backend(spec.replace(recompute_chunk_num=1))
+    pre = S((2, 1 if packed else B, HV, K, V + K), f32)
+    seqs = jnp.array([2 if packed else 0]), jnp.array([2 if packed else 0])
+
+    def fwd(q, k, v, g, beta, h0, packed_summaries):
+        inputs = gcp.GDPInputs(q, k, v, g, beta, h0, cu, jnp.array([0]), seqs[1],
+                               jnp.array(True), jnp.array(True))
+        summary, ctx = be.cp_forward_prepare(inputs)
+        mask = jnp.ones((2,), bool)
+        o, final, saved = be.cp_forward_apply(ctx, gcp.SummarySlice(packed_summaries, mask))
+        return summary, o, final, saved
+
+    def fwd_bwd(q, k, v, g, beta, h0, packed_summaries, do, dfinal):
+        summary, o, final, saved = fwd(q, k, v, g, beta, h0, packed_summaries)
+        bsummary, ctx = be.cp_backward_prepare((do, dfinal), saved)
+        mask = jnp.ones((2,), bool)
+        return summary, o, final, bsummary, be.cp_backward_apply(
+            ctx, gcp.SummarySlice(packed_summaries, mask))
+
+    def chunk_kernels(txt):
+        # the recursion kernels take the int32 chunk flags (the inverse and operands
+        # kernels do not)
+        calls = [line for line in txt.splitlines()
+                 if "CuteDSLRT_NvJaxCutlassCall" in line and "i32>" in line.split("->")[0]]
+        return [line.split("->")[-1] for line in calls]
+
+    out = chunk_kernels(_lower(fwd, *avals, pre))
+    assert len(out) == 1 and f"x64x{V + K}xbf16>" in out[0], out   # o rows on V + K
+    out = chunk_kernels(_lower(fwd_bwd, *avals, pre, S((B, T, HV, V), bf),
+                               S((N, HV, K, V), f32)))
+    assert len(out) == 2, out
+    assert f"x{K}x{V + K}xf32>" in out[1], out                     # dS_end on V + K
+
+
 def test_can_implement():
     ok = dict(K=128, V=128, dtype=jnp.bfloat16, rows=1, NC=4, HV=2)
     assert ChunkForwardKernel.can_implement(**ok) is None

@@ -242,6 +242,24 @@ class _LocalBackward(NamedTuple):
     work: Any = None
 
 
+def provisional_start_states(spec: CallSpec, inputs: GDPInputs):
+    """[N, HV, K, V] start states as prepare knows them: the user's, with zeros for the
+    first sequence when it continues in (apply folds its start state in) and for the last
+    when it continues out (its summary is the map from a zero start)."""
+    h0 = inputs.initial_state.astype(spec.cdt)
+    f, l = inputs.first_seq, inputs.last_seq
+    h0 = h0.at[f].set(jnp.where(inputs.continues_in, 0.0, h0[f]))
+    return h0.at[l].set(jnp.where(inputs.continues_out, 0.0, h0[l]))
+
+
+def _crossing(inputs: GDPInputs):
+    """The sequences whose start state apply may change (one per row each): the first
+    and the last (the same rows in the batched layout)."""
+    if inputs.cu_seqlens is None:
+        return (inputs.first_seq,)
+    return (inputs.first_seq, inputs.last_seq)
+
+
 class XlaGatedDeltaProductCPBackend:
     """The CP protocol on the pure-JAX engine (:class:`gdp_jax.engine.XlaEngine`).
 
@@ -275,7 +293,8 @@ class XlaGatedDeltaProductCPBackend:
         spec = self.config
         layout, ch = forward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g,
                                      inputs.beta, inputs.cu_seqlens)
-        (E, M), work = self.engine.forward_summaries(spec, ch, layout)
+        (E, M), work = self.engine.forward_prepare(spec, ch, layout,
+                                                   provisional_start_states(spec, inputs))
         E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
         return summary, _LocalForward(spec, inputs, layout, ch, work)
@@ -290,8 +309,8 @@ class XlaGatedDeltaProductCPBackend:
         S_in = fold_forward(preceding, h0[inputs.first_seq]).astype(spec.cdt)
         h0 = h0.at[inputs.first_seq].set(
             jnp.where(inputs.continues_in, S_in, h0[inputs.first_seq]))
-        oc, final, states = self.engine.forward(spec, ch, layout, h0, keep_states=True,
-                                                work=work)
+        oc, final, states = self.engine.forward_resume(spec, ch, layout, h0,
+                                                       _crossing(inputs), work)
         md = GDPSavedMetadata.of(spec, has_chunk_states=states is not None)
         saved = SavedContext(inputs._replace(initial_state=h0), states, md)
         return outputs(layout, oc, inputs.q.dtype), final.astype(spec.cdt), saved
@@ -306,8 +325,8 @@ class XlaGatedDeltaProductCPBackend:
         do, dfinal = output_grad
         p = backward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
                              inputs.cu_seqlens, do, dfinal)
-        (gamma, Mt), work = self.engine.backward_summaries(spec, p.ch, p.layout, p.doc,
-                                                           p.dfinal)
+        (gamma, Mt), work = self.engine.backward_prepare(spec, p.ch, p.layout, p.doc,
+                                                         p.dfinal)
         gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
         summary = self._pack_shape(pack_backward_summary(gamma, Mt),
                                    inputs.cu_seqlens is not None)
@@ -324,8 +343,9 @@ class XlaGatedDeltaProductCPBackend:
         dS_out = fold_backward(following, spec.V).astype(spec.cdt)
         dfinal = p.dfinal.at[inputs.last_seq].add(
             jnp.where(inputs.continues_out, dS_out, 0.0))
-        dch, dh0 = self.engine.backward(spec, p.ch, p.layout, inputs.initial_state, p.doc,
-                                        dfinal, states, work=work)
+        dch, dh0 = self.engine.backward_resume(spec, p.ch, p.layout, inputs.initial_state,
+                                               p.doc, dfinal, states, (inputs.last_seq,),
+                                               work)
         dq, dk, dv, dg, dbeta = p.pull_inputs(dch)
         return dq, dk, dv, dg, dbeta, dh0
 
@@ -334,11 +354,12 @@ class CuTeDSLGatedDeltaProductCPBackend(XlaGatedDeltaProductCPBackend):
     """The CP protocol on the Hopper CuTe DSL engine (sm_90a,
     :class:`gdp_jax.kernels.pipeline.CuTeDSLEngine`).
 
-    ``cp_forward_apply`` runs the fused forward chunk kernel, which also keeps the start
-    state of every (N + 1)-th chunk, N = ``recompute_chunk_num`` in [0, 64] (saved in the
-    SavedContext); ``cp_backward_apply`` recomputes the missing states and runs the
-    reverse state-gradient kernel. The prepare steps run the same kernels on V + K state
-    columns and hand their XLA work (WY factors, kernel operands) to the apply steps.
+    Each direction runs its recursion kernel ONCE per rank, in prepare, on V + K state
+    columns (the K extra columns carry the response to the fragment's start state /
+    end-state gradient): the summary comes out of it, and apply adds the folded state's
+    contribution to the output rows, the chunk-state checkpoints (every (N + 1)-th chunk,
+    N = ``recompute_chunk_num`` in [0, 64], saved in the SavedContext) and dS_end by
+    parallel per-chunk matmuls, then (backward) runs the chunk-local gradients.
     """
 
     name = "cutedsl"

@@ -107,13 +107,15 @@ class ChunkForwardKernel:
     def variants(cls, recompute_chunk_nums=(0,)):
         """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
-        checkpoints of each ``recompute_chunk_nums``) and the CP summary (V + K columns)."""
+        checkpoints of each ``recompute_chunk_nums``) and the CP rank's one pass (V + K
+        columns, the same checkpoints)."""
         from gdp_jax.kernels import aot
         out = []
         for name in cls.DTYPES:
             for K in cls.HEAD_DIMS:
                 for V in cls.HEAD_DIMS:
-                    runs = [(V, 0)] + [(V, r + 1) for r in recompute_chunk_nums] + [(V + K, 0)]
+                    runs = [(V, 0)] + [(Vx, r + 1) for Vx in (V, V + K)
+                                       for r in recompute_chunk_nums]
                     for Vx, ckpt in runs:
                         fn = functools.partial(cls.raw_call, BV=cls.pick_bv(1, 1, Vx),
                                                ckpt=ckpt, states_dtype=checkpoint_dtype(name))

@@ -18,16 +18,21 @@ Backward:
     recursion, dS_end of every chunk and the initial-state gradients;
   XLA: the chunk-local backward written out (dq, dk, dv, dg, dbeta; all chunks at once,
     :func:`gdp_jax.chunked.local_grads_direct`).
-CP summaries: the same two recursion kernels on V + K state columns. Columns of the state
-never mix, so [E | M] is the final state from the start [0 | I] with u = [u | 0], and
-[gamma | M^T] the start-state gradient with dfinal = [dfinal | I], dO = [dO | 0]: one pass
-each, exact.
+CP (one kernel pass per direction per rank): the same two recursion kernels on V + K
+state columns. Columns of the state never mix, so from the start [h0' | I] with
+u = [u | 0] the last K columns of every output row, checkpoint and final state are their
+response to the sequence's start state: [E | M] is read off the final state, and apply
+adds o_K (S - h0'), S0_K (S - h0'), M (S - h0') for the folded start state S (parallel
+matmuls, no second walk). Likewise dfinal = [dfinal' | I], dO = [dO | 0] give
+[gamma | M^T] and the response of every dS_end to the incoming end-state gradient. Exact.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gdp_jax import chunked, grid
 from gdp_jax.engine import Engine
@@ -182,27 +187,125 @@ class CuTeDSLEngine(Engine):
         return dch, _where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
+        N, HV, K, V = layout.seq_len.shape[0], ch.k.shape[2], ch.k.shape[-1], ch.v.shape[-1]
+        return self.forward_prepare(spec, ch, layout,
+                                    jnp.zeros((N, HV, K, V), acc_dtype(spec.ab_dtype)))
+
+    def forward_prepare(self, spec, ch, layout, h0p):
+        """The one forward kernel pass of a CP rank: from [h0p | I] with u = [u | 0], so
+        the K extra columns of every output row, checkpoint and final state are their
+        response to the start state of their sequence.
+        -> ((E, M), :class:`ForwardResponse`)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        work = masked_operands(spec, ch)
-        (w, kt, qg, p, u, decay), _ = work          # non-finite rows: NaN summaries
-        N, HV = layout.seq_len.shape[0], ch.k.shape[2]
-        h0 = _identity_columns(jnp.zeros((N, HV, K, V), acc_dtype(spec.ab_dtype)), K)
-        _, final, _ = ChunkForwardKernel.call(w, kt, qg, p, _zero_columns(u, K), decay,
-                                              *_flags(layout), h0, BV=_bv(ch, K))
+        (w, kt, qg, p, u, decay), bad = masked_operands(spec, ch)  # non-finite: NaN summaries
+        h0p = h0p.astype(acc_dtype(spec.ab_dtype))
+        h0 = _identity_columns(h0p, K)
+        oc, final, states = ChunkForwardKernel.call(
+            w, kt, qg, p, _zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
+            ckpt=spec.checkpoint_stride, states_dtype=spec.checkpoint_dtype)
         final = _where_has_tokens(layout, final, h0)
-        return (final[..., :V], final[..., V:]), work
+        M = final[..., V:]
+        E = final[..., :V] - _mm(M, h0p)     # the map from a zero start, whatever h0p was
+        return (E, M), ForwardResponse(h0p, oc, final, states, bad)
+
+    def forward_resume(self, spec, ch, layout, h0, seqs, work):
+        """The forward from the true start states h0 without a second kernel pass: the
+        prepare's rows, checkpoints and final states plus their response to h0 - h0p."""
+        V = h0.shape[-1]
+        h0 = h0.astype(work.h0p.dtype)
+        delta = h0 - work.h0p                # exactly 0 outside ``seqs`` (the same values)
+        oc = _add_response(work.o, V, layout.seq_of_chunk, seqs, delta)
+        oc = jnp.where(work.bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
+        stride = spec.checkpoint_stride
+        states = _add_response(work.states, V, layout.seq_of_chunk[:, ::stride], seqs, delta)
+        final = work.final[..., :V] + _mm(work.final[..., V:], delta)
+        final = _where_has_tokens(layout, final, h0).astype(spec.cdt)
+        return oc, final, states.astype(work.states.dtype)
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
+        return self.backward_prepare(spec, ch, layout, doc, dfinal)
+
+    def backward_prepare(self, spec, ch, layout, doc, dfinal):
+        """The one reverse kernel pass of a CP rank: dfinal = [dfinal | I], dO = [dO | 0],
+        so the K extra columns of every dS_end and start-state gradient are their
+        response to the end-state gradient of their sequence.
+        -> ((gamma, M^T), :class:`BackwardResponse`)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
         work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype)
         kt, w, qg, ddo, do, decay = work.operands
-        df = _identity_columns(dfinal.astype(acc_dtype(spec.ab_dtype)), K)
-        _, dh0 = StateGradKernel.call(kt, w, qg, _zero_columns(ddo, K), _zero_columns(do, K),
-                                      decay, *_flags(layout), df, BV=_bv(ch, K))
-        dh0 = _where_has_tokens(layout, dh0, df).astype(dfinal.dtype)
-        return (dh0[..., :V], dh0[..., V:]), work
+        df = dfinal.astype(acc_dtype(spec.ab_dtype))
+        dfx = _identity_columns(df, K)
+        ds_end, dh0 = StateGradKernel.call(kt, w, qg, _zero_columns(ddo, K),
+                                           _zero_columns(do, K), decay, *_flags(layout),
+                                           dfx, BV=_bv(ch, K))
+        dh0 = _where_has_tokens(layout, dh0, dfx)
+        summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))
+        return summary, BackwardResponse(work, df, ds_end, dh0)
+
+    def backward_resume(self, spec, ch, layout, h0, doc, dfinal, states, seqs, work):
+        """The backward from the true end-state gradients without a second kernel pass:
+        dS_end and dh0 plus their response to dfinal - the prepare's, then the chunk-local
+        gradients (XLA) at the chunk states recomputed from the checkpoints."""
+        V = dfinal.shape[-1]
+        bw = work.work
+        ddf = dfinal.astype(work.dfinal.dtype) - work.dfinal
+        ds_end = _add_response(work.ds_end, V, layout.seq_of_chunk, seqs, ddf)
+        dh0 = work.dh0[..., :V] + _mm(work.dh0[..., V:], ddf)
+        S0 = chunked.states_from_checkpoints(bw.it, layout, h0, states,
+                                             spec.checkpoint_stride)
+        dch = chunked.local_grads_direct(ch, bw.it, bw.X, S0, doc, ds_end.astype(ch.k.dtype),
+                                         spec.scale)
+        return dch, _where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
+
+
+class ForwardResponse(NamedTuple):
+    """The CP forward kernel pass on V + K columns, kept for apply.
+
+    h0p: [N, HV, K, V] the provisional start states; o: [B, NC, HV, C, V + K] output rows
+    (16-bit); final: [N, HV, K, V + K]; states: [B, NG, HV, K, V + K] checkpoints; bad:
+    [B, NC, HV, C] output rows to set to NaN (:func:`causal_operands`)."""
+    h0p: jax.Array
+    o: jax.Array
+    final: jax.Array
+    states: jax.Array
+    bad: jax.Array
+
+
+class BackwardResponse(NamedTuple):
+    """The CP reverse kernel pass on V + K columns, kept for apply: the
+    :class:`BackwardWork`, the provisional dfinal [N, HV, K, V], dS_end
+    [B, NC, HV, K, V + K] and the start-state gradients [N, HV, K, V + K]."""
+    work: BackwardWork
+    dfinal: jax.Array
+    ds_end: jax.Array
+    dh0: jax.Array
+
+
+def _mm(a, b):
+    """a @ b in full float32 (no TF32: these add a state's response to exact values)."""
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
+def _add_response(x, V: int, seq_of_rows, seqs, delta):
+    """x[..., :V] + x[..., V:] @ delta[s] on the chunks of the sequences s in ``seqs``.
+
+    x: [B, R, HV, r, V + K] kernel output per chunk (R chunks, r rows each), whose last K
+    columns are the response to the start (end-gradient) state of the chunk's sequence;
+    seq_of_rows: [B, R]; seqs: tuple of [B] sequence indices (a repeat of an earlier entry
+    is skipped); delta: [N, HV, K, V]. Parallel per-chunk matmuls, in delta's dtype.
+    Only the chunks of ``seqs`` read their K columns: every sequence restarts them at I."""
+    acc = delta.dtype
+    out = x[..., :V].astype(acc)
+    xk = x[..., V:].astype(acc)
+    for j, s in enumerate(seqs):
+        on = seq_of_rows == s[:, None]
+        for t in seqs[:j]:
+            on = on & (s != t)[:, None]
+        corr = jnp.einsum("bnhrk,bhkv->bnhrv", xk, delta[s], precision=lax.Precision.HIGHEST)
+        out = out + jnp.where(on[:, :, None, None, None], corr, 0.0)
+    return out
 
 
 CUTEDSL = CuTeDSLEngine()
