@@ -149,3 +149,11 @@ def test_intra_cp_impl_names():
     for bad in ("xla-cp", "xla-cpx", "fla-cp2"):
         with pytest.raises(ValueError, match="unknown implementation"):
             registry.impl(bad, "fwdbwd")
+
+
+def test_kernel_ab_configs_parse_and_reject_typos():
+    from benchmarks import kernel_ab
+    assert kernel_ab.parse_configs("split=1,bv=32; split=0,bv=64;") == [
+        {"split": True, "bv": 32}, {"split": False, "bv": 64}]
+    with pytest.raises(ValueError, match="split=0"):
+        kernel_ab.parse_configs("splt=1,bv=32")
