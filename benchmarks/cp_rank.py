@@ -98,9 +98,10 @@ def rank_functions(backend: str, x, do, P: int, recompute_chunk_num: int = 0):
         o, final, _ = be.cp_forward_apply(ctx, preceding)
         return o, final, summary
 
-    def rank_fwdbwd(*xs):
-        summary, ctx = be.cp_forward_prepare(gdp_inputs(xs, r))
-        o, final, saved = be.cp_forward_apply(ctx, preceding)
+    def rank_fwdbwd(*xs):            # the forward as the driver's custom_vjp fwd runs it
+        bd = be.for_differentiation()
+        summary, ctx = bd.cp_forward_prepare(gdp_inputs(xs, r))
+        o, final, saved = bd.cp_forward_apply(ctx, preceding)
         bsum, bctx = be.cp_backward_prepare((do_r, jnp.zeros_like(final)), saved)
         grads = be.cp_backward_apply(bctx, following)
         return o, summary, bsum, grads[:5]

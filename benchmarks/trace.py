@@ -1,4 +1,4 @@
-"""GPU kernel time of one of our fwd+bwd calls, by kernel (jax.profiler trace).
+"""GPU kernel time of one of our fwd+bwd (or forward) calls, by kernel (jax.profiler trace).
 
 Builds the registry implementation's jitted value-and-grad of sum(o * w) on the registry
 inputs of one shape, runs it a few times under ``jax.profiler.trace``, reads the Perfetto
@@ -44,6 +44,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default="/tmp/gdp_trace")
+    ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd",
+                    help="trace the jitted value-and-grad (default) or the forward alone")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     # XLA replays whole programs as CUDA graphs ("command buffers"): the trace then shows one
@@ -56,12 +58,13 @@ def main(argv=None):
 
     shape = registry.shapes("op", a.shape)[0]
     built = registry.impl(a.impl, "fwdbwd").build(registry.make_inputs(shape))
+    call = built.fwdbwd if a.mode == "fwdbwd" else built.fwd
     os.makedirs(a.out, exist_ok=True)
     for _ in range(3):
-        built.sync(built.fwdbwd())
+        built.sync(call())
     with jax.profiler.trace(a.out, create_perfetto_trace=True):
         for _ in range(a.steps):
-            built.sync(built.fwdbwd())
+            built.sync(call())
     tot, cnt = kernel_times(a.out, a.steps)
     if not tot:
         print("no GPU kernels in the trace (is the default device a GPU?)")

@@ -12,14 +12,14 @@ per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax
 
 and the CP rank's pair around them (defaults: the summaries, then the plain pass):
 
-    forward_prepare(spec, ch, layout, h0p)                 -> ((E, M), work)
+    forward_prepare(spec, ch, layout, h0p, differentiated) -> ((E, M), work)
     forward_resume(spec, ch, layout, h0, seqs, work)       -> (o rows, final, states)
     backward_prepare(spec, ch, layout, doc, dfinal)        -> ((gamma, M^T), work)
     backward_resume(spec, ch, layout, h0, doc, dfinal, states, seqs, work)
                                                            -> (cotangents, dh0)
 
-``states``: what the forward keeps for the backward under differentiation (the cutedsl
-chunk-state checkpoints; None for the xla engine, which recomputes them). ``work``: what
+``states``: what the forward keeps for the backward under differentiation (the start
+state of every (recompute_chunk_num + 1)-th chunk, in the engine's layout). ``work``: what
 a summary pass computed that the matching apply pass can reuse (None: compute it).
 Summaries: S_end = M S_start + E per sequence, [N, HV, K, V] and [N, HV, K, K]; and
 dS_start = M^T dS_end + gamma with no gradient from beyond the sequence's end.
@@ -27,7 +27,8 @@ CP pair: ``h0p`` are provisional start states [N, HV, K, V] (zero for the sequen
 start state is folded in later); resume gets the true ``h0`` / ``dfinal``, which differ
 from the prepare's only for the sequences ``seqs`` (a tuple of [B] index arrays, one
 sequence per row each), so an engine may resume from what prepare computed instead of
-walking the chunks a second time.
+walking the chunks a second time. ``differentiated``: the backward follows in the same
+program (an engine may build shared work the way the backward does, for XLA's CSE).
 
 The xla engine is here; the CuTe DSL engine is :class:`gdp_jax.kernels.pipeline.CuTeDSLEngine`.
 """
@@ -37,6 +38,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gdp_jax import chunked, grid, recurrence
 from gdp_jax.spec import CallSpec
@@ -65,7 +67,7 @@ class Engine:
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         raise NotImplementedError
 
-    def forward_prepare(self, spec, ch, layout, h0p):
+    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False):
         return self.forward_summaries(spec, ch, layout)
 
     def forward_resume(self, spec, ch, layout, h0, seqs, work):
@@ -79,6 +81,81 @@ class Engine:
 
     def __repr__(self):
         return f"<{type(self).__name__}>"
+
+
+# --- one-pass CP ranks: a pass on V + K state columns and its response --------------------
+# Columns of the state never mix, so a pass from the start [h0p | I] with v = [v | 0] (or,
+# backward, from dfinal = [dfinal | I] with dO = [dO | 0]) gives in its last K columns the
+# response of every output row, chunk state and final state to the start state (end-state
+# gradient) of the chunk's sequence; apply then adds that response to the change of the
+# start state (parallel matmuls) instead of walking the chunks a second time.
+
+def zero_columns(x, K: int):
+    """[..., V] -> [..., V + K]: x next to K zero columns."""
+    return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], axis=-1)
+
+
+def identity_columns(x, K: int):
+    """[..., K, V] -> [..., K, V + K]: x next to an identity (the response columns)."""
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=x.dtype), x.shape[:-1] + (K,))
+    return jnp.concatenate([x, eye], axis=-1)
+
+
+def mm_exact(a, b):
+    """a @ b in full float32 (no TF32: these add a state's response to exact values)."""
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
+def add_response(x, V: int, seq_of_rows, seqs, delta):
+    """x[..., :V] + x[..., V:] @ delta[s] on the chunks of the sequences s in ``seqs``.
+
+    x: [B, R, HV, r, V + K] per chunk (R chunks, r rows each), whose last K columns are
+    the response to the start (end-gradient) state of the chunk's sequence;
+    seq_of_rows: [B, R]; seqs: tuple of [B] sequence indices (a repeat of an earlier entry
+    is skipped); delta: [N, HV, K, V]. Parallel per-chunk matmuls, in delta's dtype.
+    Only the chunks of ``seqs`` read their K columns: every sequence restarts them at I."""
+    acc = delta.dtype
+    out = x[..., :V].astype(acc)
+    xk = x[..., V:].astype(acc)
+    for j, s in enumerate(seqs):
+        on = seq_of_rows == s[:, None]
+        for t in seqs[:j]:
+            on = on & (s != t)[:, None]
+        corr = jnp.einsum("bnhrk,bhkv->bnhrv", xk, delta[s], precision=lax.Precision.HIGHEST)
+        out = out + jnp.where(on[:, :, None, None, None], corr, 0.0)
+    return out
+
+
+class ForwardResponse(NamedTuple):
+    """A CP rank's forward pass on V + K columns, kept from prepare for apply.
+
+    h0p: [N, HV, K, V] the provisional start states; o: [B, NC, HV, C, V + K] output rows;
+    final: [N, HV, K, V + K]; states: the V + K checkpoints in the engine's layout; bad:
+    [B, NC, HV, C] output rows to set to NaN, or None (already NaN in o)."""
+    h0p: jax.Array
+    o: jax.Array
+    final: jax.Array
+    states: jax.Array
+    bad: Optional[jax.Array]
+
+
+class XlaBackwardResponse(NamedTuple):
+    """The xla engine's CP backward pass on V + K columns, kept for apply (blocked grid
+    [L, B, ...]): the WY factors (it, X) and forward operands x it computed, the
+    provisional dfinal [N, HV, K, V], dS_end [L, B, HV, K, V + K] and the start-state
+    gradients [N, HV, K, V + K]."""
+    it: chunked.Intra
+    X: jax.Array
+    x: recurrence.Forward
+    dfinal: jax.Array
+    dS_end: jax.Array
+    first: jax.Array
+
+
+def _add_response_time_major(x, V: int, seq, seqs, delta):
+    """:func:`add_response` on the blocked grid's [L, B, ...] layout (``seq`` [L, B])."""
+    out = add_response(jnp.moveaxis(x, 0, 1), V, jnp.moveaxis(seq, 0, 1), seqs, delta)
+    return jnp.moveaxis(out, 0, 1)
 
 
 class XlaEngine(Engine):
@@ -146,6 +223,71 @@ class XlaEngine(Engine):
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         return chunked.backward_summaries(ch, layout, doc, dfinal, spec.scale), None
+
+    # The CP rank's pair: one pass per direction on V + K columns where the pass is one
+    # level (no segments, no two-level blocking), else the summaries and a second pass.
+
+    def _one_level(self, spec, ch):
+        blk, Ls = self._blocking(spec, ch)
+        return blk if Ls is None and blk.NB == 1 else None
+
+    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False):
+        """The forward on v = [v | 0] from [h0p | I], keeping its checkpoints:
+        ((E, M), :class:`ForwardResponse`)."""
+        if self._one_level(spec, ch) is None:
+            return self.forward_summaries(spec, ch, layout)
+        K, V = ch.k.shape[-1], ch.v.shape[-1]
+        h0p = h0p.astype(spec.cdt)
+        o, final, states = self.forward(spec, ch._replace(v=zero_columns(ch.v, K)), layout,
+                                        identity_columns(h0p, K), keep_states=True)
+        M = final[..., V:]
+        E = final[..., :V] - mm_exact(M, h0p)    # the map from a zero start
+        return (E, M), ForwardResponse(h0p, o, final, states, None)
+
+    def forward_resume(self, spec, ch, layout, h0, seqs, work):
+        if not isinstance(work, ForwardResponse):
+            return super().forward_resume(spec, ch, layout, h0, seqs, work)
+        blk, V = self._one_level(spec, ch), h0.shape[-1]
+        delta = h0.astype(work.h0p.dtype) - work.h0p    # 0 outside ``seqs``
+        o = add_response(work.o, V, layout.seq_of_chunk, seqs, delta)
+        seq_ck = blk.block(layout.seq_of_chunk)[::spec.checkpoint_stride]    # [NG, B]
+        states = _add_response_time_major(work.states, V, seq_ck, seqs, delta)
+        final = work.final[..., :V] + mm_exact(work.final[..., V:], delta)
+        final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
+        return o, final, states.astype(work.states.dtype)
+
+    def backward_prepare(self, spec, ch, layout, doc, dfinal):
+        """The reverse pass from dfinal = [dfinal | I] with dO = [dO | 0]:
+        ((gamma, M^T), :class:`XlaBackwardResponse`)."""
+        blk = self._one_level(spec, ch)
+        if blk is None:
+            return self.backward_summaries(spec, ch, layout, doc, dfinal)
+        K, V = ch.k.shape[-1], ch.v.shape[-1]
+        chb, f = blk.tree_block(ch), recurrence.flags(blk, layout)
+        it, X = chunked.wy_factors(chb)
+        x, _ = recurrence.forward_operands(chb, it, spec.scale)
+        dfx = identity_columns(dfinal, K)
+        rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P,
+                                 blk.block(zero_columns(doc, K)))
+        dS_end, first = recurrence.reverse(blk, rev, f, dfx, spec.N)
+        first = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfx)
+        return ((first[..., :V], first[..., V:]),
+                XlaBackwardResponse(it, X, x, dfinal, dS_end, first))
+
+    def backward_resume(self, spec, ch, layout, h0, doc, dfinal, states, seqs, work):
+        if not isinstance(work, XlaBackwardResponse):
+            return super().backward_resume(spec, ch, layout, h0, doc, dfinal, states, seqs,
+                                           work)
+        blk, V = self._one_level(spec, ch), dfinal.shape[-1]
+        f = recurrence.flags(blk, layout)
+        ddf = dfinal - work.dfinal                       # 0 outside ``seqs``
+        dS_end = _add_response_time_major(work.dS_end, V, f.seq, seqs, ddf)
+        dh0 = work.first[..., :V] + mm_exact(work.first[..., V:], ddf)
+        S0 = recurrence.states_from_checkpoints(work.x, f, h0, states, spec.checkpoint_stride)
+        dchb = chunked.local_grads_direct(blk.tree_block(ch), work.it, work.X, S0,
+                                          blk.block(doc), dS_end, spec.scale)
+        dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], dh0, dfinal)
+        return blk.tree_unblock(dchb), dh0
 
 
 XLA = XlaEngine()

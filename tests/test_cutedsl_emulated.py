@@ -162,19 +162,20 @@ CU400 = {"A": (0, 30, 30, 31, 380, 400), "B": (0, 30, 30, 31, 31, 400),
          "C": (0, 100, 100, 400)}
 
 
+@pytest.mark.parametrize("backend", ["cutedsl", "xla"])
 @pytest.mark.parametrize("N", [0, 2])
 @pytest.mark.parametrize("cu", ["A", "B", "C", None])
-def test_cp_multichunk_fragments_equal_single_device(cu, N):
+def test_cp_multichunk_fragments_equal_single_device(cu, N, backend):
     """CP == one device when apply adds the folded state's response to the prepare pass's
-    rows, checkpoints and dS_end over several chunks per fragment (one kernel pass per
-    direction per rank), every gradient incl. the initial states'."""
+    rows, checkpoints and dS_end over several chunks per fragment (one recursion pass per
+    direction per rank, both engines), every gradient incl. the initial states'."""
     cu = None if cu is None else CU400[cu]
     B, T, n, H, HV, K, V = (1, 400, 2, 1, 2, 4, 3) if cu else (2, 400, 2, 1, 2, 4, 3)
     Nseq = len(cu) - 1 if cu else B
     inp = make_inputs(33, B, T, n, H, HV, K, V, N=Nseq, gate="normal")
     args = tcp._args(inp)
     w = tcp._weights(5, (B, T, HV, V), (Nseq, HV, K, V))
-    kw = (("backend", "cutedsl"), ("recompute_chunk_num", N))
+    kw = (("backend", backend), ("recompute_chunk_num", N))
     o_cp, s_cp, g_cp = tcp._run("cp", args, cu, w, True, n_dev=4, kw=kw)
     o_1, s_1, g_1 = tcp._run("op", args, cu, w, True, kw=(("backend", "xla"),))
     assert rel_max(o_cp, o_1) < 1e-13 and rel_max(s_cp, s_1) < 1e-13
@@ -427,3 +428,29 @@ def test_differentiated_forward_shares_its_operands_with_the_backward(monkeypatc
     assert not calls                    # not in the differentiated forward
     OP(*inp[:5], use_qk_l2norm=True, backend="cutedsl")
     assert calls                        # but in the plain forward
+
+
+def test_cp_differentiated_forward_builds_xla_operands(monkeypatch):
+    """Under CP too, the forward of a differentiated call builds its operands in XLA (which
+    XLA then shares with the backward's) and the plain CP forward runs the operands
+    kernel (``CuTeDSLGatedDeltaProductCPBackend.for_differentiation`` in the driver's
+    custom_vjp fwd, and in intra_cp's); gradients unchanged."""
+    from gdp_jax.kernels import emulate
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    calls = []
+    opaque = emulate.chunk_prep_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call",
+                        staticmethod(lambda *a, **kw: calls.append(1) or opaque(*a, **kw)))
+    inp = make_inputs(9, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    args = tcp._args(inp)
+    w = tcp._weights(3, (2, 200, 2, 64), (2, 2, 64, 64), np.float32)
+    kw = (("backend", "cutedsl"),)
+    got = tcp._run("cp", args, None, w, True, n_dev=2, kw=kw)
+    assert not calls
+    o = jax.jit(lambda a: tcp._cp_apply(2, a, None, True, kw)[0])(args)
+    assert calls and rel_max(o, got[0]) < 1e-2
+    calls.clear()
+    split = jax.grad(lambda q: OP(q, *inp[1:5], use_qk_l2norm=True, backend="cutedsl",
+                                  intra_cp=2).astype(jnp.float32).sum())
+    jax.jit(split)(inp.q)
+    assert not calls

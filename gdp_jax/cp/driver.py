@@ -169,7 +169,8 @@ def _cp_op(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
 
 def rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
     """One rank's forward: ((o, this rank's part of the final states), residuals); the
-    custom_vjp's fwd, also run under a vmap axis by :mod:`gdp_jax.cp.split`."""
+    custom_vjp's primal and (with ``backend.for_differentiation()``) its fwd, also run
+    under a vmap axis by :mod:`gdp_jax.cp.split`."""
     P = axis_size(cp_axis)
     rank = lax.axis_index(cp_axis)
     meta = rank_metadata(cu_seqlens, rank, P, q.shape[1], q.shape[0])
@@ -198,7 +199,12 @@ def rank_backward(backend, cp_axis, fold, res, cts):
     return dq, dk, dv, dg, dbeta, dh0.astype(h0_dtype_tag.dtype), None
 
 
-_cp_op.defvjp(rank_forward, rank_backward)
+def _rank_forward_differentiated(backend, cp_axis, fold, *args):
+    """The custom_vjp's fwd: :func:`rank_forward` with the backward to follow."""
+    return rank_forward(backend.for_differentiation(), cp_axis, fold, *args)
+
+
+_cp_op.defvjp(_rank_forward_differentiated, rank_backward)
 
 
 def cp_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *, cp_axis,

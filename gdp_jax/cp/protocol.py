@@ -17,6 +17,7 @@ masked slices (:class:`SummarySlice`) of the gathered summaries.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, NamedTuple, Optional
 
@@ -277,11 +278,23 @@ class XlaGatedDeltaProductCPBackend:
     def recompute_chunk_num(self) -> int:
         return 0 if self.config is None else self.config.recompute_chunk_num
 
+    #: True when the backward follows in the same program (set by the driver's custom_vjp
+    #: forward rule): an engine may then build the forward's work the way the backward
+    #: builds it, so that XLA computes it once for both.
+    differentiated = False
+
+    def for_differentiation(self):
+        """This backend with :attr:`differentiated` set."""
+        new = copy.copy(self)
+        new.differentiated = True
+        return new
+
     def __hash__(self):
-        return hash((type(self), self.config))
+        return hash((type(self), self.config, self.differentiated))
 
     def __eq__(self, other):
-        return type(self) is type(other) and self.config == other.config
+        return (type(self) is type(other) and self.config == other.config
+                and self.differentiated == other.differentiated)
 
     @staticmethod
     def _pack_shape(x, packed_layout: bool):
@@ -294,7 +307,8 @@ class XlaGatedDeltaProductCPBackend:
         layout, ch = forward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g,
                                      inputs.beta, inputs.cu_seqlens)
         (E, M), work = self.engine.forward_prepare(spec, ch, layout,
-                                                   provisional_start_states(spec, inputs))
+                                                   provisional_start_states(spec, inputs),
+                                                   differentiated=self.differentiated)
         E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
         return summary, _LocalForward(spec, inputs, layout, ch, work)

@@ -111,4 +111,8 @@ def _split_bwd(backend, fold, res, cts):
     return dq, dk, dv, dg, dbeta, dh0.sum(0), None
 
 
-_split_op.defvjp(_split_fwd, _split_bwd)
+def _split_fwd_differentiated(backend, fold, *args):
+    return _split_fwd(backend.for_differentiation(), fold, *args)
+
+
+_split_op.defvjp(_split_fwd_differentiated, _split_bwd)

@@ -32,10 +32,10 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from gdp_jax import chunked, grid
-from gdp_jax.engine import Engine
+from gdp_jax.engine import (Engine, ForwardResponse, add_response, identity_columns,
+                            mm_exact, zero_columns)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
@@ -113,17 +113,6 @@ def _flags(layout: grid.ChunkLayout):
     return i32(layout.reset), i32(layout.seq_of_chunk), i32(layout.is_last)
 
 
-def _zero_columns(x, K: int):
-    """[..., V] -> [..., V + K]: x next to K zero columns (the summaries' extra columns)."""
-    return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (K,), x.dtype)], axis=-1)
-
-
-def _identity_columns(x, K: int):
-    """[..., K, V] -> [..., K, V + K]: x next to an identity (the summaries' M columns)."""
-    eye = jnp.broadcast_to(jnp.eye(K, dtype=x.dtype), x.shape[:-1] + (K,))
-    return jnp.concatenate([x, eye], axis=-1)
-
-
 def _where_has_tokens(layout, x, fallback):
     """x per sequence, ``fallback`` for sequences without tokens (no chunk wrote them)."""
     return jnp.where((layout.seq_len > 0)[:, None, None, None], x, fallback)
@@ -191,22 +180,24 @@ class CuTeDSLEngine(Engine):
         return self.forward_prepare(spec, ch, layout,
                                     jnp.zeros((N, HV, K, V), acc_dtype(spec.ab_dtype)))
 
-    def forward_prepare(self, spec, ch, layout, h0p):
+    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False):
         """The one forward kernel pass of a CP rank: from [h0p | I] with u = [u | 0], so
         the K extra columns of every output row, checkpoint and final state are their
         response to the start state of their sequence.
         -> ((E, M), :class:`ForwardResponse`)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        (w, kt, qg, p, u, decay), bad = masked_operands(spec, ch)  # non-finite: NaN summaries
+        # differentiated: XLA operands, which XLA shares with the backward's (as forward)
+        (w, kt, qg, p, u, decay), bad = masked_operands(spec, ch,
+                                                        use_kernel=not differentiated)
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
-        h0 = _identity_columns(h0p, K)
+        h0 = identity_columns(h0p, K)
         oc, final, states = ChunkForwardKernel.call(
-            w, kt, qg, p, _zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
+            w, kt, qg, p, zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
             ckpt=spec.checkpoint_stride, states_dtype=spec.checkpoint_dtype)
         final = _where_has_tokens(layout, final, h0)
         M = final[..., V:]
-        E = final[..., :V] - _mm(M, h0p)     # the map from a zero start, whatever h0p was
+        E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
         return (E, M), ForwardResponse(h0p, oc, final, states, bad)
 
     def forward_resume(self, spec, ch, layout, h0, seqs, work):
@@ -215,11 +206,11 @@ class CuTeDSLEngine(Engine):
         V = h0.shape[-1]
         h0 = h0.astype(work.h0p.dtype)
         delta = h0 - work.h0p                # exactly 0 outside ``seqs`` (the same values)
-        oc = _add_response(work.o, V, layout.seq_of_chunk, seqs, delta)
+        oc = add_response(work.o, V, layout.seq_of_chunk, seqs, delta)
         oc = jnp.where(work.bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
         stride = spec.checkpoint_stride
-        states = _add_response(work.states, V, layout.seq_of_chunk[:, ::stride], seqs, delta)
-        final = work.final[..., :V] + _mm(work.final[..., V:], delta)
+        states = add_response(work.states, V, layout.seq_of_chunk[:, ::stride], seqs, delta)
+        final = work.final[..., :V] + mm_exact(work.final[..., V:], delta)
         final = _where_has_tokens(layout, final, h0).astype(spec.cdt)
         return oc, final, states.astype(work.states.dtype)
 
@@ -236,9 +227,9 @@ class CuTeDSLEngine(Engine):
         work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype)
         kt, w, qg, ddo, do, decay = work.operands
         df = dfinal.astype(acc_dtype(spec.ab_dtype))
-        dfx = _identity_columns(df, K)
-        ds_end, dh0 = StateGradKernel.call(kt, w, qg, _zero_columns(ddo, K),
-                                           _zero_columns(do, K), decay, *_flags(layout),
+        dfx = identity_columns(df, K)
+        ds_end, dh0 = StateGradKernel.call(kt, w, qg, zero_columns(ddo, K),
+                                           zero_columns(do, K), decay, *_flags(layout),
                                            dfx, BV=_bv(ch, K))
         dh0 = _where_has_tokens(layout, dh0, dfx)
         summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))
@@ -251,26 +242,13 @@ class CuTeDSLEngine(Engine):
         V = dfinal.shape[-1]
         bw = work.work
         ddf = dfinal.astype(work.dfinal.dtype) - work.dfinal
-        ds_end = _add_response(work.ds_end, V, layout.seq_of_chunk, seqs, ddf)
-        dh0 = work.dh0[..., :V] + _mm(work.dh0[..., V:], ddf)
+        ds_end = add_response(work.ds_end, V, layout.seq_of_chunk, seqs, ddf)
+        dh0 = work.dh0[..., :V] + mm_exact(work.dh0[..., V:], ddf)
         S0 = chunked.states_from_checkpoints(bw.it, layout, h0, states,
                                              spec.checkpoint_stride)
         dch = chunked.local_grads_direct(ch, bw.it, bw.X, S0, doc, ds_end.astype(ch.k.dtype),
                                          spec.scale)
         return dch, _where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
-
-
-class ForwardResponse(NamedTuple):
-    """The CP forward kernel pass on V + K columns, kept for apply.
-
-    h0p: [N, HV, K, V] the provisional start states; o: [B, NC, HV, C, V + K] output rows
-    (16-bit); final: [N, HV, K, V + K]; states: [B, NG, HV, K, V + K] checkpoints; bad:
-    [B, NC, HV, C] output rows to set to NaN (:func:`causal_operands`)."""
-    h0p: jax.Array
-    o: jax.Array
-    final: jax.Array
-    states: jax.Array
-    bad: jax.Array
 
 
 class BackwardResponse(NamedTuple):
@@ -281,31 +259,6 @@ class BackwardResponse(NamedTuple):
     dfinal: jax.Array
     ds_end: jax.Array
     dh0: jax.Array
-
-
-def _mm(a, b):
-    """a @ b in full float32 (no TF32: these add a state's response to exact values)."""
-    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
-
-
-def _add_response(x, V: int, seq_of_rows, seqs, delta):
-    """x[..., :V] + x[..., V:] @ delta[s] on the chunks of the sequences s in ``seqs``.
-
-    x: [B, R, HV, r, V + K] kernel output per chunk (R chunks, r rows each), whose last K
-    columns are the response to the start (end-gradient) state of the chunk's sequence;
-    seq_of_rows: [B, R]; seqs: tuple of [B] sequence indices (a repeat of an earlier entry
-    is skipped); delta: [N, HV, K, V]. Parallel per-chunk matmuls, in delta's dtype.
-    Only the chunks of ``seqs`` read their K columns: every sequence restarts them at I."""
-    acc = delta.dtype
-    out = x[..., :V].astype(acc)
-    xk = x[..., V:].astype(acc)
-    for j, s in enumerate(seqs):
-        on = seq_of_rows == s[:, None]
-        for t in seqs[:j]:
-            on = on & (s != t)[:, None]
-        corr = jnp.einsum("bnhrk,bhkv->bnhrv", xk, delta[s], precision=lax.Precision.HIGHEST)
-        out = out + jnp.where(on[:, :, None, None, None], corr, 0.0)
-    return out
 
 
 CUTEDSL = CuTeDSLEngine()
