@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The measurements still owed on the H200, as three device calls of < 600 s each:
+# The fourth session's owed measurements on the H200, as three device calls of < 600 s each
+# (the fifth session ran their substance with benchmarks/results/history/2026-12-01/s5_gpu{1,2,3}.sh;
+# still not re-run: the segment sweep, the xla fwd+bwd rows, the GPU tests cut short):
 #   bash benchmarks/run_gpu_measurements.sh 1   # timings: fwdbwd vs FLA, xla segment sizes, kernel trace, cold start
 #   bash benchmarks/run_gpu_measurements.sh 2   # the AOT GPU test alone, one xla CP rank, the GPU tests cut short on 2026-12-01
 #   bash benchmarks/run_gpu_measurements.sh 3   # intra_cp (CP inside the device) at (1, 65536, 16, 2) beside FLA

@@ -186,12 +186,17 @@ class XlaEngine(Engine):
             o, final, states = recurrence.forward_segmented(
                 chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls)
         else:
-            x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
-            o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride,
-                                                  spec.checkpoint_dtype)
-            o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+            o, final, states = self._walk(spec, blk, chb, f, h0, stride, spec.checkpoint_dtype)
         final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
         return blk.unblock(o), final, states
+
+    @staticmethod
+    def _walk(spec, blk, chb, f, h0, stride, states_dtype):
+        """The one-level forward on the blocked grid: (o rows with NaN for ``bad`` rows,
+        final states, checkpoints in ``states_dtype``)."""
+        x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
+        o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride, states_dtype)
+        return jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o), final, states
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
         blk, Ls = self._blocking(spec, ch)
@@ -232,14 +237,20 @@ class XlaEngine(Engine):
         return blk if Ls is None and blk.NB == 1 else None
 
     def forward_prepare(self, spec, ch, layout, h0p, differentiated=False):
-        """The forward on v = [v | 0] from [h0p | I], keeping its checkpoints:
-        ((E, M), :class:`ForwardResponse`)."""
-        if self._one_level(spec, ch) is None:
+        """The forward on v = [v | 0] from [h0p | I], keeping its checkpoints (in the
+        compute dtype: apply adds their response to them before they are rounded to the
+        checkpoint dtype): ((E, M), :class:`ForwardResponse`)."""
+        blk = self._one_level(spec, ch)
+        if blk is None:
             return self.forward_summaries(spec, ch, layout)
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         h0p = h0p.astype(spec.cdt)
-        o, final, states = self.forward(spec, ch._replace(v=zero_columns(ch.v, K)), layout,
-                                        identity_columns(h0p, K), keep_states=True)
+        h0x = identity_columns(h0p, K)
+        chb = blk.tree_block(ch._replace(v=zero_columns(ch.v, K)))
+        o, final, states = self._walk(spec, blk, chb, recurrence.flags(blk, layout), h0x,
+                                      spec.checkpoint_stride, spec.cdt)
+        o = blk.unblock(o)
+        final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0x)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)    # the map from a zero start
         return (E, M), ForwardResponse(h0p, o, final, states, None)
@@ -254,7 +265,7 @@ class XlaEngine(Engine):
         states = _add_response_time_major(work.states, V, seq_ck, seqs, delta)
         final = work.final[..., :V] + mm_exact(work.final[..., V:], delta)
         final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
-        return o, final, states.astype(work.states.dtype)
+        return o, final, states.astype(spec.checkpoint_dtype)
 
     def backward_prepare(self, spec, ch, layout, doc, dfinal):
         """The reverse pass from dfinal = [dfinal | I] with dO = [dO | 0]:

@@ -454,3 +454,29 @@ def test_cp_differentiated_forward_builds_xla_operands(monkeypatch):
                                   intra_cp=2).astype(jnp.float32).sum())
     jax.jit(split)(inp.q)
     assert not calls
+
+
+def test_cp_xla_segmented_ranks_take_the_two_pass_path(monkeypatch):
+    """An xla rank long enough to run in segments does not make the one-level V + K pass:
+    prepare falls back to the summaries by parallel composition and apply to a second
+    pass (segmented), with the same results."""
+    from gdp_jax import recurrence
+    from gdp_jax.engine import XLA
+    cu = CU400["A"]
+    inp = make_inputs(34, 1, 400, 2, 1, 2, 4, 3, N=len(cu) - 1, gate="normal")
+    args = tcp._args(inp)
+    w = tcp._weights(6, (1, 400, 2, 3), (len(cu) - 1, 2, 4, 3))
+    kw = (("backend", "xla"), ("recompute_chunk_num", 1))
+    want = tcp._run("op", args, cu, w, True, kw=(("backend", "xla"),))
+    monkeypatch.setattr(recurrence, "MAX_PROBLEMS", 0)
+    monkeypatch.setattr(recurrence, "SEGMENT_PROBLEMS", 2)
+    spec = _checks.check_inputs(*inp[:5])
+    layout = grid.layout_of(spec, None)
+    ch = grid.chunks_of(spec, layout, *inp[:5])
+    h0p = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
+    assert XLA.forward_prepare(spec, ch, layout, h0p)[1] is None       # no one-pass work
+    jax.clear_caches()
+    got = tcp._run("cp", args, cu, w, True, n_dev=4, kw=kw)
+    assert rel_max(got[0], want[0]) < 1e-13 and rel_max(got[1], want[1]) < 1e-13
+    for name in want[2]:
+        assert rel_max(got[2][name], want[2][name]) < 1e-13, name

@@ -192,9 +192,11 @@ class CuTeDSLEngine(Engine):
                                                         use_kernel=not differentiated)
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
+        # float32 checkpoints: apply adds their response before rounding them to the
+        # checkpoint dtype (bf16 response columns would add a rounding to the states)
         oc, final, states = ChunkForwardKernel.call(
             w, kt, qg, p, zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
-            ckpt=spec.checkpoint_stride, states_dtype=spec.checkpoint_dtype)
+            ckpt=spec.checkpoint_stride, states_dtype=acc_dtype(spec.ab_dtype))
         final = _where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
@@ -212,7 +214,7 @@ class CuTeDSLEngine(Engine):
         states = add_response(work.states, V, layout.seq_of_chunk[:, ::stride], seqs, delta)
         final = work.final[..., :V] + mm_exact(work.final[..., V:], delta)
         final = _where_has_tokens(layout, final, h0).astype(spec.cdt)
-        return oc, final, states.astype(work.states.dtype)
+        return oc, final, states.astype(spec.checkpoint_dtype)
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         return self.backward_prepare(spec, ch, layout, doc, dfinal)
