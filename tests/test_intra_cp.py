@@ -111,3 +111,13 @@ def test_intra_cp_must_divide_T():
     inp = make_inputs(5, 1, 100, 1, 1, 1, 8, 8, jnp.float64)
     with pytest.raises(ValueError, match=r"intra_cp=3 does not divide T=100"):
         OP(*inp[:5], intra_cp=3)
+
+
+def test_one_token_checks_intra_cp_then_runs_unsplit():
+    """T = 1 (the decoding path): a bad value is still an error; a valid S that cannot
+    divide T = 1 is not (a layer configured with intra_cp keeps decoding)."""
+    inp = make_inputs(6, 2, 1, 2, 1, 2, 8, 8, jnp.float64)
+    with pytest.raises(ValueError, match="intra_cp"):
+        OP(*inp[:5], intra_cp="yes")
+    np.testing.assert_array_equal(np.asarray(OP(*inp[:5], intra_cp=4)),
+                                  np.asarray(OP(*inp[:5])))

@@ -35,10 +35,21 @@ MIN_SEGMENT_TOKENS = 4096
 FILL_WALKS = 128
 
 
+def check(intra_cp) -> None:
+    """ValueError unless ``intra_cp`` is None, "auto" or an int >= 1 (any T; the decoding
+    path (T = 1) checks it too, then runs unsplit)."""
+    if intra_cp is None or (isinstance(intra_cp, str) and intra_cp == "auto"):
+        return
+    if (isinstance(intra_cp, bool) or not isinstance(intra_cp, numbers.Integral)
+            or intra_cp < 1):
+        raise ValueError(f"intra_cp={intra_cp!r}; expected None, 'auto' or an int >= 1")
+
+
 def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
     """S for this call: 1 (no split) for None; ``intra_cp`` itself for an int (it must
     divide T); for "auto", the largest power of two with B x HV x S <= FILL_WALKS and
     T / S >= MIN_SEGMENT_TOKENS tokens that divides T."""
+    check(intra_cp)
     if intra_cp is None:
         return 1
     if intra_cp == "auto":
@@ -47,9 +58,6 @@ def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
                and spec.T // (2 * S) >= MIN_SEGMENT_TOKENS):
             S *= 2
         return S
-    if (isinstance(intra_cp, bool) or not isinstance(intra_cp, numbers.Integral)
-            or intra_cp < 1):
-        raise ValueError(f"intra_cp={intra_cp!r}; expected None, 'auto' or an int >= 1")
     intra_cp = int(intra_cp)
     if spec.T % intra_cp:
         raise ValueError(f"intra_cp={intra_cp} does not divide T={spec.T} (q has shape "
