@@ -108,18 +108,17 @@ class ChunkForwardKernel:
         """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
         checkpoints of each ``recompute_chunk_nums``) and the CP rank's one pass (V + K
-        columns, the same strides, float32 checkpoints)."""
+        columns, the same checkpoints)."""
         from gdp_jax.kernels import aot
         out = []
         for name in cls.DTYPES:
             for K in cls.HEAD_DIMS:
                 for V in cls.HEAD_DIMS:
-                    runs = ([(V, 0, checkpoint_dtype(name))]
-                            + [(V, r + 1, checkpoint_dtype(name)) for r in recompute_chunk_nums]
-                            + [(V + K, r + 1, "float32") for r in recompute_chunk_nums])
-                    for Vx, ckpt, states_dtype in runs:
+                    runs = [(V, 0)] + [(Vx, r + 1) for Vx in (V, V + K)
+                                       for r in recompute_chunk_nums]
+                    for Vx, ckpt in runs:
                         fn = functools.partial(cls.raw_call, BV=cls.pick_bv(1, 1, Vx),
-                                               ckpt=ckpt, states_dtype=states_dtype)
+                                               ckpt=ckpt, states_dtype=checkpoint_dtype(name))
                         out.append(aot.Variant(f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} "
                                                f"ckpt={ckpt}", fn, _avals(name, K, Vx)))
         return out

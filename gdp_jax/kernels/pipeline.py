@@ -192,11 +192,12 @@ class CuTeDSLEngine(Engine):
                                                         use_kernel=not differentiated)
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
-        # float32 checkpoints: apply adds their response before rounding them to the
-        # checkpoint dtype (bf16 response columns would add a rounding to the states)
+        # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
+        # would skip one rounding of the response columns for twice the bytes, which the
+        # V + K pass of a CP rank cannot spare; the xla engine keeps float32 ones)
         oc, final, states = ChunkForwardKernel.call(
             w, kt, qg, p, zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
-            ckpt=spec.checkpoint_stride, states_dtype=acc_dtype(spec.ab_dtype))
+            ckpt=spec.checkpoint_stride, states_dtype=spec.checkpoint_dtype)
         final = _where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
