@@ -83,6 +83,12 @@ class Engine:
         return f"<{type(self).__name__}>"
 
 
+def where_has_tokens(layout, x, fallback):
+    """x per sequence [N, ...], ``fallback`` for sequences without tokens (no chunk wrote
+    them)."""
+    return jnp.where((layout.seq_len > 0)[:, None, None, None], x, fallback)
+
+
 # --- one-pass CP ranks: a pass on V + K state columns and its response --------------------
 # Columns of the state never mix, so a pass from the start [h0p | I] with v = [v | 0] (or,
 # backward, from dfinal = [dfinal | I] with dO = [dO | 0]) gives in its last K columns the
@@ -152,6 +158,20 @@ class XlaBackwardResponse(NamedTuple):
     first: jax.Array
 
 
+def resume_rows_and_final(work: ForwardResponse, layout, h0, seqs):
+    """A :class:`ForwardResponse` resumed from the true start states ``h0`` [N, HV, K, V]:
+    (o rows [B, NC, HV, C, V] with ``work.bad`` rows NaN, final states [N, HV, K, V],
+    delta = h0 - h0p, 0 outside ``seqs``) - the checkpoints are the engine's (its
+    layout)."""
+    V = h0.shape[-1]
+    delta = h0.astype(work.h0p.dtype) - work.h0p
+    o = add_response(work.o, V, layout.seq_of_chunk, seqs, delta)
+    if work.bad is not None:
+        o = jnp.where(work.bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+    final = work.final[..., :V] + mm_exact(work.final[..., V:], delta)
+    return o, where_has_tokens(layout, final, h0), delta
+
+
 def _add_response_time_major(x, V: int, seq, seqs, delta):
     """:func:`add_response` on the blocked grid's [L, B, ...] layout (``seq`` [L, B])."""
     out = add_response(jnp.moveaxis(x, 0, 1), V, jnp.moveaxis(seq, 0, 1), seqs, delta)
@@ -187,7 +207,7 @@ class XlaEngine(Engine):
                 chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls)
         else:
             o, final, states = self._walk(spec, blk, chb, f, h0, stride, spec.checkpoint_dtype)
-        final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
+        final = where_has_tokens(layout, final, h0)
         return blk.unblock(o), final, states
 
     @staticmethod
@@ -220,7 +240,7 @@ class XlaEngine(Engine):
             rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
             dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N)
             dchb = chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, spec.scale)
-        dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
+        dh0 = where_has_tokens(layout, first, dfinal)
         return blk.tree_unblock(dchb), dh0
 
     def forward_summaries(self, spec, ch, layout):
@@ -250,7 +270,7 @@ class XlaEngine(Engine):
         o, final, states = self._walk(spec, blk, chb, recurrence.flags(blk, layout), h0x,
                                       spec.checkpoint_stride, spec.cdt)
         o = blk.unblock(o)
-        final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0x)
+        final = where_has_tokens(layout, final, h0x)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)    # the map from a zero start
         return (E, M), ForwardResponse(h0p, o, final, states, None)
@@ -258,13 +278,10 @@ class XlaEngine(Engine):
     def forward_resume(self, spec, ch, layout, h0, seqs, work):
         if not isinstance(work, ForwardResponse):
             return super().forward_resume(spec, ch, layout, h0, seqs, work)
-        blk, V = self._one_level(spec, ch), h0.shape[-1]
-        delta = h0.astype(work.h0p.dtype) - work.h0p    # 0 outside ``seqs``
-        o = add_response(work.o, V, layout.seq_of_chunk, seqs, delta)
+        blk = self._one_level(spec, ch)
+        o, final, delta = resume_rows_and_final(work, layout, h0, seqs)
         seq_ck = blk.block(layout.seq_of_chunk)[::spec.checkpoint_stride]    # [NG, B]
-        states = _add_response_time_major(work.states, V, seq_ck, seqs, delta)
-        final = work.final[..., :V] + mm_exact(work.final[..., V:], delta)
-        final = jnp.where((layout.seq_len > 0)[:, None, None, None], final, h0)
+        states = _add_response_time_major(work.states, h0.shape[-1], seq_ck, seqs, delta)
         return o, final, states.astype(spec.checkpoint_dtype)
 
     def backward_prepare(self, spec, ch, layout, doc, dfinal):
@@ -281,7 +298,7 @@ class XlaEngine(Engine):
         rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P,
                                  blk.block(zero_columns(doc, K)))
         dS_end, first = recurrence.reverse(blk, rev, f, dfx, spec.N)
-        first = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfx)
+        first = where_has_tokens(layout, first, dfx)
         return ((first[..., :V], first[..., V:]),
                 XlaBackwardResponse(it, X, x, dfinal, dS_end, first))
 
@@ -297,7 +314,7 @@ class XlaEngine(Engine):
         S0 = recurrence.states_from_checkpoints(work.x, f, h0, states, spec.checkpoint_stride)
         dchb = chunked.local_grads_direct(blk.tree_block(ch), work.it, work.X, S0,
                                           blk.block(doc), dS_end, spec.scale)
-        dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], dh0, dfinal)
+        dh0 = where_has_tokens(layout, dh0, dfinal)
         return blk.tree_unblock(dchb), dh0
 
 

@@ -154,8 +154,11 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
     if cp_axis is not None and intra_cp not in (None, 1):
         raise ValueError(f"intra_cp={intra_cp!r} with cp_axis={cp_axis!r}: the split inside "
                          f"a device does not compose with shard_map CP yet; pass one")
-    split.check(intra_cp)
-    segments = 1 if one_token else split.num_segments(spec, intra_cp)
+    if one_token:
+        split.check(intra_cp)          # checked, then run unsplit
+        segments = 1
+    else:
+        segments = split.num_segments(spec, intra_cp)
     backend = backends.resolve(backend, spec, cp=cp_axis is not None,
                                available=backends.step_available if one_token else None)
     ok = None

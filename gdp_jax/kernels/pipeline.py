@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from gdp_jax import chunked, grid
 from gdp_jax.engine import (Engine, ForwardResponse, add_response, identity_columns,
-                            mm_exact, zero_columns)
+                            mm_exact, resume_rows_and_final, where_has_tokens,
+                            zero_columns)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
@@ -113,11 +114,6 @@ def _flags(layout: grid.ChunkLayout):
     return i32(layout.reset), i32(layout.seq_of_chunk), i32(layout.is_last)
 
 
-def _where_has_tokens(layout, x, fallback):
-    """x per sequence, ``fallback`` for sequences without tokens (no chunk wrote them)."""
-    return jnp.where((layout.seq_len > 0)[:, None, None, None], x, fallback)
-
-
 def _bv(ch, extra_columns=0):
     return ChunkForwardKernel.pick_bv(ch.k.shape[0], ch.k.shape[2],
                                       ch.v.shape[-1] + extra_columns)
@@ -160,7 +156,7 @@ class CuTeDSLEngine(Engine):
             *operands, *_flags(layout), h0, BV=_bv(ch), ckpt=ckpt,
             states_dtype=spec.checkpoint_dtype)
         oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
-        final = _where_has_tokens(layout, final, h0).astype(spec.cdt)
+        final = where_has_tokens(layout, final, h0).astype(spec.cdt)
         return oc, final, states if keep_states else None
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
@@ -173,7 +169,7 @@ class CuTeDSLEngine(Engine):
                                            BV=_bv(ch))
         dch = chunked.local_grads_direct(ch, work.it, work.X, S0, doc,
                                          ds_end.astype(ch.k.dtype), spec.scale)
-        return dch, _where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
+        return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
         N, HV, K, V = layout.seq_len.shape[0], ch.k.shape[2], ch.k.shape[-1], ch.v.shape[-1]
@@ -198,7 +194,7 @@ class CuTeDSLEngine(Engine):
         oc, final, states = ChunkForwardKernel.call(
             w, kt, qg, p, zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
             ckpt=spec.checkpoint_stride, states_dtype=spec.checkpoint_dtype)
-        final = _where_has_tokens(layout, final, h0)
+        final = where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
         return (E, M), ForwardResponse(h0p, oc, final, states, bad)
@@ -206,16 +202,11 @@ class CuTeDSLEngine(Engine):
     def forward_resume(self, spec, ch, layout, h0, seqs, work):
         """The forward from the true start states h0 without a second kernel pass: the
         prepare's rows, checkpoints and final states plus their response to h0 - h0p."""
-        V = h0.shape[-1]
-        h0 = h0.astype(work.h0p.dtype)
-        delta = h0 - work.h0p                # exactly 0 outside ``seqs`` (the same values)
-        oc = add_response(work.o, V, layout.seq_of_chunk, seqs, delta)
-        oc = jnp.where(work.bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
+        oc, final, delta = resume_rows_and_final(work, layout, h0, seqs)
         stride = spec.checkpoint_stride
-        states = add_response(work.states, V, layout.seq_of_chunk[:, ::stride], seqs, delta)
-        final = work.final[..., :V] + mm_exact(work.final[..., V:], delta)
-        final = _where_has_tokens(layout, final, h0).astype(spec.cdt)
-        return oc, final, states.astype(spec.checkpoint_dtype)
+        states = add_response(work.states, h0.shape[-1], layout.seq_of_chunk[:, ::stride],
+                              seqs, delta)
+        return oc, final.astype(spec.cdt), states.astype(spec.checkpoint_dtype)
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         return self.backward_prepare(spec, ch, layout, doc, dfinal)
@@ -234,7 +225,7 @@ class CuTeDSLEngine(Engine):
         ds_end, dh0 = StateGradKernel.call(kt, w, qg, zero_columns(ddo, K),
                                            zero_columns(do, K), decay, *_flags(layout),
                                            dfx, BV=_bv(ch, K))
-        dh0 = _where_has_tokens(layout, dh0, dfx)
+        dh0 = where_has_tokens(layout, dh0, dfx)
         summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))
         return summary, BackwardResponse(work, df, ds_end, dh0)
 
@@ -251,7 +242,7 @@ class CuTeDSLEngine(Engine):
                                              spec.checkpoint_stride)
         dch = chunked.local_grads_direct(ch, bw.it, bw.X, S0, doc, ds_end.astype(ch.k.dtype),
                                          spec.scale)
-        return dch, _where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
+        return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
 
 class BackwardResponse(NamedTuple):
