@@ -48,25 +48,36 @@ def _chunks(seed, T, n, H, HV, K, V, dtype, cu=None):
 
 
 def _run_both(spec, ch):
+    """The kernel, the XLA pipeline and the float64 operands, all three on the chunk
+    inputs the kernel reads (q, k, v rounded to the operand dtype)."""
     got = jax.jit(lambda c: ChunkPrepKernel.call(c, scale=spec.scale,
                                                  ab_dtype=spec.ab_dtype))(ch)
+    ch = ch._replace(**{n: getattr(ch, n).astype(spec.ab_dtype).astype(jnp.float32)
+                        for n in ("q", "k", "v")})
     xla = jax.jit(lambda c: pipeline.causal_operands(
         pipeline.forward_operands(c, spec.scale, spec.ab_dtype)))(ch)
     ch64 = grid.ChunkInputs(*(x.astype(jnp.float64) for x in ch))
-    ref = jax.jit(lambda c: emulate.chunk_prep_call(*c, scale=spec.scale,   # jit: eager
+    scale = jnp.full(ch.k.shape[:1], spec.scale, jnp.float64)
+    ref = jax.jit(lambda c: emulate.chunk_prep_call(*c, scale,               # jit: eager
                                                     ab_dtype=jnp.float64))(ch64)  # is slow
     return got, xla, (ref[:6], ref[6] != 0)
 
 
 def _compare(got, xla, ref, label):
+    """Same bad rows, same NaN and zero rows of the state operands; every operand at
+    least as close to float64 as XLA's (qg and P outside the bad rows: their values there
+    are not part of the contract, the output row is NaN)."""
     (ops_g, bad_g), (ops_x, bad_x), (ops_r, _) = got, xla, ref
     np.testing.assert_array_equal(np.asarray(bad_g), np.asarray(bad_x), err_msg=label)
     errs = {}
+    bad = np.asarray(bad_x)[..., None]
     for name, a, x, r in zip(NAMES, ops_g, ops_x, ops_r):
         a, x, r = (np.asarray(t).astype(np.float64) for t in (a, x, r))
         assert a.shape == x.shape, (label, name)
         np.testing.assert_array_equal(np.isnan(a), np.isnan(x), err_msg=f"{label} {name}")
         fin = np.isfinite(x) & np.isfinite(r)
+        if name in ("qg", "p"):
+            fin &= ~bad
         e_got, e_xla = rel_rms(a[fin], r[fin]), rel_rms(x[fin], r[fin])
         errs[name] = (e_got, e_xla)
         assert e_got <= 1.5 * e_xla + 1e-6, (label, name, e_got, e_xla)
@@ -104,31 +115,40 @@ def test_nonfinite_rows_match_xla():
     _compare(got, xla, ref, "non-finite")
 
 
-def _op(args, cu=None):
+def _op(args, l2norm):
     q, k, v, g, beta, s0 = args
     f = jax.jit(lambda q, k, v, g, beta, s0: gated_delta_product(
-        q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
-        use_qk_l2norm=True, backend="cutedsl"))
+        q, k, v, g, beta, initial_state=s0, output_final_state=True,
+        use_qk_l2norm=l2norm, backend="cutedsl"))
     return f(q, k, v, g, beta, s0)
 
 
-def test_op_forward_precision_vs_xla_operands(monkeypatch):
-    """o and the final state vs float64: with the kernel no worse than with the XLA
-    operands it replaces (same bf16 inputs, beta in (0, 2), gates down to -20)."""
+# with in-op L2 norm the kernel reads the normalised q, k rounded to bf16 (FLA's choice),
+# one more rounding than the XLA operands' float32 ones; without it the inputs are exact
+@pytest.mark.parametrize("l2norm,bound", [(False, 1.05), (True, 1.3)])
+def test_op_forward_precision_vs_xla_operands(monkeypatch, l2norm, bound):
+    """o and the final state vs float64: with the kernel within ``bound`` of the error
+    with the XLA operands it replaces (same bf16 inputs, beta in (0, 2), gates down to
+    -20)."""
     rng = np.random.default_rng(5)
     B, T, n, H, HV, K, V = 2, 700, 2, 2, 2, 128, 128
     inp = make_inputs(rng, B, T, n, H, HV, K, V, jnp.bfloat16, gate="none")
-    args = (inp.q, inp.k, inp.v, _gates(rng, (B, T, HV)), inp.beta, inp.initial_state)
+    q, k = inp.q, inp.k
+    if not l2norm:     # unit rows as the norm would give them, in bf16
+        unit = lambda x: (x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1,
+                                              keepdims=True)).astype(jnp.bfloat16)
+        q, k = unit(q), unit(k)
+    args = (q, k, inp.v, _gates(rng, (B, T, HV)), inp.beta, inp.initial_state)
     up = lambda x: jnp.asarray(x, jnp.float64)
     o_r, s_r = gated_delta_product_reference(*map(up, args[:5]), initial_state=up(args[5]),
-                                             output_final_state=True, use_qk_l2norm=True)
-    o_new, s_new = _op(args)
+                                             output_final_state=True, use_qk_l2norm=l2norm)
+    o_new, s_new = _op(args, l2norm)
     monkeypatch.setattr(ChunkPrepKernel, "can_implement",
                         staticmethod(lambda **kw: Unsupported("off")))
-    o_old, s_old = _op(args)
+    o_old, s_old = _op(args, l2norm)
     e = {"o": (rel_rms(o_new, o_r), rel_rms(o_old, o_r)),
          "final": (rel_rms(s_new, s_r), rel_rms(s_old, s_r))}
-    print("op forward vs float64 (kernel / xla operands):",
+    print(f"op forward vs float64, l2norm={l2norm} (kernel / xla operands):",
           {k: f"{a:.3e} / {b:.3e}" for k, (a, b) in e.items()})
     for name, (new, old) in e.items():
-        assert new <= 1.05 * old + 1e-5, (name, new, old)
+        assert new <= bound * old + 1e-5, (name, new, old)

@@ -356,8 +356,13 @@ def test_operands_kernel_contract_is_the_xla_pipeline(nonfinite):
     forward_operands(..)), bad rows and NaN rows included."""
     from gdp_jax.kernels import emulate, pipeline
     spec, ch = _bf16_chunks(4, nonfinite)
-    got = emulate.chunk_prep_call(*ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
-    want, bad = pipeline.causal_operands(pipeline.forward_operands(ch, spec.scale,
+    B = ch.k.shape[0]
+    got = emulate.chunk_prep_call(*ch, jnp.full((B,), spec.scale, jnp.float32),
+                                  ab_dtype=spec.ab_dtype)
+    # the kernel reads q, k, v in the operand dtype
+    rounded = ch._replace(**{n: getattr(ch, n).astype(spec.ab_dtype).astype(ch.k.dtype)
+                             for n in ("q", "k", "v")})
+    want, bad = pipeline.causal_operands(pipeline.forward_operands(rounded, spec.scale,
                                                                    spec.ab_dtype))
     np.testing.assert_array_equal(got[6] != 0, bad)
     assert np.any(bad) == nonfinite
@@ -370,8 +375,8 @@ def test_operands_kernel_contract_is_the_xla_pipeline(nonfinite):
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
     """bf16, K = V = 64: CuTeDSLEngine.forward (and the CP summaries) take their operands
-    from ChunkPrepKernel (run at scale 1 on scale * q), and the op's outputs equal those
-    of the XLA operands path, at the default and another scale."""
+    from ChunkPrepKernel (the scale a run-time input), and the op's outputs equal those of
+    the XLA operands path, at the default and another scale."""
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     from gdp_jax.spec import Unsupported
     calls = []

@@ -137,7 +137,11 @@ def test_chunk_prep_kernel_vmap_lowers_and_limits():
     assert "32-bit" in ChunkPrepKernel.can_implement(**{**ok, "NC": 300000})
     with pytest.raises(ValueError, match="K, V in"):
         ChunkPrepKernel.raw_call(*(jnp.zeros(a.shape, a.dtype) for a in
-                                   _chunk_avals(1, 1, 1, 32, 64)), scale=1.0,
+                                   _chunk_avals(1, 1, 1, 32, 64)), jnp.ones((1,)),
+                                 ab_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"scale: one float32 per row, shape \(1,\)"):
+        ChunkPrepKernel.raw_call(*(jnp.zeros(a.shape, a.dtype) for a in
+                                   _chunk_avals(1, 1, 1, 64, 64)), jnp.ones((2,)),
                                  ab_dtype=jnp.bfloat16)
 
 

@@ -1,11 +1,18 @@
 """The forward-operands kernel (:mod:`gdp_jax.kernels.chunk_prep_sm90`): limits and call.
 
-One pass per chunk, all chunks in parallel: chunk inputs (float32, the compute dtype) ->
-the forward chunk kernel's operands with the causal masking already applied, i.e. what
-``pipeline.causal_operands(pipeline.forward_operands(ch, scale, ab_dtype))`` returns:
-((w, kt, qg, p, u, decay), bad). Replaces the XLA pipeline of the cutedsl forward (gate
-cumsums, decay matrices, K K^T, the WY inverse, w, u, P, Kt, qg, casts, row masking) with
-one read of the chunk inputs and one write of the operands.
+One pass per chunk, all chunks in parallel: chunk inputs -> the forward chunk kernel's
+operands with the causal masking already applied, i.e. what
+``pipeline.causal_operands(pipeline.forward_operands(ch, scale, ab_dtype))`` returns for
+the chunk inputs with q, k, v rounded to the 16-bit operand dtype: ((w, kt, qg, p, u,
+decay), bad). Replaces the XLA pipeline of the cutedsl forward (gate cumsums, decay
+matrices, K K^T, the WY inverse, w, u, P, Kt, qg, casts, row masking) with one read of
+the chunk inputs and one write of the operands.
+
+The kernel reads q, k, v in the operand dtype (the cast fuses into XLA's layout of the
+chunk inputs, so they cross HBM at 16 bits): with in-op L2 norm that rounds the normalised
+q, k once, as FLA's kernels do; every later step keeps float32 (see
+``chunk_prep_sm90``). The readout scale is a run-time input, so one object serves every
+scale.
 """
 from __future__ import annotations
 
@@ -44,16 +51,18 @@ class ChunkPrepKernel:
 
     @classmethod
     def call(cls, ch, *, scale: float, ab_dtype):
-        """ch (:class:`gdp_jax.grid.ChunkInputs`) -> ((w, kt, qg, p, u, decay), bad);
-        ``jax.vmap``-able."""
-        f = binding.vmappable(lambda *a: cls.raw_call(*a, scale=scale, ab_dtype=ab_dtype),
+        """ch (:class:`gdp_jax.grid.ChunkInputs`, float32) -> ((w, kt, qg, p, u, decay),
+        bad); ``jax.vmap``-able."""
+        f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype),
                               out_kinds=("rows",) * 7)
-        w, kt, qg, p, u, decay, bad = f(ch.q, ch.k, ch.v, ch.g, ch.beta)
+        scale_rows = jnp.full(ch.k.shape[:1], scale, jnp.float32)
+        w, kt, qg, p, u, decay, bad = f(ch.q, ch.k, ch.v, ch.g, ch.beta, scale_rows)
         return (w, kt, qg, p, u, decay), bad != 0
 
     @staticmethod
-    def raw_call(q, k, v, g, beta, *, scale: float, ab_dtype):
-        """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V], g, beta [B, NC, HV, C] (float32) ->
+    def raw_call(q, k, v, g, beta, scale, *, ab_dtype):
+        """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V] (cast to ``ab_dtype``), g, beta
+        [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
         w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V],
         decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
         row to NaN)."""
@@ -63,6 +72,8 @@ class ChunkPrepKernel:
                                             rows=B, NC=NC, HV=HV)
         if why:
             raise ValueError(str(why))
+        if scale.shape != (B,):
+            raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
         ab = jnp.dtype(ab_dtype)
         rows = (B, NC, HV, C_)
         outputs = (binding.out(rows + (K,), ab), binding.out(rows + (K,), ab),
@@ -70,16 +81,17 @@ class ChunkPrepKernel:
                    binding.out(rows + (V,), jnp.float32), binding.out((B, NC, HV), jnp.float32),
                    binding.out(rows, jnp.int32))
         f32 = lambda x: x.astype(jnp.float32)
+        to_ab = lambda x: x.astype(ab)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
-                                   (f32(q), f32(k), f32(v), f32(g), f32(beta)),
-                                   tile_dims=(2, 2, 2, 1, 1, 2, 2, 2, 2, 2, 0, 1),
-                                   K=K, V=V, ab_name=ab.name, scale=float(scale))
+                                   (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),
+                                    f32(scale)),
+                                   tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1),
+                                   K=K, V=V, ab_name=ab.name)
 
     @classmethod
     def variants(cls):
-        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims, at
-        scale 1 (``scale`` is compiled in; the engine passes scale * q at scale 1, so
-        these serve every scale)."""
+        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims (the
+        scale is a run-time input)."""
         import jax
         from gdp_jax.kernels import aot
         out = []
@@ -87,9 +99,10 @@ class ChunkPrepKernel:
             for K in cls.HEAD_DIMS:
                 for V in cls.HEAD_DIMS:
                     S = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1, C) + shape, jnp.float32)
-                    fn = functools.partial(cls.raw_call, scale=1.0, ab_dtype=name)
+                    fn = functools.partial(cls.raw_call, ab_dtype=name)
                     out.append(aot.Variant(f"gdp_chunk_prep_sm90 {name} K={K} V={V}", fn,
-                                           (S(K), S(K), S(V), S(), S())))
+                                           (S(K), S(K), S(V), S(), S(),
+                                            jax.ShapeDtypeStruct((1,), jnp.float32))))
         return out
 
 
@@ -101,10 +114,9 @@ def _launcher():
     from gdp_jax.kernels import chunk_prep_sm90 as mod
 
     @cute.jit
-    def launch(stream, q, k, v, g, beta, w, kt, qg, p, u, decay, bad, *,
-               K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               scale: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, scale)(stream, q, k, v, g, beta, w, kt, qg, p, u,
-                                             decay, bad)
+    def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, *,
+               K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name)(stream, q, k, v, g, beta, scale, w, kt, qg, p, u,
+                                      decay, bad)
 
     return launch

@@ -1,8 +1,8 @@
 """CuTe DSL kernel: the forward's per-chunk operands, every chunk in parallel.
 
 One CTA (4 warps) per (chunk, value head, batch row) reads the chunk inputs q, k [C, K],
-v [C, V], g, beta [C] (float32) and writes what the forward chunk kernel reads
-(``gdp_jax.kernels.chunk_fwd_sm90``), already made causal-safe:
+v [C, V] (16-bit), g, beta [C] (float32) and the row's readout scale, and writes what the
+forward chunk kernel reads (``gdp_jax.kernels.chunk_fwd_sm90``), already made causal-safe:
 
     seg_ij = g_{j+1} + ... + g_i (j <= i), Gam = exp(seg), G_i = g_0 + ... + g_i, gam = exp(G)
     A  = tril(beta K K^T * Gam, -1),   X = (I + A)^-1
@@ -11,45 +11,51 @@ v [C, V], g, beta [C] (float32) and writes what the forward chunk kernel reads
 
 with the non-finite row rules of ``gdp_jax.kernels.pipeline.causal_operands`` (a row whose
 w or u is not finite enters as zeros with a NaN Kt row, output rows from the first such row
-on are flagged ``bad``; a non-finite readout row (qg, P) enters as zeros and is flagged).
+on are flagged ``bad``; a non-finite readout row (qg, P) enters as zeros and is flagged;
+the values of qg and P in flagged rows are not part of the contract).
+
+Precision: q, k, v are exact 16-bit MMA operands, so K K^T and Q K^T are single MMAs with
+float32 accumulation; X is float32 and enters w and u with its column scales folded in,
+split hi + lo (x = hi + lo to ~2^-16 relative): w and u carry no 16-bit rounding of X or
+of beta, gam (X's entries reach ~1e2 when beta ~ 2).
 
 Phases, separated by CTA barriers:
-  0. gates: thread i < C sums its row's segment sums from the diagonal down (the XLA
+  0. cp.async of the q, k, v tiles (128-bit, swizzled smem), overlapped with the gates:
+     thread i < C sums its row's segment sums from the diagonal down (the XLA
      ``segment_sums`` order: never a difference of cumsums, safe for strong gates) into
      Gam (float32 smem); threads C.. sum G_last - G_i the same way.
-  1. q, k (float32 global, a warp per row, one vector load a lane) -> hi + lo 16-bit
-     smem tiles (x = hi + lo to ~2^-16).
-  2. K K^T and Q K^T on warp MMAs (hi hi + lo hi + hi lo: float32-level products);
-     epilogue A (in place of Gam, float32) and P (stored).
-  3. warps 0-1: X = (I + A)^-1, one thread per column (forward substitution in float32,
-     as ``wy_inverse_sm90``), X stored hi + lo; warps 2-3 meanwhile: the right-hand sides
-     diag(beta gam) K and diag(beta) V as hi + lo tiles (non-finite entries as zeros and
-     their rows flagged, as ``chunked.causal_mm`` does), Kt and qg stored.
-  4. w = X Rw, u = X Ru on warp MMAs (3 products each: X's entries can be large when
-     beta ~ 2, so neither factor is rounded to 16 bits); row flags; stores.
+  1. each thread, on its cp.async elements: row flags of k and v (a non-finite row is
+     zeroed in smem, so it cannot reach other rows through the MMAs), Kt and qg to global.
+  2. K K^T and Q K^T on warp MMAs; epilogue A (in place of Gam, float32) and P (stored).
+  3. X = (I + A)^-1 in 32 x 32 blocks: the two diagonal blocks by forward substitution
+     (warps 0, 1: a thread per column), then X21 = -X22 (A21 X11) with every thread.
+  4. w = (X diag(beta gam))_hi+lo K, u = (X diag(beta))_hi+lo V on warp MMAs, the A
+     operands built in registers from X; row flags; stores; row rules.
 
 Row flags (is a row finite?) come without branches: each lane sums x * 0 over its
-elements of the row (0, or NaN if one is inf or NaN) and the lanes holding the row (a warp
-in the load phases, a quad of an MMA accumulator) sum it by shuffles; every lane then
-stores the same flag.
+elements of the row (0, or NaN if one is inf or NaN) and the lanes holding the row (a
+half warp or less in phase 1, a quad of an MMA accumulator) sum it by shuffles; every lane
+then stores the same flag.
 
 This module imports cutlass; import it only through ``gdp_jax.kernels.chunk_prep`` (lazily).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, c_tile, ldmatrix_copies,
-                                  make_acc, mma_split_b, operand, smem_layout, smem_tile,
-                                  transpose_view, warp_mma)
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, c_tile, g2s, g2s_copy,
+                                  ldmatrix_copies, make_acc, mma_split_b, operand,
+                                  smem_layout, smem_tile, transpose_view, warp_mma)
 
 F32 = cutlass.Float32
 I32 = cutlass.Int32
 INF = float("inf")
-HALF = NUM_THREADS // 2     # threads per half CTA (phase 3 splits the CTA in two)
+HB = C // 2         # the inverse's block size
 
 
 def _finite(x):
@@ -72,102 +78,94 @@ def _nonfinite(z, lanes: int):
     return I32(cutlass.select_(z == F32(0.0), I32(0), I32(1)))
 
 
-def _lane_load(row, E: int, lane):
-    """This lane's E consecutive float32 of the 1-D gmem tensor ``row`` (one vector load)
-    -> an [E] float32 register tensor."""
-    x = cute.make_rmem_tensor((E,), F32)
-    x.store(cute.local_tile(row, (E,), (lane,)).load().to(F32))
-    return x
+@dataclasses.dataclass(frozen=True)
+class RegOperand:
+    """An MMA A operand already in registers (``frag`` [values, M tiles, k-blocks]): the
+    ``Operand`` interface of ``sm90.mma_split_b`` with nothing to load."""
+    frag: object
 
+    def load(self, kb: int):
+        pass
 
-def _split(x, ab):
-    """float32 x -> (hi, lo) 16-bit with hi + lo = x to ~2^-16 relative."""
-    hi = x.to(ab)
-    return hi, (x - hi.to(F32)).to(ab)
+    def __getitem__(self, kb: int):
+        return self.frag[None, None, kb]
 
 
 class ChunkPrepSm90:
-    """Static configuration: head dims K, V, operand dtype, the readout scale."""
+    """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
-    def __init__(self, K: int, V: int, ab_dtype, scale: float):
+    def __init__(self, K: int, V: int, ab_dtype):
         assert K in (64, 128) and V in (64, 128)
-        self.K, self.V, self.ab, self.scale = K, V, ab_dtype, float(scale)
+        self.K, self.V, self.ab = K, V, ab_dtype
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, stream, mQ, mK, mV, mG, mBeta, mW, mKt, mQg, mP, mU, mDecay, mBad):
+    def __call__(self, stream, mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay,
+                 mBad):
         K, V, ab = self.K, self.V, self.ab
-        KV = max(K, V)
-        sK_layout = smem_layout(C, K)      # k hi/lo (phases 1-2), then diag(beta gam) k
-        sQ_layout = smem_layout(C, K)      # q hi/lo (phases 1-2) ...
-        sR_layout = smem_layout(C, V)      # ... then, same memory, diag(beta) v
-        sX_layout = smem_layout(C, C)      # X hi/lo
-        sA_layout = cute.make_layout((C, C), stride=(C + 1, 1))   # padded: no conflicts
-        qv_words = cute.cosize(smem_layout(C, KV))
+        sK_layout = smem_layout(C, K)
+        sV_layout = smem_layout(C, V)
+        pad = cute.make_layout((C, C), stride=(C + 1, 1))        # float32, no conflicts
+        sT_layout = cute.make_layout((HB, HB), stride=(HB + 1, 1))
 
         @cute.struct
         class Storage:
-            sKh: smem_tile(ab, sK_layout)
-            sKl: smem_tile(ab, sK_layout)
-            sQh: cute.struct.Align[cute.struct.MemRange[ab, qv_words], 1024]
-            sQl: cute.struct.Align[cute.struct.MemRange[ab, qv_words], 1024]
-            sXh: smem_tile(ab, sX_layout)
-            sXl: smem_tile(ab, sX_layout)
-            sA: cute.struct.Align[cute.struct.MemRange[F32, C * (C + 1)], 128]
+            sK: smem_tile(ab, sK_layout)
+            sQ: smem_tile(ab, sK_layout)
+            sV: smem_tile(ab, sV_layout)
+            sA: cute.struct.Align[cute.struct.MemRange[F32, C * (C + 1)], 128]  # Gam, A
+            sX: cute.struct.Align[cute.struct.MemRange[F32, C * (C + 1)], 128]
+            sT: cute.struct.Align[cute.struct.MemRange[F32, HB * (HB + 1)], 128]
             sg: cute.struct.MemRange[F32, C]        # g
             sb: cute.struct.MemRange[F32, C]        # beta
             sgam: cute.struct.MemRange[F32, C]      # exp(G)
             send: cute.struct.MemRange[F32, C]      # exp(G_last - G)
             # row flags (1 = set; written once per row, by the lanes holding the row)
+            fK: cute.struct.MemRange[I32, C]        # k row not finite (zeroed)
+            fV: cute.struct.MemRange[I32, C]        # v row not finite (zeroed)
             fA: cute.struct.MemRange[I32, C]        # A row not finite
-            fR: cute.struct.MemRange[I32, C]        # right-hand-side row not finite
             fP: cute.struct.MemRange[I32, C]        # P row (16-bit) not finite
             fQ: cute.struct.MemRange[I32, C]        # qg row (16-bit) not finite
             fWU: cute.struct.MemRange[I32, C]       # w (16-bit) or u row not finite
             ok: cute.struct.MemRange[I32, C]        # state row enters (causal_operands)
 
         B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
-        self.kernel(mQ, mK, mV, mG, mBeta, mW, mKt, mQg, mP, mU, mDecay, mBad,
-                    sK_layout, sQ_layout, sR_layout, sX_layout, sA_layout, warp_mma(ab),
-                    Storage).launch(grid=(NC, HV, B), block=[NUM_THREADS, 1, 1],
-                                    stream=stream)
+        self.kernel(mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad,
+                    sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
+                    warp_mma(ab), Storage).launch(grid=(NC, HV, B),
+                                                  block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mG, mBeta, mW, mKt, mQg, mP, mU, mDecay, mBad,
-               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
-               sR_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
-               sA_layout: cute.Layout, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
-        K, V, ab, scale = self.K, self.V, self.ab, self.scale
+    def kernel(self, mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               pad: cute.Layout, sT_layout: cute.Layout, copy_K: cute.TiledCopy,
+               copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
+        K, V, ab = self.K, self.V, self.ab
         tidx, _, _ = cute.arch.thread_idx()
         c, hv, b = cute.arch.block_idx()
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
-        sKh = st.sKh.get_tensor(sK_layout)
-        sKl = st.sKl.get_tensor(sK_layout)
-        sQh = st.sQh.get_tensor(sQ_layout)
-        sQl = st.sQl.get_tensor(sQ_layout)
-        sRh = st.sQh.get_tensor(sR_layout)       # reuses q's memory from phase 3 on
-        sRl = st.sQl.get_tensor(sR_layout)
-        sXh = st.sXh.get_tensor(sX_layout)
-        sXl = st.sXl.get_tensor(sX_layout)
-        sA = st.sA.get_tensor(sA_layout)         # Gam, then A in place
-        sg, sb = st.sg.get_tensor(cute.make_layout(C)), st.sb.get_tensor(cute.make_layout(C))
-        sgam = st.sgam.get_tensor(cute.make_layout(C))
-        send = st.send.get_tensor(cute.make_layout(C))
-        fA, fR = st.fA.get_tensor(cute.make_layout(C)), st.fR.get_tensor(cute.make_layout(C))
-        fP, fQ = st.fP.get_tensor(cute.make_layout(C)), st.fQ.get_tensor(cute.make_layout(C))
-        fWU = st.fWU.get_tensor(cute.make_layout(C))
-        ok = st.ok.get_tensor(cute.make_layout(C))
+        sK = st.sK.get_tensor(sK_layout)
+        sQ = st.sQ.get_tensor(sK_layout)
+        sV = st.sV.get_tensor(sV_layout)
+        sA = st.sA.get_tensor(pad)               # Gam, then A in place
+        sX = st.sX.get_tensor(pad)
+        sT = st.sT.get_tensor(sT_layout)
+        vec = lambda f: f.get_tensor(cute.make_layout(C))
+        sg, sb, sgam, send = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.send)
+        fK, fV, fA, fP, fQ = vec(st.fK), vec(st.fV), vec(st.fA), vec(st.fP), vec(st.fQ)
+        fWU, ok = vec(st.fWU), vec(st.ok)
 
-        gQ = mQ[b, c, hv, None, None]
-        gK = mK[b, c, hv, None, None]
-        gV = mV[b, c, hv, None, None]
-        gKt = mKt[b, c, hv, None, None]
-        gQg = mQg[b, c, hv, None, None]
-
-        # ---- phase 0: gates
+        # ---- phase 0: q, k, v -> smem (async) | gates
+        cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
+        tK, tQ, tV = cpK.dest(sK), cpK.dest(sQ), cpV.dest(sV)
+        cpK.load(mK[b, c, hv, None, None], (C, K), tK)
+        cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
+        cpV.load(mV[b, c, hv, None, None], (C, V), tV)
+        cute.arch.cp_async_commit_group()
+        scale = mScale[b]
         if tidx < C:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
@@ -188,27 +186,14 @@ class ChunkPrepSm90:
             for jj in cutlass.range(C - 1 - i, unroll=1):
                 t = t + sg[C - 1 - jj]
             send[i] = cute.math.exp(t)
+        cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-        # ---- phase 1: q, k -> hi + lo smem, a warp per row (E floats a lane); qg's flags
-        warp_i, lane = tidx // 32, tidx % 32
-        EK, EV = K // 32, V // 32
-        for rr in cutlass.range_constexpr(C // 4):
-            r = warp_i * (C // 4) + rr
-            kx = _lane_load(gK[r, None], EK, lane)
-            qx = _lane_load(gQ[r, None], EK, lane)
-            sc = scale * sgam[r]
-            zq = F32(0.0)
-            for m in cutlass.range_constexpr(EK):
-                col = lane * EK + m
-                kh, kl = _split(kx[m], ab)
-                sKh[r, col] = kh
-                sKl[r, col] = kl
-                qh, ql = _split(qx[m], ab)
-                sQh[r, col] = qh
-                sQl[r, col] = ql
-                zq = zq + (sc * qx[m]).to(ab).to(F32) * F32(0.0)
-            fQ[r] = _nonfinite(zq, 32)
+        # ---- phase 1: on this thread's cp.async elements (8 consecutive columns of a row
+        # per pass, a row held by K/8 or V/8 consecutive lanes): flags, zeroed rows, Kt, qg
+        self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
+                              mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ)
+        self._rows_of_v(cpV, tV, fV)
         cute.arch.sync_threads()
 
         # ---- phase 2: K K^T, Q K^T -> A (smem, in place of Gam), P
@@ -220,11 +205,10 @@ class ChunkPrepSm90:
         acc_qk = make_acc(thr_mma, (C, C))
         acc_kk.fill(0.0)
         acc_qk.fill(0.0)
-        KhA, KlA = operand(thr_mma, cA, sKh, True), operand(thr_mma, cA, sKl, True)
-        QhA, QlA = operand(thr_mma, cA, sQh, True), operand(thr_mma, cA, sQl, True)
-        KhB, KlB = operand(thr_mma, cB, sKh, False), operand(thr_mma, cB, sKl, False)
-        mma_split_b(tiled_mma, K // MMA_K, [(acc_kk, KhA), (acc_qk, QhA)], KhB, KlB, True,
-                    plain=[(acc_kk, KlA, KhB), (acc_qk, QlA, KhB)])
+        mma_split_b(tiled_mma, K // MMA_K,
+                    [(acc_kk, operand(thr_mma, cA, sK, True)),
+                     (acc_qk, operand(thr_mma, cA, sQ, True))],
+                    operand(thr_mma, cB, sK, False), None, False)
         # an accumulator row lives in one quad of lanes: this thread's rows r0 and r0 + 8
         crd = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
         r0, _ = crd[0]
@@ -252,120 +236,208 @@ class ChunkPrepSm90:
             acc_qk[e] = _pick(keep, acc_qk[e], F32(0.0))
         c_tile(thr_mma, mP[b, c, hv, None, None], (C, C), (0, 0)).store(acc_qk.load().to(ab))
 
-        # ---- phase 3: the inverse | right-hand sides, Kt, qg
-        if tidx < C:
-            j = tidx                                  # this thread's column of X
-            x = cute.make_rmem_tensor((C,), F32)
-            for i in cutlass.range_constexpr(C):
-                # two partial sums: half the dependent FMA chain
-                acc0 = _pick(j == i, F32(1.0), F32(0.0))
-                acc1 = F32(0.0)
-                for l in cutlass.range_constexpr(0, i, 2):
-                    acc0 = acc0 - sA[i, l] * x[l]
-                for l in cutlass.range_constexpr(1, i, 2):
-                    acc1 = acc1 - sA[i, l] * x[l]
-                x[i] = acc0 + acc1
-            for i in cutlass.range_constexpr(C):
-                xh, xl = _split(x[i], ab)
-                sXh[i, j] = xh
-                sXl[i, j] = xl
-        else:
-            for rr in cutlass.range_constexpr(C // 2):
-                r = (warp_i - 2) * (C // 2) + rr
-                kx = _lane_load(gK[r, None], EK, lane)
-                qx = _lane_load(gQ[r, None], EK, lane)
-                vx = _lane_load(gV[r, None], EV, lane)
-                bg, be, en, sc = sb[r] * sgam[r], sb[r], send[r], scale * sgam[r]
-                rok = (fP[r] | fQ[r]) == 0
-                kt = cute.make_rmem_tensor((EK,), F32)
-                qg = cute.make_rmem_tensor((EK,), F32)
-                z = F32(0.0)
-                for m in cutlass.range_constexpr(EK):
-                    col = lane * EK + m
-                    rw = bg * kx[m]
-                    z = z + rw * F32(0.0)
-                    rh, rl = _split(_pick(_finite(rw), rw, F32(0.0)), ab)
-                    sKh[r, col] = rh
-                    sKl[r, col] = rl
-                    kt[m] = en * kx[m]                 # rows that do not enter: NaN below
-                    qg[m] = _pick(rok, sc * qx[m], F32(0.0))
-                for m in cutlass.range_constexpr(EV):
-                    col = lane * EV + m
-                    ru = be * vx[m]
-                    z = z + ru * F32(0.0)
-                    rh, rl = _split(_pick(_finite(ru), ru, F32(0.0)), ab)
-                    sRh[r, col] = rh
-                    sRl[r, col] = rl
-                fR[r] = _nonfinite(z, 32)
-                cute.local_tile(gKt[r, None], (EK,), (lane,)).store(kt.load().to(ab))
-                cute.local_tile(gQg[r, None], (EK,), (lane,)).store(qg.load().to(ab))
+        # ---- phase 3: X = (I + A)^-1
+        self._inverse(tidx, sA, sX, sT)
+
+        # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
+        tXs = thr_mma.partition_A(sX)
+        crd_x = thr_mma.partition_A(cute.make_identity_tensor((C, C)))
+        w_bad = self._product(thr_mma, tiled_mma, cBt, tXs, crd_x, sK, K, sb, sgam, True,
+                             mW[b, c, hv, None, None], r0)
+        u_bad = self._product(thr_mma, tiled_mma, cBt, tXs, crd_x, sV, V, sb, sgam, False,
+                             mU[b, c, hv, None, None], r0)
+        if tidx % 4 == 0:                         # one lane of the quad holding the rows
+            fWU[r0] = w_bad[0] | u_bad[0]
+            fWU[r1] = w_bad[1] | u_bad[1]
         cute.arch.sync_threads()
 
-        # ---- phase 4: w = X Rw, u = X Ru
-        acc_w = make_acc(thr_mma, (C, K))
-        acc_u = make_acc(thr_mma, (C, V))
-        acc_w.fill(0.0)
-        acc_u.fill(0.0)
-        XhA, XlA = operand(thr_mma, cA, sXh, True), operand(thr_mma, cA, sXl, True)
-        Rw = operand(thr_mma, cBt, transpose_view(sKh, C, K), False)
-        Rwl = operand(thr_mma, cBt, transpose_view(sKl, C, K), False)
-        Ru = operand(thr_mma, cBt, transpose_view(sRh, C, V), False)
-        Rul = operand(thr_mma, cBt, transpose_view(sRl, C, V), False)
-        mma_split_b(tiled_mma, C // MMA_K, [(acc_w, XhA)], Rw, Rwl, True,
-                    plain=[(acc_w, XlA, Rw)])
-        mma_split_b(tiled_mma, C // MMA_K, [(acc_u, XhA)], Ru, Rul, True,
-                    plain=[(acc_u, XlA, Ru)])
-        crd_w = thr_mma.partition_C(cute.make_identity_tensor((C, K)))
-        crd_u = thr_mma.partition_C(cute.make_identity_tensor((C, V)))
-        z0, z1 = F32(0.0), F32(0.0)
-        for e in cutlass.range_constexpr(cute.size(acc_w)):
-            i, _ = crd_w[e]
-            zw = acc_w[e].to(ab).to(F32) * F32(0.0)
-            z0, z1 = z0 + _pick(i == r0, zw, F32(0.0)), z1 + _pick(i == r0, F32(0.0), zw)
-        for e in cutlass.range_constexpr(cute.size(acc_u)):
-            i, _ = crd_u[e]
-            zu = acc_u[e] * F32(0.0)
-            z0, z1 = z0 + _pick(i == r0, zu, F32(0.0)), z1 + _pick(i == r0, F32(0.0), zu)
-        fWU[r0], fWU[r1] = _nonfinite(z0, 4), _nonfinite(z1, 4)
-        cute.arch.sync_threads()
-
-        # ---- row rules: ok_i = no non-finite A / rhs row at or before i, finite w, u;
-        # bad_i = some row <= i does not enter, or the readout row is not finite
+        # ---- row rules: ok_i = no non-finite A / k / v / beta gam / beta row at or before
+        # i, finite w, u; bad_i = some row <= i does not enter, or the readout row is not
+        # finite
         if tidx < C:
             i = tidx
             nan = I32(0)
             anybad = I32(0)
             row_ok = I32(1)
             for l in cutlass.range(i + 1, unroll=1):
-                nan = nan | fA[l] | fR[l]
+                rhs = I32(cutlass.select_(_finite(sb[l] * sgam[l]) & _finite(sb[l]),
+                                          I32(0), I32(1)))
+                nan = nan | fA[l] | fK[l] | fV[l] | rhs
                 row_ok = I32(cutlass.select_((nan | fWU[l]) == 0, I32(1), I32(0)))
                 anybad = anybad | (1 - row_ok)
             ok[i] = row_ok
             mBad[b, c, hv, i] = anybad | fP[i] | fQ[i]
         cute.arch.sync_threads()
 
-        ok0, ok1 = ok[r0] != 0, ok[r1] != 0
-        for e in cutlass.range_constexpr(cute.size(acc_w)):
-            i, _ = crd_w[e]
-            keep = cutlass.Boolean(cutlass.select_(i == r0, ok0, ok1))
-            acc_w[e] = _pick(keep, acc_w[e], F32(0.0))
-        c_tile(thr_mma, mW[b, c, hv, None, None], (C, K), (0, 0)).store(acc_w.load().to(ab))
-        for e in cutlass.range_constexpr(cute.size(acc_u)):
-            i, _ = crd_u[e]
-            keep = cutlass.Boolean(cutlass.select_(i == r0, ok0, ok1))
-            acc_u[e] = _pick(keep, acc_u[e], F32(0.0))
-        c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).store(acc_u.load())
+        # rows that do not enter (rare: non-finite inputs): w, u rows zeroed, Kt rows NaN
+        if (ok[r0] == 0) | (ok[r1] == 0):
+            self._zero_rows(thr_mma, mW[b, c, hv, None, None], (C, K), ok, r0)
+            self._zero_rows(thr_mma, mU[b, c, hv, None, None], (C, V), ok, r0)
         if tidx < C:
-            if ok[tidx] == 0:                      # rare: a row that does not enter
+            if ok[tidx] == 0:
                 for col in cutlass.range(K, unroll=1):
-                    gKt[tidx, col] = F32(float("nan")).to(ab)
+                    mKt[b, c, hv, tidx, col] = F32(float("nan")).to(ab)
+
+    # ------------------------------------------------------------ device-side pieces
+    @cute.jit
+    def _rows_of_k_and_q(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ):
+        """Phase 1 for k and q: fK (the row is zeroed in smem if set), Kt = exp(G_last -
+        G) k and qg = scale gam q to global, fQ (qg's 16-bit row not finite)."""
+        K, ab = self.K, self.ab
+        lanes = K // 8
+        crd = cpK.thr.partition_D(cute.make_identity_tensor((C, K)))
+        rk = cute.make_fragment_like(tK)
+        rq = cute.make_fragment_like(tQ)
+        cute.autovec_copy(tK, rk)
+        cute.autovec_copy(tQ, rq)
+        kt = cute.make_fragment_like(tK, F32)
+        qg = cute.make_fragment_like(tQ, F32)
+        for m in cutlass.range_constexpr(cute.size(tK) // 8):
+            r, _ = crd[8 * m]
+            en, sc = send[r], scale * sgam[r]
+            zk, zq = F32(0.0), F32(0.0)
+            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                x = rk[e].to(F32)
+                zk = zk + x * F32(0.0)
+                kt[e] = en * x
+                y = sc * rq[e].to(F32)
+                qg[e] = y
+                zq = zq + y.to(ab).to(F32) * F32(0.0)
+            bad_k = _nonfinite(zk, lanes)
+            bad_q = _nonfinite(zq, lanes)
+            fK[r] = bad_k
+            fQ[r] = bad_q
+            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
+            if bad_k != 0:                      # rare: keep it out of the MMAs
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tK[e] = F32(0.0).to(ab)
+        cpK.thr.partition_S(gKt).store(kt.load().to(ab))
+        cpK.thr.partition_S(gQg).store(qg.load().to(ab))
+
+    @cute.jit
+    def _rows_of_v(self, cpV, tV, fV):
+        """Phase 1 for v: fV (the row is zeroed in smem if set)."""
+        lanes = self.V // 8
+        crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
+        rv = cute.make_fragment_like(tV)
+        cute.autovec_copy(tV, rv)
+        for m in cutlass.range_constexpr(cute.size(tV) // 8):
+            r, _ = crd[8 * m]
+            z = F32(0.0)
+            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                z = z + rv[e].to(F32) * F32(0.0)
+            bad_v = _nonfinite(z, lanes)
+            fV[r] = bad_v
+            if bad_v != 0:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tV[e] = F32(0.0).to(self.ab)
+
+    @cute.jit
+    def _inverse(self, tidx, sA, sX, sT):
+        """X = (I + A)^-1 (float32, strictly lower A) in HB x HB blocks: X11, X22 by
+        forward substitution (one thread per column: warp 0 the first block, warp 1 the
+        second; X12 = 0), T = A21 X11, X21 = -X22 T. A row that is not finite makes its
+        own X row and the later ones non-finite, never an earlier one (X22's sum runs
+        over m <= i only)."""
+        if tidx < C:
+            ob = (tidx // HB) * HB                # block offset
+            jc = tidx % HB                        # this thread's column of the block
+            x = cute.make_rmem_tensor((HB,), F32)
+            for i in cutlass.range_constexpr(HB):
+                # two partial sums: half the dependent FMA chain
+                acc0 = _pick(jc == i, F32(1.0), F32(0.0))
+                acc1 = F32(0.0)
+                for l in cutlass.range_constexpr(0, i, 2):
+                    acc0 = acc0 - sA[ob + i, ob + l] * x[l]
+                for l in cutlass.range_constexpr(1, i, 2):
+                    acc1 = acc1 - sA[ob + i, ob + l] * x[l]
+                x[i] = acc0 + acc1
+            for i in cutlass.range_constexpr(HB):
+                sX[ob + i, ob + jc] = x[i]
+            if ob == 0:
+                for i in cutlass.range_constexpr(HB):
+                    sX[i, HB + jc] = F32(0.0)
+        cute.arch.sync_threads()
+        # every thread: column j, rows w, w + 4, ... of the HB x HB off-diagonal block
+        j = tidx % HB
+        w0 = tidx // HB
+        col = cute.make_rmem_tensor((HB,), F32)
+        for l in cutlass.range_constexpr(HB):
+            col[l] = sX[l, j]                     # X11[:, j]
+        for s in cutlass.range_constexpr(HB // 4):
+            i = w0 + 4 * s
+            acc0, acc1 = F32(0.0), F32(0.0)
+            for l in cutlass.range_constexpr(0, HB, 2):
+                acc0 = acc0 + sA[HB + i, l] * col[l]
+            for l in cutlass.range_constexpr(1, HB, 2):
+                acc1 = acc1 + sA[HB + i, l] * col[l]
+            sT[i, j] = acc0 + acc1
+        cute.arch.sync_threads()
+        for m in cutlass.range_constexpr(HB):
+            col[m] = sT[m, j]                     # T[:, j]
+        for s in cutlass.range_constexpr(HB // 4):
+            i = w0 + 4 * s
+            acc0, acc1 = F32(0.0), F32(0.0)
+            for m in cutlass.range_constexpr(0, HB, 2):
+                acc0 = acc0 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
+            for m in cutlass.range_constexpr(1, HB, 2):
+                acc1 = acc1 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
+            sX[HB + i, j] = acc0 + acc1
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _product(self, thr_mma, tiled_mma, cBt, tXs, crd_x, sR, N: cutlass.Constexpr,
+                 sb, sgam, with_gam: cutlass.Constexpr, gOut, r0):
+        """out = (X diag(s))_hi+lo R (s = beta gam or beta; a column with a non-finite s
+        enters as zeros) on warp MMAs with float32 accumulation, stored to ``gOut``
+        (16-bit w, float32 u); returns the non-finite flags of this thread's rows r0,
+        r0 + 8 (as stored), reduced over their quads."""
+        ab = self.ab
+        xh = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
+        xl = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
+        for e in cutlass.range_constexpr(cute.size(xh)):
+            _, r = crd_x[e]
+            s = sb[r] * sgam[r] if with_gam else sb[r]
+            y = _pick(_finite(s), tXs[e] * s, F32(0.0))
+            hi = y.to(ab)
+            xh[e] = hi
+            xl[e] = (y - hi.to(F32)).to(ab)
+        acc = make_acc(thr_mma, (C, N))
+        acc.fill(0.0)
+        R = operand(thr_mma, cBt, transpose_view(sR, C, N), False)     # R^T: [N, C]
+        mma_split_b(tiled_mma, C // MMA_K, [(acc, RegOperand(xh)), (acc, RegOperand(xl))],
+                    R, None, False)
+        crd = thr_mma.partition_C(cute.make_identity_tensor((C, N)))
+        z0, z1 = F32(0.0), F32(0.0)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, _ = crd[e]
+            y = acc[e].to(ab).to(F32) if with_gam else acc[e]
+            z = y * F32(0.0)
+            z0, z1 = z0 + _pick(i == r0, z, F32(0.0)), z1 + _pick(i == r0, F32(0.0), z)
+        out = c_tile(thr_mma, gOut, (C, N), (0, 0))
+        if cutlass.const_expr(with_gam):
+            out.store(acc.load().to(ab))
+        else:
+            out.store(acc.load())
+        return _nonfinite(z0, 4), _nonfinite(z1, 4)
+
+    @cute.jit
+    def _zero_rows(self, thr_mma, gOut, shape: cutlass.Constexpr, ok, r0):
+        """Zero this thread's elements of the rows of ``gOut`` that do not enter."""
+        out = c_tile(thr_mma, gOut, shape, (0, 0))
+        crd = thr_mma.partition_C(cute.make_identity_tensor(shape))
+        for e in cutlass.range_constexpr(cute.size(out)):
+            i, _ = crd[e]
+            if ok[i] == 0:
+                out[e] = F32(0.0).to(out.element_type)
 
 
 _KERNELS = {}
 
 
-def get_kernel(K: int, V: int, ab_name: str, scale: float) -> ChunkPrepSm90:
-    key = (K, V, ab_name, float(scale))
+def get_kernel(K: int, V: int, ab_name: str) -> ChunkPrepSm90:
+    key = (K, V, ab_name)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), scale)
+        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name))
     return _KERNELS[key]

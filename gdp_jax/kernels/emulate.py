@@ -89,18 +89,22 @@ def inverse_kernel_call(A):
     return chunked._blocked_inverse(jnp.where(strict, A, 0.0))
 
 
-def chunk_prep_call(q, k, v, g, beta, *, scale, ab_dtype):
-    """The operands kernel's contract (``ChunkPrepKernel.raw_call``): the forward kernel's
-    operands, cast (16-bit; u, decay in the accumulator dtype) and made causal-safe, and
-    the int32 ``bad`` rows - as ``pipeline.causal_operands(pipeline.forward_operands(..))``
-    (tests/test_cutedsl_emulated.py holds the two equal)."""
-    ch = ChunkInputs(q, k, v, g, beta)
-    it = chunked.intra_chunk(ch, inverse=inverse_kernel_call_batched)
+def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype):
+    """The operands kernel's contract (``ChunkPrepKernel.raw_call``; ``scale`` [B], one
+    per row): the forward kernel's operands, cast (16-bit; u, decay in the accumulator
+    dtype) and made causal-safe, and the int32 ``bad`` rows - as
+    ``pipeline.causal_operands(pipeline.forward_operands(..))`` on the chunk inputs with
+    q, k, v rounded to ``ab_dtype`` (tests/test_cutedsl_emulated.py holds the two equal)."""
     acc = jnp.promote_types(jnp.float32, ab_dtype)
+    rnd = lambda x: x.astype(ab_dtype).astype(acc)
+    q, k, v = rnd(q), rnd(k), rnd(v)
+    ch = ChunkInputs(q, k, v, g.astype(acc), beta.astype(acc))
+    it = chunked.intra_chunk(ch, inverse=inverse_kernel_call_batched)
+    s = scale.astype(acc).reshape((-1,) + (1,) * (q.ndim - 1))
     cast = lambda x: x.astype(ab_dtype)
     w, kt, u = cast(it.w), cast(it.Kt), it.u.astype(acc)
-    qg = cast(scale * it.gam[..., None] * q)
-    p = cast(scale * chunked.causal_scores(q, k, it.Gam))
+    qg = cast(s * it.gam[..., None] * q)
+    p = cast(s * chunked.causal_scores(q, k, it.Gam))
     rows = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
     state_ok, bad = chunked.nonfinite_rows(None, finite=rows(w) & rows(u))
     read_ok = rows(qg) & rows(p)

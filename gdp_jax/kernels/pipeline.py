@@ -84,10 +84,7 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True):
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
-        # scale enters through q (exact up to one float32 rounding of q): the kernel is
-        # compiled at scale 1, so one prebuilt variant serves every scale
-        return ChunkPrepKernel.call(ch._replace(q=ch.q * jnp.asarray(spec.scale, ch.q.dtype)),
-                                    scale=1.0, ab_dtype=spec.ab_dtype)
+        return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
 
 
