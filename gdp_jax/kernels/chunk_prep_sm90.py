@@ -108,13 +108,16 @@ class ChunkPrepSm90:
         pad = cute.make_layout((C, C), stride=(C + 1, 1))        # float32, no conflicts
         sT_layout = cute.make_layout((HB, HB), stride=(HB + 1, 1))
 
+        # q's tile is dead after Q K^T: X (float32) reuses it (~70 KB in all at K = V =
+        # 128: three CTAs an SM)
+        qx_elems = max(cute.cosize(sK_layout), 2 * C * (C + 1))
+
         @cute.struct
         class Storage:
             sK: smem_tile(ab, sK_layout)
-            sQ: smem_tile(ab, sK_layout)
+            sQ: cute.struct.Align[cute.struct.MemRange[ab, qx_elems], 1024]   # q, then X
             sV: smem_tile(ab, sV_layout)
             sA: cute.struct.Align[cute.struct.MemRange[F32, C * (C + 1)], 128]  # Gam, A
-            sX: cute.struct.Align[cute.struct.MemRange[F32, C * (C + 1)], 128]
             sT: cute.struct.Align[cute.struct.MemRange[F32, HB * (HB + 1)], 128]
             sg: cute.struct.MemRange[F32, C]        # g
             sb: cute.struct.MemRange[F32, C]        # beta
@@ -151,7 +154,7 @@ class ChunkPrepSm90:
         sQ = st.sQ.get_tensor(sK_layout)
         sV = st.sV.get_tensor(sV_layout)
         sA = st.sA.get_tensor(pad)               # Gam, then A in place
-        sX = st.sX.get_tensor(pad)
+        sX = st.sQ.get_tensor(pad, dtype=F32)   # from phase 3 on
         sT = st.sT.get_tensor(sT_layout)
         vec = lambda f: f.get_tensor(cute.make_layout(C))
         sg, sb, sgam, send = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.send)
@@ -290,30 +293,32 @@ class ChunkPrepSm90:
         rq = cute.make_fragment_like(tQ)
         cute.autovec_copy(tK, rk)
         cute.autovec_copy(tQ, rq)
-        kt = cute.make_fragment_like(tK, F32)
-        qg = cute.make_fragment_like(tQ, F32)
         for m in cutlass.range_constexpr(cute.size(tK) // 8):
-            r, _ = crd[8 * m]
+            r, col = crd[8 * m]
             en, sc = send[r], scale * sgam[r]
+            kt = cute.make_rmem_tensor((8,), F32)
+            qg = cute.make_rmem_tensor((8,), F32)
             zk, zq = F32(0.0), F32(0.0)
-            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                x = rk[e].to(F32)
+            for e in cutlass.range_constexpr(8):
+                x = rk[8 * m + e].to(F32)
                 zk = zk + x * F32(0.0)
                 kt[e] = en * x
-                y = sc * rq[e].to(F32)
+                y = sc * rq[8 * m + e].to(F32)
                 qg[e] = y
                 zq = zq + y.to(ab).to(F32) * F32(0.0)
             bad_k = _nonfinite(zk, lanes)
             bad_q = _nonfinite(zq, lanes)
             fK[r] = bad_k
             fQ[r] = bad_q
-            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+            for e in cutlass.range_constexpr(8):
                 qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
+            # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
+            # objects' row strides are run-time values)
+            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
+            cute.local_tile(gQg[r, None], (8,), (col // 8,)).store(qg.load().to(ab))
             if bad_k != 0:                      # rare: keep it out of the MMAs
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                     tK[e] = F32(0.0).to(ab)
-        cpK.thr.partition_S(gKt).store(kt.load().to(ab))
-        cpK.thr.partition_S(gQg).store(qg.load().to(ab))
 
     @cute.jit
     def _rows_of_v(self, cpV, tV, fV):
