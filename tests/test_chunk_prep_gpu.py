@@ -126,12 +126,12 @@ def _op(args, l2norm):
 def test_op_forward_precision_vs_fla():
     """The user's bar, with in-op L2 norm (where the kernel reads the normalised q, k
     rounded to bf16, as FLA does): o vs float64 no worse than FLA's on the same inputs
-    (fully tuned FLA, same process; B = 2, T = 1000, H = 4, n = 2, K = V = 128)."""
+    (fully tuned FLA, same process; B = 1, T = 2000, H = 16 (FLA's tuned configs are cached per head count), n = 2, K = V = 128)."""
     pytest.importorskip("torch")
     pytest.importorskip("fla")
     from benchmarks import fla as fla_peer
     from benchmarks.registry import Shape, make_inputs as bench_inputs
-    x = bench_inputs(Shape(2, 1000, 4, 2), seed=3)
+    x = bench_inputs(Shape(1, 2000, 16, 2), seed=3)
     up = lambda a: jnp.asarray(a, jnp.float64)
     o_r = gated_delta_product_reference(up(x.q), up(x.k), up(x.v), up(x.g), up(x.beta),
                                         use_qk_l2norm=True)
