@@ -20,6 +20,7 @@ if not _gpu_ok():
 
 from gdp_jax import _checks, gated_delta_product, gated_delta_product_reference, grid  # noqa: E402
 from gdp_jax.kernels import emulate, pipeline  # noqa: E402
+from gdp_jax.kernels import chunk_prep  # noqa: E402
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel  # noqa: E402
 from gdp_jax.spec import Unsupported  # noqa: E402
 from gdp_jax.testing import make_inputs, rel_rms  # noqa: E402
@@ -52,8 +53,7 @@ def _run_both(spec, ch):
     inputs the kernel reads (q, k, v rounded to the operand dtype)."""
     got = jax.jit(lambda c: ChunkPrepKernel.call(c, scale=spec.scale,
                                                  ab_dtype=spec.ab_dtype))(ch)
-    ch = ch._replace(**{n: getattr(ch, n).astype(spec.ab_dtype).astype(jnp.float32)
-                        for n in ("q", "k", "v")})
+    ch = chunk_prep.as_read(ch, spec.ab_dtype)
     xla = jax.jit(lambda c: pipeline.causal_operands(
         pipeline.forward_operands(c, spec.scale, spec.ab_dtype)))(ch)
     ch64 = grid.ChunkInputs(*(x.astype(jnp.float64) for x in ch))

@@ -355,15 +355,13 @@ def test_operands_kernel_contract_is_the_xla_pipeline(nonfinite):
     """The operands kernel's emulation (its contract) equals causal_operands(
     forward_operands(..)), bad rows and NaN rows included."""
     from gdp_jax.kernels import emulate, pipeline
+    from gdp_jax.kernels.chunk_prep import as_read
     spec, ch = _bf16_chunks(4, nonfinite)
     B = ch.k.shape[0]
     got = emulate.chunk_prep_call(*ch, jnp.full((B,), spec.scale, jnp.float32),
                                   ab_dtype=spec.ab_dtype)
-    # the kernel reads q, k, v in the operand dtype
-    rounded = ch._replace(**{n: getattr(ch, n).astype(spec.ab_dtype).astype(ch.k.dtype)
-                             for n in ("q", "k", "v")})
-    want, bad = pipeline.causal_operands(pipeline.forward_operands(rounded, spec.scale,
-                                                                   spec.ab_dtype))
+    want, bad = pipeline.causal_operands(pipeline.forward_operands(
+        as_read(ch, spec.ab_dtype), spec.scale, spec.ab_dtype))
     np.testing.assert_array_equal(got[6] != 0, bad)
     assert np.any(bad) == nonfinite
     for a, b in zip(got[:6], want):

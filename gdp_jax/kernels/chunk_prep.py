@@ -26,6 +26,14 @@ from gdp_jax.kernels import binding
 from gdp_jax.spec import Unsupported
 
 
+def as_read(ch, ab_dtype, dtype=None):
+    """``ch`` (:class:`gdp_jax.grid.ChunkInputs`) as the kernel reads it: q, k, v rounded
+    to the operand dtype ``ab_dtype``, then in ``dtype`` (default: their own); g, beta as
+    they are."""
+    back = lambda x: x.astype(ab_dtype).astype(dtype or x.dtype)
+    return ch._replace(q=back(ch.q), k=back(ch.k), v=back(ch.v))
+
+
 class ChunkPrepKernel:
     """Limits and the (vmappable) call of the forward-operands kernel."""
 

@@ -16,6 +16,7 @@ from jax import lax
 
 from gdp_jax import _vma, chunked
 from gdp_jax.grid import ChunkInputs
+from gdp_jax.kernels.chunk_prep import as_read
 
 
 def _scatter_rows(n_rows, rows, values, keep):
@@ -96,9 +97,8 @@ def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype):
     ``pipeline.causal_operands(pipeline.forward_operands(..))`` on the chunk inputs with
     q, k, v rounded to ``ab_dtype`` (tests/test_cutedsl_emulated.py holds the two equal)."""
     acc = jnp.promote_types(jnp.float32, ab_dtype)
-    rnd = lambda x: x.astype(ab_dtype).astype(acc)
-    q, k, v = rnd(q), rnd(k), rnd(v)
-    ch = ChunkInputs(q, k, v, g.astype(acc), beta.astype(acc))
+    ch = as_read(ChunkInputs(q, k, v, g.astype(acc), beta.astype(acc)), ab_dtype, acc)
+    q, k = ch.q, ch.k
     it = chunked.intra_chunk(ch, inverse=inverse_kernel_call_batched)
     s = scale.astype(acc).reshape((-1,) + (1,) * (q.ndim - 1))
     cast = lambda x: x.astype(ab_dtype)
