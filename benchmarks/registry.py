@@ -138,6 +138,7 @@ class Built:
     first: Optional[Callable] = None
     fresh_state: Optional[Callable] = None
     release: Callable = lambda: None
+    jitted: dict = dataclasses.field(default_factory=dict)   # {"fwd"/"fwdbwd": (jit fn, args)}
 
 
 class OursOp:
@@ -192,7 +193,8 @@ class OursOp:
 
         return Built(sync=jax.block_until_ready, fwd=lambda: fwd(*args),
                      fwdbwd=lambda: vg(*args), grads_of=lambda r: r[1], memory=memory,
-                     to_np=lambda a: np.asarray(a.astype(jnp.float32)))
+                     to_np=lambda a: np.asarray(a.astype(jnp.float32)),
+                     jitted={"fwd": (fwd, args), "fwdbwd": (vg_jit, args)})
 
 
 class OursStep:

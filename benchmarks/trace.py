@@ -37,6 +37,21 @@ def kernel_times(out_dir, steps):
     return tot, cnt
 
 
+def _write_hlo(built, mode, path):
+    """The optimized HLO of the traced program, if the registry exposes its jitted function
+    and arguments (``built.jitted``: {mode: (fn, args)})."""
+    fn_args = getattr(built, "jitted", {}).get(mode)
+    if fn_args is None:
+        print(f"(no HLO: the {mode} build does not expose its jitted function)")
+        return
+    fn, args = fn_args
+    text = fn.lower(*args).compile().as_text()
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt") as f:
+        f.write(text)
+    print(f"optimized HLO ({len(text) / 1e6:.1f} MB of text) -> {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8,4096,16,2", help="B,T,H,n[,K,V]")
@@ -46,6 +61,9 @@ def main(argv=None):
     ap.add_argument("--out", default="/tmp/gdp_trace")
     ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd",
                     help="trace the jitted value-and-grad (default) or the forward alone")
+    ap.add_argument("--hlo", default=None,
+                    help="also write the compiled (optimized) HLO text here (gzip if .gz): "
+                         "the trace's names are its fusions")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     # XLA replays whole programs as CUDA graphs ("command buffers"): the trace then shows one
@@ -66,6 +84,8 @@ def main(argv=None):
         for _ in range(a.steps):
             built.sync(call())
     tot, cnt = kernel_times(a.out, a.steps)
+    if a.hlo:
+        _write_hlo(built, a.mode, a.hlo)
     if not tot:
         print("no GPU kernels in the trace (is the default device a GPU?)")
     print(f"total GPU kernel time per step: {sum(tot.values()):.3f} ms ({len(tot)} names)")

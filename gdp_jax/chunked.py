@@ -430,9 +430,9 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     dkk = dA * beta[..., :, None] * Gam
     dqk = dP * Gam
     dGam = dA * beta[..., :, None] * kk + dP * qk                   # lower, 0 on the diagonal's
-    qS0 = q @ S0
+    doS0 = doc @ _t(S0)                                              # [.., C, K]
 
-    dq = scale * gam[..., None] * (doc @ _t(S0)) + dqk @ k
+    dq = scale * gam[..., None] * doS0 + dqk @ k
     dk = (_t(dqk) @ q + (dkk + _t(dkk)) @ k + (beta * gam)[..., None] * dRw
           + et[..., None] * dKt)
     dv = beta[..., None] * dRu
@@ -440,7 +440,8 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
 
     # the gate: G_i = sum_{l <= i} g_l, (G_last - G)_i = sum_{l > i} g_l,
     # seg_ij = sum_{j < l <= i} g_l (Gam = exp(seg)), G_last = sum_l g_l
-    dG = gam * (scale * _rows(doc, qS0) + beta * _rows(dRw, k))
+    # rows(dO, q S0) = rows(q, dO S0^T): no second product with the states
+    dG = gam * (scale * _rows(q, doS0) + beta * _rows(dRw, k))
     dto_end = et * _rows(dKt, k)
     dG_last = jnp.exp(it.G_last) * jnp.sum(dS_end * S0, axis=(-2, -1))
     dseg = dGam * Gam

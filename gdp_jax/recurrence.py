@@ -116,11 +116,6 @@ def _b(mask, x):
     return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
 
 
-def _scatter_rows(table, idx, rows):
-    """table[idx[r]] = rows[r] for idx[r] < len(table) (other rows dropped)."""
-    return table.at[idx].set(rows.astype(table.dtype), mode="drop")
-
-
 # ------------------------------------------------------------------------------ forward
 
 class Forward(NamedTuple):
@@ -220,34 +215,50 @@ def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
 def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S, fin):
     """The forward recursion over the L chunks of ``x`` [L, R, HV, ...] from the start
     states ``S`` [R, HV, K, V], final states collected into ``fin`` [N, HV, K, V]:
-    (S after the last chunk, fin, o rows [L, R, HV, C, V], checkpoints or None)."""
-    L = x.w.shape[0]
-    group = max(stride, 1)
+    (S after the last chunk, fin, o rows [L, R, HV, C, V], checkpoints or None).
 
-    def chunk(S, fin, xs):
-        w, u, Kt, G_last, qg, P, reset, sid, last = xs
+    Only the state is sequential: the scan carries S and keeps every chunk's start
+    state; the readout, the final states and the checkpoints are read off those
+    afterwards for all chunks at once (a step is then 2 matmuls, not 4 and a scatter)."""
+
+    def chunk(S, xs):
+        w, u, Kt, G_last, reset, sid = xs
         S = jnp.where(_b(reset, S), h0[sid], S)
-        S_end, delta = _advance(S, w, u, Kt, G_last)
-        # Delta can overflow inside the chunk (huge finite w, u): causal_mm keeps such a
-        # row from reaching earlier output rows through P's zeros.
-        o = _mm(qg, S) + chunked.causal_mm(P, delta)
-        fin = _scatter_rows(fin, jnp.where(last, sid, N), S_end)
-        return S_end, fin, o, S
+        return _advance(S, w, u, Kt, G_last)[0], S
 
-    def step(carry, xs):
-        S, fin = carry
-        os = []
-        for j in range(group):
-            S, fin, o, S_start = chunk(S, fin, jax.tree_util.tree_map(lambda a: a[j], xs))
-            os.append(o)
-            if j == 0:
-                kept = S_start.astype(states_dtype) if stride else None
-        return (S, fin), (jnp.stack(os), kept)
+    S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq))
+    o = readout(x, S0)
+    fin = _collect_final(x, f, S0, fin)
+    states = S0[::stride].astype(states_dtype) if stride else None
+    return S, fin, o, states
 
-    xs = (*x, *f)
-    xs = jax.tree_util.tree_map(lambda a: a.reshape((L // group, group) + a.shape[1:]), xs)
-    (S, fin), (o, states) = lax.scan(step, (S, fin), xs)
-    return S, fin, o.reshape((L,) + o.shape[2:]), states
+
+def readout(x: Forward, S0):
+    """Output rows [.., C, V] of every chunk from its start state S0 [.., K, V]:
+    qg S0 + P Delta, Delta = u - w S0 (P's zeros never meet a later non-finite row:
+    :func:`gdp_jax.chunked.causal_mm`)."""
+    delta = x.u - _mm(x.w, S0)
+    return _mm(x.qg, S0) + chunked.causal_mm(x.P, delta)
+
+
+def _chunk_of_each(flag, seq, N: int):
+    """[N] flat index (into L * R) of the chunk flagged for each sequence, -1 where no
+    chunk of this grid is (``flag`` [L, R]: at most one per sequence)."""
+    flat = jnp.arange(flag.size, dtype=jnp.int32).reshape(flag.shape)
+    return jnp.full((N,), -1, jnp.int32).at[jnp.where(flag, seq, N)].set(flat, mode="drop")
+
+
+def _pick(idx, a):
+    """Rows ``idx`` [N] of a per-chunk tensor a [L, R, ...] (clipped; mask the -1s)."""
+    return a.reshape((-1,) + a.shape[2:])[jnp.maximum(idx, 0)]
+
+
+def _collect_final(x: Forward, f: Flags, S0, fin):
+    """``fin`` [N, HV, K, V] with the end state of every sequence whose last chunk is on
+    this grid: that chunk's map on its start state."""
+    idx = _chunk_of_each(f.last, f.seq, fin.shape[0])
+    S_end = _advance(*(_pick(idx, a) for a in (S0, x.w, x.u, x.Kt, x.G_last)))[0]
+    return jnp.where(_b(idx >= 0, fin), S_end.astype(fin.dtype), fin)
 
 
 def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int):
@@ -330,21 +341,33 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first):
     """The reverse recursion over the L chunks of ``x`` [L, R, HV, ...], last chunk first,
     from the gradient ``dS`` [R, HV, K, V] arriving after the last one, first-chunk
     gradients collected into ``first`` [N, HV, K, V]: (the gradient leaving the first
-    chunk's start, first, dS_end of every chunk [L, R, HV, K, V])."""
+    chunk's start, first, dS_end of every chunk [L, R, HV, K, V]).
 
-    def step(carry, xs):
-        dS, first = carry
-        w, Kt, G_last, qg, P, do, reset, sid, last = xs
+    What the output rows send to Delta (P^T dO) is computed for all chunks before the
+    scan and the first chunks' start gradients after it, from dS_end."""
+    acc = dS.dtype
+    ddo = _mm(_t(x.P), x.do).astype(acc)                      # [L, R, HV, C, V]
+
+    def step(dS, xs):
+        w, Kt, G_last, qg, ddo, do, reset, sid, last = xs
         dS_end = dS + jnp.where(_b(last, dS), dfinal[sid], 0)
-        acc = dS_end.dtype
-        dD = _mm(_t(P), do).astype(acc) + _mm(Kt, dS_end)
-        dS_start = (_mm(_t(qg), do).astype(acc) + jnp.exp(G_last)[..., None, None] * dS_end
-                    - _mm(_t(w), dD))
-        first = _scatter_rows(first, jnp.where(reset, sid, N), dS_start)
-        return (jnp.where(_b(reset, dS_start), 0, dS_start), first), dS_end
+        return jnp.where(_b(reset, dS), 0, _start_grad(w, Kt, G_last, qg, ddo, do, dS_end)), dS_end
 
-    (dS, first), dS_end = lax.scan(step, (dS, first), (*x, *f), reverse=True)
+    xs = (x.w, x.Kt, x.G_last, x.qg, ddo, x.do, f.reset, f.seq, f.last)
+    dS, dS_end = lax.scan(step, dS, xs, reverse=True)
+    idx = _chunk_of_each(f.reset, f.seq, N)
+    at_first = _start_grad(*(_pick(idx, a) for a in xs[:6]), _pick(idx, dS_end))
+    first = jnp.where(_b(idx >= 0, first), at_first.astype(first.dtype), first)
     return dS, first, dS_end
+
+
+def _start_grad(w, Kt, G_last, qg, ddo, do, dS_end):
+    """A chunk's start-state gradient from its end-state gradient dS_end [.., K, V]:
+    qg^T dO + exp(G_last) dS_end - w^T (P^T dO + Kt dS_end)."""
+    acc = dS_end.dtype
+    dD = ddo + _mm(Kt, dS_end)
+    return (_mm(_t(qg), do).astype(acc) + jnp.exp(G_last)[..., None, None] * dS_end
+            - _mm(_t(w), dD))
 
 
 # ------------------------------------------------------- segments: bounded memory per pass
