@@ -104,16 +104,42 @@ def _reverse_cumsum(x, axis=-1):
 def segment_sums(g):
     """seg[..., i, j] = g_{j+1} + ... + g_i for j <= i (0 on the diagonal), else 0.
 
-    Summed directly, never as a difference G_i - G_j of cumsums: that cancels
-    catastrophically for strong gates (|G| ~ 1e4 loses 3 digits in float32) and turns
-    into inf - inf = NaN when a cumsum overflows.
+    From a compensated prefix sum G = hi + lo (each addition's rounding error kept in
+    lo, TwoSum): seg = (hi_i - hi_j) + (lo_i - lo_j) is then as accurate as a direct sum,
+    where a plain difference of float32 cumsums would cancel catastrophically for strong
+    gates (|G| ~ 1e4 loses 3 digits). Built from [.., C] vectors: no [C, C] prefix sums.
+    Gates below -GATE_FLOOR count as -GATE_FLOOR (every decay through one is exp(< -1e4),
+    0 in float64 as in float32), so -inf never meets -inf in a difference.
     """
     C = g.shape[-1]
+    hi, lo = _compensated_prefix_sum(jnp.maximum(g, -GATE_FLOOR))
     lower = jnp.tril(jnp.ones((C, C), bool))
-    upto_i = jnp.where(lower, g[..., None, :], 0.0)             # [.., i, l] = g_l for l <= i
-    from_l = _reverse_cumsum(upto_i)                            # sum_{l' >= l, l' <= i} g_l'
-    shifted = jnp.concatenate([from_l[..., 1:], jnp.zeros_like(from_l[..., :1])], -1)
-    return jnp.where(lower, shifted, 0.0)
+    seg = ((hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :]))
+    return jnp.where(lower, seg, 0.0)
+
+
+GATE_FLOOR = 1e4
+
+
+def _two_sum(a, b):
+    """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _compensated_prefix_sum(x):
+    """Inclusive prefix sum of x [.., C] along the last axis as hi + lo, by doubling
+    with every addition's rounding error carried in lo."""
+    size = x.shape[-1]
+    hi, lo = x, jnp.zeros_like(x)
+    shift = 1
+    while shift < size:
+        pad = lambda a: jnp.concatenate([jnp.zeros_like(a[..., :shift]), a[..., :-shift]], -1)
+        hi, err = _two_sum(hi, pad(hi))
+        lo = lo + pad(lo) + err
+        shift *= 2
+    return hi, lo
 
 
 SUBSTITUTION_BLOCK = 16
@@ -444,13 +470,24 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     dG = gam * (scale * _rows(q, doS0) + beta * _rows(dRw, k))
     dto_end = et * _rows(dKt, k)
     dG_last = jnp.exp(it.G_last) * jnp.sum(dS_end * S0, axis=(-2, -1))
+    # seg's adjoint: g_l collects dseg_ij over the rectangle j < l <= i. dseg is lower
+    # triangular, where [j < l <= i] = [l <= i] - [l <= j]: reverse cumsums of its row
+    # and column sums (no [C, C] prefix sum).
     dseg = dGam * Gam
-    excl = prefix_sum(dseg, axis=-1) - dseg                          # [i, l] = sum_{j < l}
-    dg = (_reverse_cumsum(dG) + (prefix_sum(dto_end, axis=-1) - dto_end)
-          + jnp.sum(jnp.where(lower, excl, 0.0), axis=-2) + dG_last[..., None])
+    rect = _reverse_cumsum(jnp.sum(dseg, axis=-1) - jnp.sum(dseg, axis=-2))
+    dg = (_reverse_cumsum(dG) + (prefix_sum(dto_end, axis=-1) - dto_end) + rect
+          + dG_last[..., None])
+    if SPLIT_ROW_SUMS:
+        dg, dbeta = lax.optimization_barrier((dg, dbeta))
     # Under shard_map an input replicated over a mesh axis (the zero gate of an ungated
     # call) needs a cotangent that is too.
     return _vma.cotangent_like(ChunkInputs(dq, dk, dv, dg, dbeta), ch)
+
+
+# The [.., C] row sums of dg and dbeta end their fusions here: on the H200 XLA fused the
+# dbeta reduction over [C, C] with the relayout to the API's token order, one 2.1 ms
+# kernel for what reads 0.8 GB (benchmarks/results/history/2026-12-02, s7_gpu1).
+SPLIT_ROW_SUMS = True
 
 
 # ---------------------------------------------------------------------------------------

@@ -202,20 +202,23 @@ class XlaEngine(Engine):
         blk, Ls = self._blocking(spec, ch)
         chb, f = blk.tree_block(ch), recurrence.flags(blk, layout)
         stride = spec.checkpoint_stride if keep_states else 0
+        batched = recurrence.is_batched(blk, layout)
         if Ls is not None:
             o, final, states = recurrence.forward_segmented(
-                chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls)
+                chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls, batched)
         else:
-            o, final, states = self._walk(spec, blk, chb, f, h0, stride, spec.checkpoint_dtype)
+            o, final, states = self._walk(spec, blk, chb, f, h0, stride, spec.checkpoint_dtype,
+                                          batched)
         final = where_has_tokens(layout, final, h0)
         return blk.unblock(o), final, states
 
     @staticmethod
-    def _walk(spec, blk, chb, f, h0, stride, states_dtype):
+    def _walk(spec, blk, chb, f, h0, stride, states_dtype, batched=False):
         """The one-level forward on the blocked grid: (o rows with NaN for ``bad`` rows,
         final states, checkpoints in ``states_dtype``)."""
         x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
-        o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride, states_dtype)
+        o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride, states_dtype,
+                                              batched)
         return jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o), final, states
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
@@ -223,22 +226,24 @@ class XlaEngine(Engine):
         chb, docb = blk.tree_block(ch), blk.block(doc)
         f = recurrence.flags(blk, layout)
         stride = spec.checkpoint_stride
+        batched = recurrence.is_batched(blk, layout)
         if Ls is not None:
             if states is None:      # not kept (a direct caller): recompute them
                 stride = 1
                 states = recurrence.forward_segmented(chb, f, h0, spec.N, 1, h0.dtype,
-                                                      spec.scale, Ls)[2]
+                                                      spec.scale, Ls, batched)[2]
             dchb, first = recurrence.backward_segmented(chb, docb, f, h0, dfinal, states,
-                                                        spec.N, stride, spec.scale, Ls)
+                                                        spec.N, stride, spec.scale, Ls,
+                                                        batched)
         else:
             it, X = chunked.wy_factors(chb)
             x, _ = recurrence.forward_operands(chb, it, spec.scale)
             if states is None:      # not kept (a direct caller): recompute them
                 stride = 1
-                states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype)[2]
-            S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride)
+                states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype, batched)[2]
+            S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride, batched)
             rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
-            dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N)
+            dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched)
             dchb = chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, spec.scale)
         dh0 = where_has_tokens(layout, first, dfinal)
         return blk.tree_unblock(dchb), dh0
@@ -268,7 +273,8 @@ class XlaEngine(Engine):
         h0x = identity_columns(h0p, K)
         chb = blk.tree_block(ch._replace(v=zero_columns(ch.v, K)))
         o, final, states = self._walk(spec, blk, chb, recurrence.flags(blk, layout), h0x,
-                                      spec.checkpoint_stride, spec.cdt)
+                                      spec.checkpoint_stride, spec.cdt,
+                                      recurrence.is_batched(blk, layout))
         o = blk.unblock(o)
         final = where_has_tokens(layout, final, h0x)
         M = final[..., V:]
@@ -297,7 +303,8 @@ class XlaEngine(Engine):
         dfx = identity_columns(dfinal, K)
         rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P,
                                  blk.block(zero_columns(doc, K)))
-        dS_end, first = recurrence.reverse(blk, rev, f, dfx, spec.N)
+        dS_end, first = recurrence.reverse(blk, rev, f, dfx, spec.N,
+                                           recurrence.is_batched(blk, layout))
         first = where_has_tokens(layout, first, dfx)
         return ((first[..., :V], first[..., V:]),
                 XlaBackwardResponse(it, X, x, dfinal, dS_end, first))
@@ -311,7 +318,8 @@ class XlaEngine(Engine):
         ddf = dfinal - work.dfinal                       # 0 outside ``seqs``
         dS_end = _add_response_time_major(work.dS_end, V, f.seq, seqs, ddf)
         dh0 = work.first[..., :V] + mm_exact(work.first[..., V:], ddf)
-        S0 = recurrence.states_from_checkpoints(work.x, f, h0, states, spec.checkpoint_stride)
+        S0 = recurrence.states_from_checkpoints(work.x, f, h0, states, spec.checkpoint_stride,
+                                                recurrence.is_batched(blk, layout))
         dchb = chunked.local_grads_direct(blk.tree_block(ch), work.it, work.X, S0,
                                           blk.block(doc), dS_end, spec.scale)
         dh0 = where_has_tokens(layout, dh0, dfinal)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _vma, chunked
-from gdp_jax.grid import ChunkInputs, ChunkLayout
+from gdp_jax.grid import ChunkInputs, ChunkLayout, Contiguous
 
 # Rows of more chunks than this are walked in two levels. Off (None) by default: on the
 # H200 the scans turned out throughput-bound, not step-bound (benchmarks/results/history/
@@ -198,24 +198,38 @@ def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
 
 
 def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
-            states_dtype=None):
+            states_dtype=None, batched: bool = False):
     """The forward pass: (o rows [L, R, HV, C, V], final states [N, HV, K, V],
     checkpoints [L / stride, R, HV, K, V] in ``states_dtype`` or None for stride = 0:
     the start state of chunks 0, stride, 2 stride, ... of every block).
 
-    Final states of sequences without a chunk are left 0 (the caller's fallback)."""
+    ``batched``: one sequence per row on one level (see :func:`is_batched`). Final
+    states of sequences without a chunk are left 0 (the caller's fallback)."""
     L, R, HV, _, K = x.w.shape
     V = x.u.shape[-1]
+    if batched:
+        S, fin, o, states = forward_walk(x, f, h0, N, stride, states_dtype,
+                                         _vma.like(h0, x.w), None, batched=True)
+        return o, S, states
     S_blk = _block_start_states(blk, x, f, h0)
     fin0 = _vma.like(jnp.zeros((N, HV, K, V), h0.dtype), x.w, h0)
     _, fin, o, states = forward_walk(x, f, h0, N, stride, states_dtype, S_blk, fin0)
     return o, fin, states
 
 
-def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S, fin):
+def is_batched(blk: Blocking, layout: ChunkLayout) -> bool:
+    """One sequence per row (not packed) walked in one level: a row's only reset is its
+    first chunk and its only last chunk is its last real one (the padding after it is
+    identity maps), so the walks start from h0 / dfinal and need no per-chunk flags."""
+    return isinstance(layout.src, Contiguous) and blk.NB == 1
+
+
+def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S, fin,
+                 batched: bool = False):
     """The forward recursion over the L chunks of ``x`` [L, R, HV, ...] from the start
     states ``S`` [R, HV, K, V], final states collected into ``fin`` [N, HV, K, V]:
     (S after the last chunk, fin, o rows [L, R, HV, C, V], checkpoints or None).
+    ``batched`` (:func:`is_batched`): no resets (S holds h0), ``fin`` is not touched.
 
     Only the state is sequential: the scan carries S and keeps every chunk's start
     state; the readout, the final states and the checkpoints are read off those
@@ -223,12 +237,14 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
 
     def chunk(S, xs):
         w, u, Kt, G_last, reset, sid = xs
-        S = jnp.where(_b(reset, S), h0[sid], S)
+        if not batched:
+            S = jnp.where(_b(reset, S), h0[sid], S)
         return _advance(S, w, u, Kt, G_last)[0], S
 
     S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq))
     o = readout(x, S0)
-    fin = _collect_final(x, f, S0, fin)
+    if not batched:
+        fin = _collect_final(x, f, S0, fin)
     states = S0[::stride].astype(states_dtype) if stride else None
     return S, fin, o, states
 
@@ -261,13 +277,16 @@ def _collect_final(x: Forward, f: Flags, S0, fin):
     return jnp.where(_b(idx >= 0, fin), S_end.astype(fin.dtype), fin)
 
 
-def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int):
+def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int,
+                            batched: bool = False):
     """Start state of every chunk, [L, R, HV, K, V], from ``forward``'s checkpoints
     [L / stride, R, HV, K, V]: the stride - 1 chunks after each are recomputed by a scan
-    of stride - 1 steps over all groups at once (recompute_chunk_num = stride - 1)."""
-    S0 = ckpts.astype(h0.dtype)
+    of stride - 1 steps over all groups at once (recompute_chunk_num = stride - 1).
+    At stride 1 the checkpoints come back in their own dtype (a float32 copy of bfloat16
+    ones would hold no more information in twice the memory; the matmuls widen them)."""
     if stride == 1:
-        return S0
+        return ckpts
+    S0 = ckpts.astype(h0.dtype)
     L = x.w.shape[0]
     grp = lambda a: jnp.moveaxis(a.reshape((L // stride, stride) + a.shape[1:]), 1, 0)
     w, u, Kt, G_last = (grp(a) for a in (x.w, x.u, x.Kt, x.G_last))
@@ -276,7 +295,7 @@ def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int):
     def step(S, xs):
         w, u, Kt, G_last, reset, sid = xs          # chunk j - 1's map, chunk j's reset
         S = _advance(S, w, u, Kt, G_last)[0]
-        return jnp.where(_b(reset, S), h0[sid], S), None
+        return S if batched else jnp.where(_b(reset, S), h0[sid], S), None
 
     def collect(S, xs):
         S, _ = step(S, xs)
@@ -325,23 +344,29 @@ def _block_end_grads(blk: Blocking, x: Reverse, f: Flags, dfinal):
     return _fold_blocks(blk, Y, V, dfinal, reverse=True)
 
 
-def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int):
+def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int, batched: bool = False):
     """The reverse state-gradient pass: (dS_end of every chunk [L, R, HV, K, V], the
     gradient at each sequence's first chunk start [N, HV, K, V]; 0 for sequences
-    without a chunk)."""
+    without a chunk). ``batched``: :func:`is_batched`."""
     L, R, HV, _, K = x.w.shape
     V = x.do.shape[-1]
+    if batched:
+        first, _, dS_end = reverse_walk(x, f, dfinal, N, _vma.like(dfinal, x.w), None,
+                                        batched=True)
+        return dS_end, first
     dS_blk = _block_end_grads(blk, x, f, dfinal)
     first0 = _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype), x.w, dfinal)
     _, first, dS_end = reverse_walk(x, f, dfinal, N, dS_blk, first0)
     return dS_end, first
 
 
-def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first):
+def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool = False):
     """The reverse recursion over the L chunks of ``x`` [L, R, HV, ...], last chunk first,
     from the gradient ``dS`` [R, HV, K, V] arriving after the last one, first-chunk
     gradients collected into ``first`` [N, HV, K, V]: (the gradient leaving the first
-    chunk's start, first, dS_end of every chunk [L, R, HV, K, V]).
+    chunk's start, first, dS_end of every chunk [L, R, HV, K, V]). ``batched``
+    (:func:`is_batched`): ``dS`` holds dfinal, no flags; the gradient leaving the first
+    chunk is the first-chunk gradient (``first`` is not touched).
 
     What the output rows send to Delta (P^T dO) is computed for all chunks before the
     scan and the first chunks' start gradients after it, from dS_end."""
@@ -350,11 +375,17 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first):
 
     def step(dS, xs):
         w, Kt, G_last, qg, ddo, do, reset, sid, last = xs
+        if batched:
+            dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS)
+            return dS_start, dS
         dS_end = dS + jnp.where(_b(last, dS), dfinal[sid], 0)
-        return jnp.where(_b(reset, dS), 0, _start_grad(w, Kt, G_last, qg, ddo, do, dS_end)), dS_end
+        dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS_end)
+        return jnp.where(_b(reset, dS), 0, dS_start), dS_end
 
     xs = (x.w, x.Kt, x.G_last, x.qg, ddo, x.do, f.reset, f.seq, f.last)
     dS, dS_end = lax.scan(step, dS, xs, reverse=True)
+    if batched:
+        return dS, first, dS_end
     idx = _chunk_of_each(f.reset, f.seq, N)
     at_first = _start_grad(*(_pick(idx, a) for a in xs[:6]), _pick(idx, dS_end))
     first = jnp.where(_b(idx >= 0, first), at_first.astype(first.dtype), first)
@@ -402,48 +433,53 @@ def _unsegment(tree):
 
 
 def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, states_dtype,
-                      scale, Ls: int):
+                      scale, Ls: int, batched: bool = False):
     """The xla engine's forward in segments of Ls chunks (one level, L a multiple of Ls):
     each segment's factors and operands, then its walk from the carried state. Returns
-    (o rows [L, R, HV, C, V] with non-finite rows NaN, final states, checkpoints or None)."""
+    (o rows [L, R, HV, C, V] with non-finite rows NaN, final states, checkpoints or None).
+    ``batched``: :func:`is_batched`."""
     L, R, HV, _, K = chb.k.shape
     V = chb.v.shape[-1]
-    S0 = _vma.like(jnp.zeros((R, HV, K, V), h0.dtype), chb.k, h0)
-    fin0 = _vma.like(jnp.zeros((N, HV, K, V), h0.dtype), chb.k, h0)
+    S0 = _vma.like(h0 if batched else jnp.zeros((R, HV, K, V), h0.dtype), chb.k, h0)
+    fin0 = None if batched else _vma.like(jnp.zeros((N, HV, K, V), h0.dtype), chb.k, h0)
 
     def step(carry, xs):
         c, fs = xs
         x, bad = forward_operands(c, chunked.intra_chunk(c), scale)
-        S, fin, o, states = forward_walk(x, fs, h0, N, stride, states_dtype, *carry)
+        S, fin, o, states = forward_walk(x, fs, h0, N, stride, states_dtype, *carry,
+                                         batched=batched)
         o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
         return (S, fin), (o, states)
 
-    (_, fin), (o, states) = lax.scan(step, (S0, fin0), _segments(Ls, (chb, f)))
-    return _unsegment(o), fin, None if states is None else _unsegment(states)
+    (S, fin), (o, states) = lax.scan(step, (S0, fin0), _segments(Ls, (chb, f)))
+    return _unsegment(o), S if batched else fin, None if states is None else _unsegment(states)
 
 
 def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: int,
-                       stride: int, scale, Ls: int):
+                       stride: int, scale, Ls: int, batched: bool = False):
     """The xla engine's backward in segments of Ls chunks, last segment first: each
     segment's factors, its chunk start states from the checkpoints, its reverse walk from
     the carried gradient and its chunk-local gradients. Returns (the chunk-input
-    cotangents on the blocked grid, the first-chunk start-state gradients [N, HV, K, V])."""
+    cotangents on the blocked grid, the first-chunk start-state gradients [N, HV, K, V]).
+    ``batched``: :func:`is_batched`."""
     L, R, HV, _, K = chb.k.shape
     V = chb.v.shape[-1]
-    dS0 = _vma.like(jnp.zeros((R, HV, K, V), dfinal.dtype), chb.k, dfinal)
-    first0 = _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype), chb.k, dfinal)
+    dS0 = _vma.like(dfinal if batched else jnp.zeros((R, HV, K, V), dfinal.dtype),
+                    chb.k, dfinal)
+    first0 = None if batched else _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype),
+                                            chb.k, dfinal)
 
     def step(carry, xs):
         c, do, fs, st = xs
         it, X = chunked.wy_factors(c)
         x, _ = forward_operands(c, it, scale)
-        S0 = states_from_checkpoints(x, fs, h0, st, stride)
+        S0 = states_from_checkpoints(x, fs, h0, st, stride, batched=batched)
         rev = Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, do)
-        dS, first, dS_end = reverse_walk(rev, fs, dfinal, N, *carry)
+        dS, first, dS_end = reverse_walk(rev, fs, dfinal, N, *carry, batched=batched)
         dch = chunked.local_grads_direct(c, it, X, S0, do, dS_end, scale)
         return (dS, first), dch
 
     seg_states = states.reshape((L // Ls, Ls // stride) + states.shape[1:])
-    (_, first), dch = lax.scan(step, (dS0, first0),
-                               (*_segments(Ls, (chb, docb, f)), seg_states), reverse=True)
-    return _unsegment(dch), first
+    (dS, first), dch = lax.scan(step, (dS0, first0),
+                                (*_segments(Ls, (chb, docb, f)), seg_states), reverse=True)
+    return _unsegment(dch), dS if batched else first

@@ -156,3 +156,31 @@ def test_op_segmented_matches_reference(monkeypatch, packed):
         for name in got[3]:
             assert rel_max(got[3][name], ref[3][name]) < 1e-10, (name, N_rc)
             assert rel_max(got[3][name], plain[3][name]) < 1e-12, (name, N_rc)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_batched_walks_equal_flagged(stride):
+    """One sequence per row on one level: the walks without per-chunk flags (started
+    from h0 / dfinal) equal the flagged ones, outputs, final states, checkpoints,
+    recomputed states, dS_end and start-state gradients, to float64 rounding."""
+    spec, layout, ch, h0 = _problem(False, seed=3, T=333)
+    B, NC = ch.k.shape[:2]
+    blk = recurrence.Blocking(B, NC, recurrence.block_len(NC, stride))
+    assert recurrence.is_batched(blk, layout)
+    chb = blk.tree_block(ch)
+    f = recurrence.flags(blk, layout)
+    it = chunked.intra_chunk(chb)
+    x, _ = recurrence.forward_operands(chb, it, spec.scale)
+    rng = np.random.default_rng(stride)
+    do = jnp.asarray(rng.standard_normal(chb.v.shape))
+    dfinal = jnp.asarray(rng.standard_normal(h0.shape))
+    rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, do)
+    runs = []
+    for batched in (False, True):
+        o, fin, st = recurrence.forward(blk, x, f, h0, spec.N, stride, jnp.float64, batched)
+        S0 = recurrence.states_from_checkpoints(x, f, h0, st, stride, batched)
+        dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched)
+        # padding chunks (after the last real one) are dropped: unblock
+        runs.append((blk.unblock(o), fin, st, blk.unblock(S0), blk.unblock(dS_end), first))
+    for got, want in zip(runs[1], runs[0]):
+        assert rel_max(got, want) < TOL
