@@ -142,13 +142,15 @@ def table_md(run_, mode, baseline) -> str:
     if mode == "fwdbwd":
         what += (" Memory in GB of one fwd+bwd: 'peak' = temporary memory (XLA's compiled "
                  "temp size; FLA: max_memory_allocated minus what was allocated before), "
-                 "'kept' = kept for the backward beyond the inputs.")
+                 "'kept' = kept for the backward beyond the inputs; 'XLA GB' = the bytes "
+                 "XLA's cost analysis gives the compiled fwd+bwd (its own kernels; a kernel "
+                 "call counts its operands and results).")
     lines = run_.header("Forward + backward benchmark" if mode == "fwdbwd"
                         else "Forward benchmark", what)
     if mode == "fwdbwd":
         lines += [f"| B, T, H, n | impl | fwd | fwd+bwd | time / {baseline} (fwd, fwd+bwd) | "
-                  "% roofline (fwd+bwd) | peak | kept | check | first call s | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "% roofline (fwd+bwd) | peak | kept | XLA GB | check | first call s | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     else:
         lines += [f"| B, T, H, n | impl | fwd | time / {baseline} | % roofline | check | "
                   "first call s | note |", "|---|---|---|---|---|---|---|---|"]
@@ -164,7 +166,8 @@ def table_md(run_, mode, baseline) -> str:
             cells = [r["shape"], r["impl"], fmt(fwd), fmt(r.get("fwdbwd_ms")),
                      f"{ratio(fwd, b.get('fwd_ms'))}, {ratio(r.get('fwdbwd_ms'), b.get('fwdbwd_ms'))}",
                      pct(r["roofline_ms"], r.get("fwdbwd_ms")), fmt(r.get("peak_gb")),
-                     fmt(r.get("kept_gb")), chk, fmt(r.get("first_call_s"), 1), status(r)]
+                     fmt(r.get("kept_gb")), fmt(r.get("xla_gb"), 1), chk,
+                     fmt(r.get("first_call_s"), 1), status(r)]
         else:
             cells = [r["shape"], r["impl"], fmt(fwd), ratio(fwd, b.get("fwd_ms")),
                      pct(r["roofline_fwd_ms"], fwd), chk, fmt(r.get("first_call_s"), 1),

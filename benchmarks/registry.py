@@ -125,7 +125,8 @@ class Built:
     fwd() -> o; fwdbwd() -> anything (timed); sync(x) waits for x.
     grads_of(x): the five gradients (ours layout, GRAD_NAMES order) from fwdbwd's result,
     for the correctness check; to_np(a): one of them (or fwd's o) as a float32 numpy array.
-    memory(): {"peak_gb", "kept_gb"} of one fwd+bwd (the keys it can measure).
+    memory(): {"peak_gb", "kept_gb", "xla_gb"} of one fwd+bwd (the keys it can measure;
+    xla_gb: the bytes XLA's cost analysis gives the compiled program).
     For the step: step(S) -> S (donated) and first() -> (o, S) for the check.
     """
     sync: Callable
@@ -189,12 +190,24 @@ class OursOp:
             kept = sum(l.nbytes for l in jax.tree_util.tree_leaves(res) if hasattr(l, "nbytes"))
             del res
             return {"peak_gb": compiled[0].memory_analysis().temp_size_in_bytes / 1e9,
-                    "kept_gb": (kept - sum(a.nbytes for a in args)) / 1e9}
+                    "kept_gb": (kept - sum(a.nbytes for a in args)) / 1e9,
+                    "xla_gb": xla_bytes_accessed(compiled[0]) / 1e9}
 
         return Built(sync=jax.block_until_ready, fwd=lambda: fwd(*args),
                      fwdbwd=lambda: vg(*args), grads_of=lambda r: r[1], memory=memory,
                      to_np=lambda a: np.asarray(a.astype(jnp.float32)),
                      jitted={"fwd": (fwd, args), "fwdbwd": (vg_jit, args)})
+
+
+def xla_bytes_accessed(compiled) -> float:
+    """Bytes XLA's cost model says a compiled program reads and writes (its own kernels;
+    an FFI custom call counts only its operands and results), nan if not reported."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:                      # noqa: BLE001 - not every backend reports it
+        return float("nan")
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("bytes accessed", float("nan")))
 
 
 class OursStep:

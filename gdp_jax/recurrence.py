@@ -233,7 +233,7 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
 
     Only the state is sequential: the scan carries S and keeps every chunk's start
     state; the readout, the final states and the checkpoints are read off those
-    afterwards for all chunks at once (a step is then 2 matmuls, not 4 and a scatter)."""
+    afterwards for all chunks at once (a step is two matmuls on the state)."""
 
     def chunk(S, xs):
         w, u, Kt, G_last, reset, sid = xs
