@@ -157,3 +157,32 @@ def test_kernel_ab_configs_parse_and_reject_typos():
         {"split": True, "bv": 32}, {"split": False, "bv": 64}]
     with pytest.raises(ValueError, match="split=0"):
         kernel_ab.parse_configs("splt=1,bv=32")
+
+
+def test_hlo_lines_names_kernels_by_source_line(tmp_path, capsys):
+    """hlo_lines joins a trace table with the optimized HLO: each named instruction gets
+    its shape, a bandwidth from its bytes, and the gdp_jax line that built it."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import hlo_lines
+    from gdp_jax import chunked
+
+    g = jnp.linspace(-3.0, 0.0, 2 * 64).reshape(2, 64)
+    text = jax.jit(chunked.segment_sums).lower(g).compile().as_text()
+    hlo = tmp_path / "f.hlo"
+    hlo.write_text(text)
+    ins = hlo_lines.instructions(text)
+    named = [n for n, (_, sf, _) in ins.items() if sf is not None
+             and any("chunked.py" in w for w in hlo_lines.ours(
+                 hlo_lines.stack(sf, *hlo_lines._tables(text)), 3))]
+    assert named, "no instruction traced back to gdp_jax/chunked.py"
+    trace = tmp_path / "trace.log"
+    trace.write_text("total GPU kernel time per step: 1.000 ms (1 names)\n"
+                     f"   0.500 ms     2x  {named[0]}\n")
+    hlo_lines.main([str(trace), str(hlo), "--depth", "3"])
+    out = capsys.readouterr().out
+    assert re.search(rf"0\.500 ms +2x .*{re.escape(named[0][:30])}.*chunked\.py:\d+", out)
+    assert hlo_lines.shape_bytes("(f32[2,3]{1,0}, bf16[4])") == 2 * 3 * 4 + 4 * 2
