@@ -5,6 +5,9 @@ inputs of one shape, runs it a few times under ``jax.profiler.trace``, reads the
 trace and prints the GPU kernels grouped by name (ms and calls per step), largest first.
 
     python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --out /tmp/gdp_trace
+
+``--mode bwd`` traces the engine's backward alone, jitted directly: the op's custom_vjp
+hides the backward's source lines from the HLO (its frames stop at the op's call).
 """
 from __future__ import annotations
 
@@ -37,14 +40,34 @@ def kernel_times(out_dir, steps):
     return tot, cnt
 
 
-def _write_hlo(built, mode, path):
-    """The optimized HLO of the traced program, if the registry exposes its jitted function
-    and arguments (``built.jitted``: {mode: (fn, args)})."""
-    fn_args = getattr(built, "jitted", {}).get(mode)
-    if fn_args is None:
-        print(f"(no HLO: the {mode} build does not expose its jitted function)")
+def engine_backward(shape, impl: str):
+    """(jitted fn, args): the ``impl`` engine's backward alone ("xla" or "cutedsl") on the
+    registry inputs of ``shape`` - chunk inputs, random output-row cotangents, zero
+    final-state cotangents and the checkpoints its own forward keeps."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks import registry
+    from gdp_jax import backends, engine
+    from gdp_jax._checks import check_inputs
+
+    x = registry.make_inputs(shape)
+    spec = check_inputs(x.q, x.k, x.v, x.g, x.beta, use_qk_l2norm=True)
+    eng = backends.engine("cutedsl" if impl.startswith("cutedsl") else "xla")
+    prob = engine.forward_problem(spec, x.q, x.k, x.v, x.g, x.beta, None)
+    h0 = engine.start_states(spec, None)
+    states = jax.jit(lambda ch: eng.forward(spec, ch, prob.layout, h0,
+                                            keep_states=True)[2])(prob.ch)
+    doc = jax.random.normal(jax.random.PRNGKey(1), prob.ch.v.shape, prob.ch.v.dtype)
+    fn = jax.jit(lambda ch, doc, st: eng.backward(spec, ch, prob.layout, h0, doc,
+                                                  jnp.zeros_like(h0), st))
+    return fn, (prob.ch, doc, states)
+
+
+def _write_hlo(fn, args, path):
+    """The optimized HLO of the traced program ``fn(*args)`` (a jitted function)."""
+    if fn is None:
+        print("(no HLO: this build does not expose its jitted function)")
         return
-    fn, args = fn_args
     text = fn.lower(*args).compile().as_text()
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "wt") as f:
@@ -59,8 +82,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default="/tmp/gdp_trace")
-    ap.add_argument("--mode", choices=("fwdbwd", "fwd"), default="fwdbwd",
-                    help="trace the jitted value-and-grad (default) or the forward alone")
+    ap.add_argument("--mode", choices=("fwdbwd", "fwd", "bwd"), default="fwdbwd",
+                    help="trace the jitted value-and-grad (default), the forward alone, or "
+                         "the engine's backward alone (jitted directly, not through the "
+                         "op's custom_vjp, so the HLO names its source lines)")
     ap.add_argument("--hlo", default=None,
                     help="also write the compiled (optimized) HLO text here (gzip if .gz): "
                          "the trace's names are its fusions")
@@ -75,17 +100,22 @@ def main(argv=None):
     from benchmarks import registry
 
     shape = registry.shapes("op", a.shape)[0]
-    built = registry.impl(a.impl, "fwdbwd").build(registry.make_inputs(shape))
-    call = built.fwdbwd if a.mode == "fwdbwd" else built.fwd
+    if a.mode == "bwd":
+        fn, args = engine_backward(shape, a.impl)
+        call, sync = (lambda: fn(*args)), jax.block_until_ready
+    else:
+        built = registry.impl(a.impl, "fwdbwd").build(registry.make_inputs(shape))
+        call, sync = (built.fwdbwd if a.mode == "fwdbwd" else built.fwd), built.sync
+        fn, args = built.jitted.get(a.mode, (None, None))
     os.makedirs(a.out, exist_ok=True)
     for _ in range(3):
-        built.sync(call())
+        sync(call())
     with jax.profiler.trace(a.out, create_perfetto_trace=True):
         for _ in range(a.steps):
-            built.sync(call())
+            sync(call())
     tot, cnt = kernel_times(a.out, a.steps)
     if a.hlo:
-        _write_hlo(built, a.mode, a.hlo)
+        _write_hlo(fn, args, a.hlo)
     if not tot:
         print("no GPU kernels in the trace (is the default device a GPU?)")
     print(f"total GPU kernel time per step: {sum(tot.values()):.3f} ms ({len(tot)} names)")

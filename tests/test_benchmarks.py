@@ -186,3 +186,16 @@ def test_hlo_lines_names_kernels_by_source_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(rf"0\.500 ms +2x .*{re.escape(named[0][:30])}.*chunked\.py:\d+", out)
     assert hlo_lines.shape_bytes("(f32[2,3]{1,0}, bf16[4])") == 2 * 3 * 4 + 4 * 2
+
+
+def test_trace_backward_mode_writes_hlo_with_source_lines(tmp_path, capsys):
+    """``benchmarks.trace --mode bwd`` runs the engine's backward alone and writes its HLO,
+    whose frames reach gdp_jax/chunked.py (through the op's custom_vjp they stop at the
+    op's call). On a CPU the trace has no GPU kernels; the HLO is still written."""
+    from benchmarks import trace
+
+    hlo = tmp_path / "b.hlo"
+    trace.main(["--shape", "1,128,2,2,16,16", "--impl", "xla", "--mode", "bwd", "--steps", "1",
+                "--out", str(tmp_path / "tr"), "--hlo", str(hlo)])
+    assert "optimized HLO" in capsys.readouterr().out
+    assert "gdp_jax/chunked.py" in hlo.read_text()
