@@ -14,17 +14,40 @@ def prefix_sum(x, axis=-1, reverse=False):
     elementwise fusions on every platform, and their transposes do too.
     """
     axis = axis % x.ndim
-    size = x.shape[axis]
     shift = 1
-    while shift < size:
-        zeros = jnp.zeros(x.shape[:axis] + (shift,) + x.shape[axis + 1:], x.dtype)
-        if reverse:
-            moved = jnp.concatenate([lax.slice_in_dim(x, shift, size, axis=axis), zeros], axis)
-        else:
-            moved = jnp.concatenate([zeros, lax.slice_in_dim(x, 0, size - shift, axis=axis)],
-                                    axis)
-        x = x + moved
+    while shift < x.shape[axis]:
+        x = x + _shifted(x, shift, axis, reverse)
         shift *= 2
     return x
+
+
+def compensated_prefix_sum(x, axis=-1):
+    """Inclusive prefix sum along ``axis`` as (hi, lo), hi + lo the sum with every
+    addition's rounding error carried in lo (TwoSum), by the same doubling."""
+    axis = axis % x.ndim
+    hi, lo = x, jnp.zeros_like(x)
+    shift = 1
+    while shift < x.shape[axis]:
+        hi, err = _two_sum(hi, _shifted(hi, shift, axis, False))
+        lo = lo + _shifted(lo, shift, axis, False) + err
+        shift *= 2
+    return hi, lo
+
+
+def _shifted(x, shift, axis, reverse):
+    """x moved ``shift`` places along ``axis`` (towards the end, or the start with
+    ``reverse``), zeros filling in."""
+    size = x.shape[axis]
+    zeros = jnp.zeros(x.shape[:axis] + (shift,) + x.shape[axis + 1:], x.dtype)
+    if reverse:
+        return jnp.concatenate([lax.slice_in_dim(x, shift, size, axis=axis), zeros], axis)
+    return jnp.concatenate([zeros, lax.slice_in_dim(x, 0, size - shift, axis=axis)], axis)
+
+
+def _two_sum(a, b):
+    """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _vma
-from gdp_jax._prefix import prefix_sum
+from gdp_jax._prefix import compensated_prefix_sum, prefix_sum
 from gdp_jax.grid import ChunkInputs, ChunkLayout
 
 # ---------------------------------------------------------------------------------------
@@ -112,34 +112,13 @@ def segment_sums(g):
     0 in float64 as in float32), so -inf never meets -inf in a difference.
     """
     C = g.shape[-1]
-    hi, lo = _compensated_prefix_sum(jnp.maximum(g, -GATE_FLOOR))
+    hi, lo = compensated_prefix_sum(jnp.maximum(g, -GATE_FLOOR))
     lower = jnp.tril(jnp.ones((C, C), bool))
     seg = ((hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :]))
     return jnp.where(lower, seg, 0.0)
 
 
 GATE_FLOOR = 1e4
-
-
-def _two_sum(a, b):
-    """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum)."""
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
-
-
-def _compensated_prefix_sum(x):
-    """Inclusive prefix sum of x [.., C] along the last axis as hi + lo, by doubling
-    with every addition's rounding error carried in lo."""
-    size = x.shape[-1]
-    hi, lo = x, jnp.zeros_like(x)
-    shift = 1
-    while shift < size:
-        pad = lambda a: jnp.concatenate([jnp.zeros_like(a[..., :shift]), a[..., :-shift]], -1)
-        hi, err = _two_sum(hi, pad(hi))
-        lo = lo + pad(lo) + err
-        shift *= 2
-    return hi, lo
 
 
 SUBSTITUTION_BLOCK = 16
