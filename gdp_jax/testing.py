@@ -242,9 +242,9 @@ def emulated_kernels():
     """Context manager: the chunked ``cutedsl`` pipeline with emulated kernels.
 
     Inside the block ``backend="cutedsl"`` runs on any device (CPU included) and for any
-    dtype and head dim the XLA path takes: the four custom calls (chunk forward
-    [num, 64, ...], reverse dh, WY inverse [num, 64, 64], forward operands - the last only
-    for 16-bit inputs, its own limits stay) are replaced by their contracts
+    dtype and head dim the XLA path takes: the five custom calls (chunk forward
+    [num, 64, ...], reverse dh, WY inverse [num, 64, 64], chunk-local gradients, forward
+    operands - the last only for 16-bit inputs, its own limits stay) are replaced by their contracts
     in :mod:`gdp_jax.kernels.emulate` (plain matmuls, like the kernels' MMAs), the kernels'
     shape/dtype limits and the device check are lifted. The glue around the calls (vmap
     rule, layouts, vma typing) is the real one. Not thread-safe (class attributes).
@@ -256,9 +256,12 @@ def emulated_kernels():
     from gdp_jax.kernels import emulate
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    from gdp_jax.kernels.local_grad import LocalGradKernel
     from gdp_jax.kernels.state_grad import StateGradKernel
     from gdp_jax.kernels.wy_inverse import WYInverseKernel
     return _patched([
+        (LocalGradKernel, "raw_call", staticmethod(emulate.local_grad_call)),
+        (LocalGradKernel, "can_implement", staticmethod(_no_limits)),
         (ChunkPrepKernel, "raw_call", staticmethod(emulate.chunk_prep_call)),
         (ChunkForwardKernel, "raw_call", staticmethod(emulate.chunk_kernel_call)),
         (StateGradKernel, "raw_call", staticmethod(emulate.dh_kernel_call)),

@@ -92,7 +92,7 @@ def test_build_lists_every_kernel_class():
     build = _load_build_script()
     names = {c.__name__ for c in build.kernel_classes()}
     assert names == {"ChunkForwardKernel", "ChunkPrepKernel", "StateGradKernel", "WYInverseKernel",
-                     "StepKernel"}
+                     "StepKernel", "LocalGradKernel"}
     whats = [v.what for v in build.all_variants(recompute=(0, 3))]
     assert "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=4" in whats      # --recompute 3
     assert "gdp_chunk_bwd_dh_sm90 float16 K=64 V=192" in whats             # CP summary

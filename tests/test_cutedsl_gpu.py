@@ -320,3 +320,15 @@ def test_inverse_kernel_matches_float64():
     err = np.abs(X - want).max() / np.abs(want).max()
     print(f"[inverse kernel] max rel err {err:.2e}, max |X| {np.abs(want).max():.1f}")
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("K,V,strong", [(128, 128, False), (128, 128, True), (64, 64, False),
+                                        (64, 128, False), (128, 64, True)])
+def test_local_grad_kernel_matches_float64(K, V, strong):
+    """The chunk-local gradient kernel vs ``chunked.local_grads_direct`` in float64 on the
+    same random chunks (benchmarks/local_grad.py: unit q, k, beta in (0.05, 1.95),
+    moderate or strong gates): every cotangent finite and within 1e-2 relative RMS."""
+    from benchmarks.local_grad import precision
+    row = precision([(K, V, strong)])[0]
+    assert row["finite"]
+    assert max(row["kernel"].values()) < 1e-2, row

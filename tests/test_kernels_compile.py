@@ -361,3 +361,24 @@ def test_step_unsupported_reasons():
     assert "multiple of 32" in StepKernel.can_implement(**{**ok, "V": 48})
     assert "float64" in StepKernel.can_implement(**{**ok, "dtype": jnp.float64})
     assert "32-bit" in StepKernel.can_implement(**{**ok, "B": 4096})
+
+
+@pytest.mark.parametrize("dtype,K,V", [(jnp.bfloat16, 128, 128), (jnp.float16, 64, 64),
+                                       (jnp.bfloat16, 64, 128), (jnp.float16, 128, 64)])
+def test_local_grad_kernel_compiles(dtype, K, V):
+    """The chunk-local gradient kernel (its vmap too), from float32 chunk tensors."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    B, NC, HV, C = 2, 3, 4, grid.CHUNK
+    f32 = jnp.float32
+    avals = (S((B, NC, HV, C, K), f32), S((B, NC, HV, C, K), f32), S((B, NC, HV, C, V), f32),
+             S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B, NC, HV, C, K), dtype),
+             S((B, NC, HV, C, V), f32), S((B, NC, HV, C, C), f32), S((B, NC, HV, K, V), dtype),
+             S((B, NC, HV, C, V), dtype), S((B, NC, HV, K, V), f32))
+    call = lambda *a: LocalGradKernel.call(*a, scale=0.1, ab_dtype=dtype)
+    out = jax.eval_shape(call, *avals)
+    assert [o.shape for o in out] == [(B, NC, HV, C, K)] * 2 + [(B, NC, HV, C, V)] + [
+        (B, NC, HV, C)] * 2
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(call, *avals)
+    batched = jax.vmap(call)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(batched, *(S((2,) + a.shape, a.dtype)
+                                                             for a in avals))

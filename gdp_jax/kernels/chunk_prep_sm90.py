@@ -41,16 +41,15 @@ This module imports cutlass; import it only through ``gdp_jax.kernels.chunk_prep
 """
 from __future__ import annotations
 
-import dataclasses
-
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, c_tile, g2s, g2s_copy,
-                                  ldmatrix_copies, make_acc, mma_split_b, operand,
-                                  smem_layout, smem_tile, transpose_view, warp_mma)
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, c_tile, g2s,
+                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
+                                  operand, smem_layout, smem_tile, transpose_view, warp_mma)
+from gdp_jax.kernels.sm90 import pick as _pick
 
 F32 = cutlass.Float32
 I32 = cutlass.Int32
@@ -63,12 +62,6 @@ def _finite(x):
     return cute.math.absf(x) < F32(INF)
 
 
-def _pick(cond, x, y):
-    """float32 ``x if cond else y`` (a select: the unpicked value's inf or NaN never
-    leaks, as it would through arithmetic masking)."""
-    return F32(cutlass.select_(cond, x, y))
-
-
 def _nonfinite(z, lanes: int):
     """Int32 1 if a row holds an inf or NaN, else 0. ``z``: this lane's sum of x * 0 over
     its elements of the row (0, or NaN if one is not finite), summed here over the row's
@@ -76,19 +69,6 @@ def _nonfinite(z, lanes: int):
     them may store it."""
     z = cute.arch.warp_reduction_sum(z, threads_in_group=lanes)
     return I32(cutlass.select_(z == F32(0.0), I32(0), I32(1)))
-
-
-@dataclasses.dataclass(frozen=True)
-class RegOperand:
-    """An MMA A operand already in registers (``frag`` [values, M tiles, k-blocks]): the
-    ``Operand`` interface of ``sm90.mma_split_b`` with nothing to load."""
-    frag: object
-
-    def load(self, kb: int):
-        pass
-
-    def __getitem__(self, kb: int):
-        return self.frag[None, None, kb]
 
 
 class ChunkPrepSm90:

@@ -1,8 +1,9 @@
 """Pure-JAX stand-ins with the exact contracts of the CuTe DSL kernels (for CPU tests).
 
-``chunk_kernel_call``, ``dh_kernel_call``, ``inverse_kernel_call``, ``chunk_prep_call`` and
-``step_kernel_call`` take and return what the ``raw_call`` of ``ChunkForwardKernel``,
-``StateGradKernel``, ``WYInverseKernel``, ``ChunkPrepKernel`` and ``StepKernel`` do, computed
+``chunk_kernel_call``, ``dh_kernel_call``, ``inverse_kernel_call``, ``chunk_prep_call``,
+``local_grad_call`` and ``step_kernel_call`` take and return what the ``raw_call`` of
+``ChunkForwardKernel``, ``StateGradKernel``, ``WYInverseKernel``, ``ChunkPrepKernel``,
+``LocalGradKernel`` and ``StepKernel`` do, computed
 with ``lax.scan`` (or XLA's chunked math) in the operands' precision (no 16-bit rounding
 inside, no hi/lo split). Rows the kernels leave
 unwritten are NaN here, so a test fails if the glue ever reads them.
@@ -11,6 +12,7 @@ pipeline - checkpoints, recompute, CP wiring - on a machine without a GPU.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -112,6 +114,25 @@ def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype):
     return (keep(w, state_ok, 0), keep(kt, state_ok, jnp.nan), keep(qg, read_ok, 0),
             keep(p, read_ok, 0), keep(u, state_ok, 0), jnp.exp(it.G_last).astype(acc),
             (bad | ~read_ok).astype(jnp.int32))
+
+
+def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
+                    split=True):
+    """The local-gradient kernel's contract (``LocalGradKernel.raw_call``): the chunk
+    inputs' cotangents (dq, dk, dv, dg, dbeta) as :func:`gdp_jax.chunked.local_grads_direct`
+    computes them from the given factors w, u, X, with q, k, v, w, doc, S0 rounded to
+    ``ab_dtype`` as the kernel reads them; one readout scale per row."""
+    del split
+    acc = jnp.promote_types(jnp.float32, ab_dtype)
+    rd = lambda x: x.astype(ab_dtype).astype(acc)
+    ch = ChunkInputs(rd(q), rd(k), rd(v), g.astype(acc), beta.astype(acc))
+
+    def row(ch, w, u, X, S0, doc, ds_end, s):
+        it = chunked.intra_chunk(ch)._replace(w=w, u=u)
+        return tuple(chunked.local_grads_direct(ch, it, X, S0, doc, ds_end, s))
+
+    return jax.vmap(row)(ch, rd(w), u.astype(acc), X.astype(acc), rd(S0), rd(doc),
+                         ds_end.astype(acc), scale.astype(acc))
 
 
 def inverse_kernel_call_batched(A):

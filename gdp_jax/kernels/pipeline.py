@@ -17,8 +17,10 @@ Backward:
     reverse kernel's operands (ddo = P^T dO);
   kernel (:class:`~gdp_jax.kernels.state_grad.StateGradKernel`): the reverse state-gradient
     recursion, dS_end of every chunk and the initial-state gradients;
-  XLA: the chunk-local backward written out (dq, dk, dv, dg, dbeta; all chunks at once,
-    :func:`gdp_jax.chunked.local_grads_direct`).
+  kernel (:class:`~gdp_jax.kernels.local_grad.LocalGradKernel`): the chunk-local backward
+    (dq, dk, dv, dg, dbeta; all chunks at once, every [C, C] intermediate on chip) from the
+    chunk states, dS_end and the forward's WY factors; where it cannot run, the same
+    written out in XLA (:func:`gdp_jax.chunked.local_grads_direct`).
 CP (one kernel pass per direction per rank): the same two recursion kernels on V + K
 state columns. Columns of the state never mix, so from the start [h0' | I] with
 u = [u | 0] the last K columns of every output row, checkpoint and final state are their
@@ -34,12 +36,13 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import chunked, grid
+from gdp_jax import _vma, chunked, grid
 from gdp_jax.engine import (Engine, ForwardResponse, add_response, identity_columns,
                             mm_exact, resume_rows_and_final, where_has_tokens,
                             zero_columns)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
 from gdp_jax.kernels import wy_inverse
 
@@ -106,6 +109,27 @@ class BackwardWork:
                          cast(doc), jnp.exp(self.it.G_last).astype(acc))
 
 
+# The chunk-local backward on its kernel where it takes the call (False: always XLA's
+# ``local_grads_direct``, for A/B measurements).
+LOCAL_GRAD_KERNEL = True
+
+
+def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end):
+    """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
+    dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
+    cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]."""
+    B, NC, HV, _, K = ch.k.shape
+    if LOCAL_GRAD_KERNEL and LocalGradKernel.can_implement(
+            ab_dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC, HV=HV) is None:
+        grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.it.w, work.it.u,
+                                     work.X, S0, doc, ds_end, scale=spec.scale,
+                                     ab_dtype=spec.ab_dtype)
+        dch = grid.ChunkInputs(*(d.astype(x.dtype) for d, x in zip(grads, ch)))
+        return _vma.cotangent_like(dch, ch)
+    return chunked.local_grads_direct(ch, work.it, work.X, S0, doc, ds_end.astype(ch.k.dtype),
+                                      spec.scale)
+
+
 def _flags(layout: grid.ChunkLayout):
     """(reset, seq, last) as the kernels' int32 [B, NC] flags."""
     i32 = lambda x: x.astype(jnp.int32)
@@ -165,8 +189,7 @@ class CuTeDSLEngine(Engine):
         ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
                                            BV=_bv(ch))
-        dch = chunked.local_grads_direct(ch, work.it, work.X, S0, doc,
-                                         ds_end.astype(ch.k.dtype), spec.scale)
+        dch = local_grads(spec, ch, work, S0, doc, ds_end)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
@@ -238,8 +261,7 @@ class CuTeDSLEngine(Engine):
         dh0 = work.dh0[..., :V] + mm_exact(work.dh0[..., V:], ddf)
         S0 = chunked.states_from_checkpoints(bw.it, layout, h0, states,
                                              spec.checkpoint_stride)
-        dch = chunked.local_grads_direct(ch, bw.it, bw.X, S0, doc, ds_end.astype(ch.k.dtype),
-                                         spec.scale)
+        dch = local_grads(spec, ch, bw, S0, doc, ds_end)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
 

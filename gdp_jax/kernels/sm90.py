@@ -158,6 +158,25 @@ def mma_split_b(tiled_mma, k_blocks: int, products, b: Operand, b_lo: Operand, s
 
 
 @dataclasses.dataclass(frozen=True)
+class RegOperand:
+    """An MMA operand already in registers (``frag`` [values, tiles, k-blocks]): the
+    ``Operand`` interface of ``mma_split_b`` with nothing to load."""
+    frag: object
+
+    def load(self, kb: int):
+        pass
+
+    def __getitem__(self, kb: int):
+        return self.frag[None, None, kb]
+
+
+def pick(cond, x, y):
+    """float32 ``x if cond else y`` (a select: the unpicked value's inf or NaN never
+    leaks, as it would through arithmetic masking)."""
+    return cutlass.Float32(cutlass.select_(cond, x, y))
+
+
+@dataclasses.dataclass(frozen=True)
 class G2S:
     """This thread's part of a ``g2s_copy`` (build it with ``g2s``): ``dest(s)`` partitions
     an smem tile once, ``load(g, shape, dst)`` starts the cp.async of the whole ``shape``

@@ -1,0 +1,170 @@
+"""The chunk-local gradient kernel on the GPU: precision, kernel time, and its effect on the op.
+
+    python -m benchmarks.local_grad [--shape 8,4096,16,2] [--skip-op]
+
+1. Precision: ``LocalGradKernel`` and XLA's ``chunked.local_grads_direct`` (float32) on
+   the same random chunks (bf16-representable q, k, v, doc, S0; L2-normalised q, k, beta
+   in (0.05, 1.95), moderate and strong gates), each against ``local_grads_direct`` in
+   float64 on the same inputs: relative RMS error of dq, dk, dv, dg, dbeta, for every
+   (K, V) the kernel takes.
+2. Kernel time: the kernel alone vs XLA's local gradients alone (jitted, inputs
+   precomputed) on the chunk tensors of ``--shape`` (B, T, H, n: NC = n T / 64 chunks).
+3. The op: cutedsl fwd+bwd at ``--shape`` through the benchmark runner (check vs float64,
+   medians, peak memory) with the kernel and with ``pipeline.LOCAL_GRAD_KERNEL = False``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import types
+
+
+def chunk_inputs(key, B, NC, HV, K, V, strong=False):
+    """Random chunk tensors: ((ch, S0, doc, ds_end), float32, bf16-representable)."""
+    import jax
+    import jax.numpy as jnp
+    from gdp_jax import grid
+    C = grid.CHUNK
+    ks = jax.random.split(key, 8)
+    bf = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = bf(unit(jax.random.normal(ks[0], (B, NC, HV, C, K))))
+    k = bf(unit(jax.random.normal(ks[1], (B, NC, HV, C, K))))
+    v = bf(jax.random.normal(ks[2], (B, NC, HV, C, V)))
+    beta = jax.random.uniform(ks[3], (B, NC, HV, C), jnp.float32, 0.05, 1.95)
+    if strong:
+        g = -jax.random.uniform(ks[4], (B, NC, HV, C), jnp.float32, 0.0, 20.0)
+    else:
+        g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, NC, HV, C)) + 3.0)
+    S0 = bf(0.5 * jax.random.normal(ks[5], (B, NC, HV, K, V)))
+    doc = bf(jax.random.normal(ks[6], (B, NC, HV, C, V)))
+    ds_end = jax.random.normal(ks[7], (B, NC, HV, K, V))
+    return grid.ChunkInputs(q, k, v, g, beta), S0, doc, ds_end
+
+
+def xla_grads(ch, S0, doc, ds_end, scale):
+    from gdp_jax import chunked
+    it, X = chunked.wy_factors(ch)
+    return tuple(chunked.local_grads_direct(ch, it, X, S0, doc, ds_end, scale))
+
+
+def kernel_grads(ch, S0, doc, ds_end, scale):
+    import jax.numpy as jnp
+    from gdp_jax import chunked
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    it, X = chunked.wy_factors(ch)
+    return LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, it.w, it.u, X, S0, doc,
+                                ds_end, scale=scale, ab_dtype=jnp.bfloat16)
+
+
+def precision(cases, scale=0.088):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from benchmarks.measure import x64
+    names = ("dq", "dk", "dv", "dg", "dbeta")
+    rows = []
+    for K, V, strong in cases:
+        inp = chunk_inputs(jax.random.PRNGKey(K + V + strong), 2, 3, 2, K, V, strong)
+        with x64():
+            up = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), inp)
+            ref = [np.asarray(r) for r in jax.jit(xla_grads, static_argnums=4)(*up, scale)]
+        got_k = [np.asarray(r, np.float64) for r in
+                 jax.jit(kernel_grads, static_argnums=4)(*inp, scale)]
+        got_x = [np.asarray(r, np.float64) for r in
+                 jax.jit(xla_grads, static_argnums=4)(*inp, scale)]
+        rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        row = {"K": K, "V": V, "strong": strong,
+               "kernel": {n: rel(a, b) for n, a, b in zip(names, got_k, ref)},
+               "xla_f32": {n: rel(a, b) for n, a, b in zip(names, got_x, ref)},
+               "finite": all(bool(np.all(np.isfinite(a))) for a in got_k)}
+        print("precision", json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def kernel_time(B, NC, HV, K=128, V=128, scale=0.088, variants=()):
+    import jax
+    from benchmarks import measure
+    from gdp_jax import chunked
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    import jax.numpy as jnp
+    ch, S0, doc, ds_end = chunk_inputs(jax.random.PRNGKey(1), B, NC, HV, K, V)
+    it, X = jax.jit(chunked.wy_factors)(ch)
+    S0b, docb = S0.astype(jnp.bfloat16), doc.astype(jnp.bfloat16)
+    kern = lambda split=True, ablate="": jax.jit(
+        lambda ch, it, X, S0, doc, ds: LocalGradKernel.call(
+            ch.q, ch.k, ch.v, ch.g, ch.beta, it.w.astype(jnp.bfloat16), it.u, X, S0, doc, ds,
+            scale=scale, ab_dtype=jnp.bfloat16, split=split, ablate=ablate))
+    fx = jax.jit(lambda ch, it, X, S0, doc, ds: tuple(chunked.local_grads_direct(
+        ch, it, X, S0, doc, ds, scale)))
+    sync = lambda r: jax.block_until_ready(r)
+    out = {}
+    runs = [("kernel", kern()), ("xla", fx)]
+    for v in variants:       # "nosplit" or kernel ablations ("nomma", "nogates", ...)
+        runs.append((f"kernel[{v}]", kern(split="nosplit" not in v,
+                                          ablate=",".join(x for x in v.split(",")
+                                                          if x != "nosplit"))))
+    for name, f in runs:
+        out[name + "_ms"] = measure.median_ms(lambda: f(ch, it, X, S0b, docb, ds_end), sync,
+                                              10, 5)
+        print("time", name, f"{out[name + '_ms']:.3f} ms", flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="8,4096,16,2")
+    p.add_argument("--skip-op", action="store_true")
+    p.add_argument("--skip-precision", action="store_true")
+    p.add_argument("--variants", default="",
+                   help="kernel variants to time besides the default, ';'-separated: "
+                        "nosplit, nomma, nogates, notail (comma-combined)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    B, T, H, n = (int(x) for x in a.shape.split(","))
+    res = {"precision": [] if a.skip_precision else precision(
+        [(128, 128, False), (128, 128, True), (64, 64, False), (64, 128, False),
+         (128, 64, True)])}
+    res["time"] = kernel_time(B, n * T // 64, H,
+                              variants=[v for v in a.variants.split(";") if v])
+    if not a.skip_op:
+        from benchmarks import op, registry
+        from gdp_jax.kernels import pipeline
+        shape = registry.shapes("op", a.shape)[0]
+        x = registry.make_inputs(shape, 0)
+        ref = op.reference(x, min(4, shape.H), True)
+        args = types.SimpleNamespace(check_heads=4, iters=5, reps=5)
+        res["op"] = []
+        for use in (True, False):
+            pipeline.LOCAL_GRAD_KERNEL = use
+            row = {"shape": shape.label(), "local_grad_kernel": use}
+            try:
+                op.one(registry.impl("cutedsl", "fwdbwd"), x, shape, "fwdbwd", ref, args, row)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
+            print("op", json.dumps(row), flush=True)
+            res["op"].append(row)
+        pipeline.LOCAL_GRAD_KERNEL = True
+    print("\n| K | V | strong gates | kernel dq / dk / dv / dg / dbeta | xla f32 (same) |")
+    print("|---|---|---|---|---|")
+    for r in res["precision"]:
+        f = lambda d: " / ".join(f"{d[k]:.1e}" for k in ("dq", "dk", "dv", "dg", "dbeta"))
+        print(f"| {r['K']} | {r['V']} | {r['strong']} | {f(r['kernel'])} | {f(r['xla_f32'])} |")
+    t = res["time"]
+    print(f"\nlocal gradients alone at {a.shape}: " + ", ".join(
+        f"{k[:-3]} {v:.3f} ms" for k, v in t.items()))
+    for r in res.get("op", []):
+        if "error" in r:
+            print(f"op kernel={r['local_grad_kernel']}: error {r['error']}")
+        else:
+            print(f"op kernel={r['local_grad_kernel']}: fwd {r['fwd_ms']:.2f} ms, fwd+bwd "
+                  f"{r['fwdbwd_ms']:.2f} ms, peak {r['peak_gb']:.2f} GB, check max "
+                  f"{r['check_max']:.2e}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,479 @@
+"""CuTe DSL kernel: the backward's chunk-local gradients, every chunk in parallel.
+
+One CTA (4 warps) per (chunk, value head, batch row) computes what
+:func:`gdp_jax.chunked.local_grads_direct` does for one chunk - the cotangents dq, dk [C, K],
+dv [C, V], dg, dbeta [C] of the chunk inputs - from
+
+    q, k, w [C, K], doc [C, V], S0 [K, V] (16-bit), u [C, V], X [C, C], dS_end [K, V],
+    g, beta [C] (float32), the row's readout scale,
+
+with X = (I + A)^-1, w = X diag(beta gam) k, u = X diag(beta) v (the forward's WY
+factors, which XLA builds for the forward under differentiation anyway). v is not read:
+everything it enters reaches the gradients through u and ddelta v^T, which reads v (loaded
+late, into the space dS_end leaves). In the notation of ``local_grads_direct``
+(Gam = exp(seg) lower, gam = exp(G), et = exp(G_last - G), QG = tril(q k^T Gam),
+KG = tril(k k^T Gam, -1), all unscaled):
+
+    Delta  = u - w S0                                  [C, V]
+    ddelta = scale QG^T doc + diag(et) k dS_end        [C, V]
+    dKt    = Delta dS_end^T,  dW = -ddelta S0^T,  doS0 = doc S0^T      [C, K]
+    dX     = (dW k^T) diag(beta gam) + (ddelta v^T) diag(beta)          [C, C]
+    dA     = -tril(X^T dX X^T, -1),  dP = scale tril(doc Delta^T)
+    dqk    = dP Gam,  dkk = diag(beta) dA Gam,  dseg = diag(beta) dA KG + dP QG
+    dq     = diag(scale gam) doS0 + dqk k
+    dk     = diag(et) dKt + diag(beta gam) X^T dW + dqk^T q + (dkk + dkk^T) k
+    dv     = diag(beta) X^T ddelta
+    dbeta  = rows(dA KG) + gam rows(X^T dW, k) + rows(X^T ddelta, v)
+
+and dg from the row vectors (a reverse cumsum of dG = gam (scale rows(q, doS0) +
+beta rows(X^T dW, k)), an exclusive cumsum of et rows(dKt, k), the rectangle sum of dseg
+from its row and column sums, exp(G_last) sum(dS_end S0)). The row sums of products with
+X^T come as column sums: rows(X^T Y, Z) = colsum(X o (Y Z^T)), and Y Z^T is what dX is
+made of.
+
+Precision: the 16-bit operands and the float32 accumulation of the forward kernels. Delta,
+ddelta, dW and dS_end enter the MMAs rounded to 16 bits (as FLA's kernels keep them); the
+[C, C] factors (X, QG, dX, X^T dX, dqk, dkk + dkk^T) are float32 in shared memory and enter
+the MMAs split hi + lo (``split``): X's entries reach ~1e2 when beta ~ 2.
+
+Inputs are finite (the forward's non-finite rows give NaN gradients for their chunk, as in
+XLA). Phases are separated by CTA barriers; the [C, C] float32 scratch tiles live where
+dS_end and S0 were once those are dead (~218 KB of shared memory at K = V = 128: one CTA
+an SM).
+
+This module imports cutlass; import it only through ``gdp_jax.kernels.local_grad``
+(lazily).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.memory
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
+
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, acc_to_smem,
+                                  c_tile, g2s, g2s_copy, ldmatrix_copies, make_acc,
+                                  mma_split_b, operand, pick, smem_layout, smem_tile,
+                                  transpose_view, warp_mma)
+
+F32 = cutlass.Float32
+PAD = C * (C + 1)          # elements of a padded float32 [C, C] tile (row stride C + 1)
+
+
+def _region(n_bytes: int):
+    """A 1024-byte aligned smem region of ``n_bytes`` (as 16-bit elements)."""
+    return cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, (n_bytes + 1) // 2], 1024]
+
+
+class ChunkGradSm90:
+    """Static configuration: head dims K, V, the 16-bit operand dtype, hi/lo split of the
+    float32 [C, C] factors."""
+
+    def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = ""):
+        assert K in (64, 128) and V in (64, 128)
+        self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
+        # ablate (measurements only; results are wrong): "nomma" skips every MMA,
+        # "nogates" the gate loops of phase 0, "notail" phase 14
+        self.ablate = set(filter(None, ablate.split(",")))
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, stream, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS,
+                 mDq, mDk, mDv, mDg, mDbeta):
+        K, V, ab = self.K, self.V, self.ab
+        sKl = smem_layout(C, K)
+        sVl = smem_layout(C, V)
+        sSl = smem_layout(K, V)
+        pad = cute.make_layout((C, C), stride=(C + 1, 1))     # float32, no bank conflicts
+        # region 1: dS_end, later v and one float32 [C, C]; region 2: S0, later two
+        r1 = max(2 * K * V, 2 * C * V + 4 * PAD)
+        r2 = max(2 * K * V, 8 * PAD)
+
+        @cute.struct
+        class Storage:
+            sQ: smem_tile(ab, sKl)
+            sK: smem_tile(ab, sKl)
+            sW: smem_tile(ab, sKl)         # w, then dW
+            sDo: smem_tile(ab, sVl)
+            sDelta: smem_tile(ab, sVl)
+            sDD: smem_tile(ab, sVl)        # ddelta
+            R1: _region(r1)
+            R2: _region(r2)
+            sGam: cute.struct.Align[cute.struct.MemRange[F32, PAD], 128]
+            sX: cute.struct.Align[cute.struct.MemRange[F32, PAD], 128]
+            sQG: cute.struct.Align[cute.struct.MemRange[F32, PAD], 128]   # QG, then X^T dX
+            sg: cute.struct.MemRange[F32, C]
+            sb: cute.struct.MemRange[F32, C]       # beta
+            sgam: cute.struct.MemRange[F32, C]     # exp(G)
+            set_: cute.struct.MemRange[F32, C]     # exp(G_last - G)
+            srq: cute.struct.MemRange[F32, C]      # rows(q, doS0)
+            sdto: cute.struct.MemRange[F32, C]     # et rows(dKt, k)
+            scs1: cute.struct.MemRange[F32, C]     # rows(X^T dW, k)
+            scs2: cute.struct.MemRange[F32, C]     # rows(X^T ddelta, v)
+            sdba: cute.struct.MemRange[F32, C]     # rows(dA KG)
+            srs: cute.struct.MemRange[F32, C]      # row sums of dseg: dP QG
+            srs2: cute.struct.MemRange[F32, C]     # row sums of dseg: diag(beta) dA KG
+            sred: cute.struct.MemRange[F32, NUM_THREADS // 32]
+
+        B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
+        self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mDq, mDk, mDv,
+                    mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K), g2s_copy(ab, V),
+                    warp_mma(ab), Storage).launch(grid=(NC, HV, B),
+                                                  block=[NUM_THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mDq, mDk,
+               mDv, mDg, mDbeta, sKl: cute.ComposedLayout, sVl: cute.ComposedLayout,
+               sSl: cute.ComposedLayout, pad: cute.Layout, copy_K: cute.TiledCopy,
+               copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
+        K, V, ab, split = self.K, self.V, self.ab, self.split
+        tidx, _, _ = cute.arch.thread_idx()
+        c, hv, b = cute.arch.block_idx()
+        on = "nomma" not in self.ablate
+        mma_split_b_ = mma_split_b if on else _skip
+        _mma_reg_a_ = _mma_reg_a if on else _skip
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(Storage)
+        sQ, sK, sW = st.sQ.get_tensor(sKl), st.sK.get_tensor(sKl), st.sW.get_tensor(sKl)
+        sDo, sDelta = st.sDo.get_tensor(sVl), st.sDelta.get_tensor(sVl)
+        sDD = st.sDD.get_tensor(sVl)
+        sDS = st.R1.get_tensor(sSl, dtype=ab)
+        sV = st.R1.get_tensor(sVl, dtype=ab)
+        sS0 = st.R2.get_tensor(sSl, dtype=ab)
+        f32_at = lambda region, elems: cute.make_tensor(
+            cute.recast_ptr(region.data_ptr() + elems, dtype=F32), pad)
+        F1 = f32_at(st.R1, C * V)             # dX, then dkk
+        F2 = f32_at(st.R2, 0)                 # X o (dW k^T), then dqk
+        F3 = f32_at(st.R2, 2 * PAD)           # X o (ddelta v^T), then dseg
+        sGam, sX, sQG = st.sGam.get_tensor(pad), st.sX.get_tensor(pad), st.sQG.get_tensor(pad)
+        vec = lambda f: f.get_tensor(cute.make_layout(C))
+        sg, sb, sgam, set_ = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.set_)
+        srq, sdto, scs1, scs2 = vec(st.srq), vec(st.sdto), vec(st.scs1), vec(st.scs2)
+        sdba, srs, srs2 = vec(st.sdba), vec(st.srs), vec(st.srs2)
+        sred = st.sred.get_tensor(cute.make_layout(NUM_THREADS // 32))
+
+        gQ, gK, gW = mQ[b, c, hv, None, None], mK[b, c, hv, None, None], mW[b, c, hv, None, None]
+        gDo, gV = mDo[b, c, hv, None, None], mV[b, c, hv, None, None]
+        gDq, gDk = mDq[b, c, hv, None, None], mDk[b, c, hv, None, None]
+
+        # ---- phase 0: q, k, w, doc, S0 -> smem (async) | gates | X, dS_end
+        cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
+        cpK.load(gQ, (C, K), cpK.dest(sQ))
+        cpK.load(gK, (C, K), cpK.dest(sK))
+        cpK.load(gW, (C, K), cpK.dest(sW))
+        cpV.load(gDo, (C, V), cpV.dest(sDo))
+        cpV.load(mS0[b, c, hv, None, None], (K, V), cpV.dest(sS0))     # [K, V] rows of V
+        cute.arch.cp_async_commit_group()
+        scale = mScale[b]
+        if tidx < C:
+            sg[tidx] = mG[b, c, hv, tidx].to(F32)
+            sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
+        thr_mma = tiled_mma.get_slice(tidx)
+        crd_x = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
+        acc_x = make_acc(thr_mma, (C, C))
+        acc_x.store(c_tile(thr_mma, mX[b, c, hv, None, None], (C, C), (0, 0)).load())
+        tXc = thr_mma.partition_C(sX)
+        for e in cutlass.range_constexpr(cute.size(acc_x)):
+            tXc[e] = acc_x[e]
+        cute.arch.sync_threads()
+        dlast = F32(0.0)                       # sum(dS_end S0), this thread's part
+        if cutlass.const_expr("nogates" not in self.ablate):
+            if tidx < C:
+                i = tidx
+                s = F32(0.0)                       # seg_ij, j from i down to 0
+                for jj in cutlass.range(i + 1, unroll=1):
+                    j = i - jj
+                    sGam[i, j] = cute.math.exp(s)
+                    s = s + sg[j]
+                for j in cutlass.range(i + 1, C, unroll=1):
+                    sGam[i, j] = F32(0.0)
+                sgam[i] = cute.math.exp(s)         # s = G_i
+            else:
+                i = tidx - C
+                t = F32(0.0)                       # G_last - G_i = g_{i+1} + ... + g_{C-1}
+                for jj in cutlass.range(C - 1 - i, unroll=1):
+                    t = t + sg[C - 1 - jj]
+                set_[i] = cute.math.exp(t)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        # dS_end (float32) -> 16-bit smem in accumulator layout, with sum(dS_end S0)
+        acc_s = make_acc(thr_mma, (K, V))
+        acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V), (0, 0)).load())
+        tS0c = thr_mma.partition_C(sS0)
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            dlast = dlast + acc_s[e] * tS0c[e].to(F32)
+        toS = acc_to_smem(tiled_mma, tidx, acc_s, ab)
+        toS.store(acc_s.load().to(ab), toS.dest(sDS))
+        dlast = cute.arch.warp_reduction_sum(dlast)
+        if tidx % 32 == 0:
+            sred[tidx // 32] = dlast
+
+        # ---- phase 1: QG = tril(Q K^T Gam) (float32, unscaled)
+        cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
+        cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)   # B from [N, K] tiles
+        A_ = lambda s: operand(thr_mma, cA, s, True)          # A from a K-major [M, K] tile
+        B_ = lambda s: operand(thr_mma, cB, s, False)         # B from an [N, K] tile
+        Bt = lambda s, r, cols: operand(thr_mma, cBt, transpose_view(s, r, cols), False)
+        r0, _ = crd_x[0]                       # this thread's accumulator rows r0, r0 + 8
+        acc_cc = make_acc(thr_mma, (C, C))
+        acc_cc.fill(0.0)
+        mma_split_b_(tiled_mma, K // MMA_K, [(acc_cc, A_(sQ))], B_(sK), None, False)
+        tQGc = thr_mma.partition_C(sQG)
+        tGc = thr_mma.partition_C(sGam)
+        for e in cutlass.range_constexpr(cute.size(acc_cc)):
+            i, j = crd_x[e]
+            tQGc[e] = pick(j <= i, acc_cc[e] * tGc[e], F32(0.0))
+        cute.arch.sync_threads()
+
+        # ---- phase 2: Delta = u - w S0 -> smem (16-bit)
+        crd_v = thr_mma.partition_C(cute.make_identity_tensor((C, V)))
+        crd_k = thr_mma.partition_C(cute.make_identity_tensor((C, K)))
+        acc_v = make_acc(thr_mma, (C, V))
+        acc_v.fill(0.0)
+        mma_split_b_(tiled_mma, K // MMA_K, [(acc_v, A_(sW))], Bt(sS0, K, V), None, False)
+        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()
+        toV = acc_to_smem(tiled_mma, tidx, acc_v, ab)
+        toV.store((u - acc_v.load()).to(ab), toV.dest(sDelta))
+
+        # ---- phase 3: ddelta = diag(et) K dS_end + scale QG^T doc -> smem (16-bit)
+        acc_v.fill(0.0)
+        mma_split_b_(tiled_mma, K // MMA_K, [(acc_v, A_(sK))], Bt(sDS, K, V), None, False)
+        for e in cutlass.range_constexpr(cute.size(acc_v)):
+            i, _ = crd_v[e]
+            acc_v[e] = acc_v[e] * set_[i]
+        R = lambda view, is_a, value=None, plus_transpose=None: _reg(
+            thr_mma, view, is_a, ab, split, value, plus_transpose)
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
+                   R(transpose_view(sQG, C, C), True, lambda x, i, j: x * scale),
+                   Bt(sDo, C, V))
+        toV.store(acc_v.load().to(ab), toV.dest(sDD))
+        cute.arch.sync_threads()
+
+        # ---- phase 4: diag(et) dKt = diag(et) Delta dS_end^T -> dk (partial, global);
+        # dto = et rows(dKt, k)
+        acc_k = make_acc(thr_mma, (C, K))
+        acc_k.fill(0.0)
+        mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDelta))], B_(sDS), None, False)
+        tKc = thr_mma.partition_C(sK)
+        for e in cutlass.range_constexpr(cute.size(acc_k)):
+            i, _ = crd_k[e]
+            acc_k[e] = acc_k[e] * set_[i]
+        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tKc[e].to(F32), sdto)
+        c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_k.load())
+        cute.arch.sync_threads()               # dS_end is dead: v takes its place
+        cpV.load(gV, (C, V), cpV.dest(sV))
+        cute.arch.cp_async_commit_group()
+
+        # ---- phase 5: dW = -ddelta S0^T -> smem (16-bit, where w was)
+        acc_k.fill(0.0)
+        mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDD))], B_(sS0), None, False)
+        toK = acc_to_smem(tiled_mma, tidx, acc_k, ab)
+        toK.store((acc_k.load() * -1.0).to(ab), toK.dest(sW))
+
+        # ---- phase 6: diag(scale gam) doS0 -> dq (partial, global); rq = rows(q, doS0)
+        acc_k.fill(0.0)
+        mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDo))], B_(sS0), None, False)
+        tQc = thr_mma.partition_C(sQ)
+        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tQc[e].to(F32), srq)
+        for e in cutlass.range_constexpr(cute.size(acc_k)):
+            i, _ = crd_k[e]
+            acc_k[e] = acc_k[e] * (scale * sgam[i])
+        c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_k.load())
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()               # S0 is dead: F2, F3 take its place
+
+        # ---- phase 7: WK = dW k^T, DV = ddelta v^T; dX -> F1; X o WK -> F2, X o DV -> F3
+        acc_cc.fill(0.0)
+        acc_c2 = make_acc(thr_mma, (C, C))
+        acc_c2.fill(0.0)
+        mma_split_b_(tiled_mma, K // MMA_K, [(acc_cc, A_(sW))], B_(sK), None, False)
+        mma_split_b_(tiled_mma, V // MMA_K, [(acc_c2, A_(sDD))], B_(sV), None, False)
+        t1 = thr_mma.partition_C(F1)
+        t2 = thr_mma.partition_C(F2)
+        t3 = thr_mma.partition_C(F3)
+        for e in cutlass.range_constexpr(cute.size(acc_cc)):
+            _, j = crd_x[e]
+            x = tXc[e]
+            t1[e] = acc_cc[e] * (sb[j] * sgam[j]) + acc_c2[e] * sb[j]
+            t2[e] = x * acc_cc[e]
+            t3[e] = x * acc_c2[e]
+        cute.arch.sync_threads()
+        if tidx < C:
+            scs1[tidx] = _col_sum(F2, tidx)
+        else:
+            scs2[tidx - C] = _col_sum(F3, tidx - C)
+        cute.arch.sync_threads()
+
+        # ---- phase 8: dP = scale tril(doc Delta^T); dqk = dP Gam -> F2; dseg = dP QG -> F3
+        acc_cc.fill(0.0)
+        mma_split_b_(tiled_mma, V // MMA_K, [(acc_cc, A_(sDo))], B_(sDelta), None, False)
+        tQGc2 = thr_mma.partition_C(sQG)
+        for e in cutlass.range_constexpr(cute.size(acc_cc)):
+            i, j = crd_x[e]
+            dp = pick(j <= i, acc_cc[e] * scale, F32(0.0))
+            t2[e] = dp * tGc[e]
+            acc_cc[e] = dp * tQGc2[e]
+            t3[e] = acc_cc[e]
+        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs)
+        cute.arch.sync_threads()
+
+        # ---- phase 9: T = X^T dX -> sQG (QG is dead)
+        acc_cc.fill(0.0)
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(transpose_view(sX, C, C), True), None,
+                   R(transpose_view(F1, C, C), False))
+        cute.arch.sync_threads()
+        for e in cutlass.range_constexpr(cute.size(acc_cc)):
+            tQGc2[e] = acc_cc[e]
+        cute.arch.sync_threads()
+
+        # ---- phase 10: dA = -tril(T X^T, -1), kk = K K^T (again), KG = tril(kk Gam, -1):
+        # dkk = diag(beta) dA Gam -> F1; dseg += diag(beta) dA KG; dba = rows(dA KG)
+        acc_cc.fill(0.0)
+        acc_c2.fill(0.0)
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(sQG, True), None, R(sX, False))
+        mma_split_b_(tiled_mma, K // MMA_K, [(acc_c2, A_(sK))], B_(sK), None, False)
+        for e in cutlass.range_constexpr(cute.size(acc_cc)):
+            i, j = crd_x[e]
+            da = pick(j < i, -acc_cc[e], F32(0.0))
+            t = da * (acc_c2[e] * tGc[e])                 # dA KG
+            acc_c2[e] = t
+            acc_cc[e] = sb[i] * t                          # dseg's second term
+            t3[e] = t3[e] + acc_cc[e]
+            t1[e] = sb[i] * da * tGc[e]
+        _row_sums(acc_c2, crd_x, r0, lambda e: acc_c2[e], sdba)
+        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs2)
+        cute.arch.sync_threads()
+
+        # ---- phase 11: dv = diag(beta) X^T ddelta
+        acc_v.fill(0.0)
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
+                   R(transpose_view(sX, C, C), True, lambda x, i, j: x * sb[i]),
+                   Bt(sDD, C, V))
+        c_tile(thr_mma, mDv[b, c, hv, None, None], (C, V), (0, 0)).store(acc_v.load())
+
+        # ---- phase 12: dk = partial + diag(beta gam) X^T dW + dqk^T q + (dkk + dkk^T) k
+        acc_k.store(c_tile(thr_mma, gDk, (C, K), (0, 0)).load())
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k,
+                   R(transpose_view(sX, C, C), True, lambda x, i, j: x * (sb[i] * sgam[i])),
+                   Bt(sW, C, K))
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k, R(transpose_view(F2, C, C), True),
+                   Bt(sQ, C, K))
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k, R(F1, True, None, F1), Bt(sK, C, K))
+        c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_k.load())
+
+        # ---- phase 13: dq = partial + dqk k
+        acc_k.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k, R(F2, True), Bt(sK, C, K))
+        c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_k.load())
+
+        # ---- phase 14: the row vectors -> dbeta, dg. First y_l = dG_l + rowsum(dseg)_l -
+        # colsum(dseg)_l (into srq) and dbeta_l; then dg_l = sum_{i >= l} y_i +
+        # sum_{i < l} dto_i + dG_last (the cumsums of ``local_grads_direct``).
+        if cutlass.const_expr("notail" not in self.ablate):
+            if tidx < C:
+                l = tidx
+                dG = sgam[l] * (scale * srq[l] + sb[l] * scs1[l])
+                srq[l] = dG + srs[l] + srs2[l] - _col_sum(F3, l)
+                mDbeta[b, c, hv, l] = sdba[l] + sgam[l] * scs1[l] + scs2[l]
+        cute.arch.sync_threads()
+        if cutlass.const_expr("notail" not in self.ablate):
+            if tidx < C:
+                l = tidx
+                dG_last = F32(0.0)
+                for w_ in cutlass.range_constexpr(NUM_THREADS // 32):
+                    dG_last = dG_last + sred[w_]
+                acc_g = dG_last * sgam[C - 1]      # exp(G_last) sum(dS_end S0)
+                for i in cutlass.range(l, C, unroll=1):
+                    acc_g = acc_g + srq[i]
+                for i in cutlass.range(l, unroll=1):
+                    acc_g = acc_g + sdto[i]
+                mDg[b, c, hv, l] = acc_g
+
+
+# ------------------------------------------------------------ device-side pieces
+# Plain functions run at trace time inside the kernel (as sm90's helpers): their loops are
+# unrolled Python loops and they hold no dynamic control flow.
+
+def _reg(thr_mma, view, is_a: bool, ab, split: bool, value=None, plus_transpose=None):
+    """The [C, C] float32 smem ``view`` (A: [M, K]; B: [N, K]) as register MMA operands:
+    [hi, lo] in split mode (x = hi + lo to ~2^-16 relative), else [hi]; elements
+    value(x, i, j) at view coordinates (i, j) of x = view[i, j] (+ view[j, i] with
+    ``plus_transpose``, the same tile)."""
+    shape = (C, C)
+    if is_a:
+        src = thr_mma.partition_A(view)
+        crd = thr_mma.partition_A(cute.make_identity_tensor(shape))
+        frags = [thr_mma.make_fragment_A(thr_mma.partition_shape_A(shape))
+                 for _ in range(2 if split else 1)]
+        srcT = (thr_mma.partition_A(transpose_view(plus_transpose, C, C))
+                if plus_transpose is not None else None)
+    else:
+        assert plus_transpose is None
+        src = thr_mma.partition_B(view)
+        crd = thr_mma.partition_B(cute.make_identity_tensor(shape))
+        frags = [thr_mma.make_fragment_B(thr_mma.partition_shape_B(shape))
+                 for _ in range(2 if split else 1)]
+        srcT = None
+    for e in range(cute.size(frags[0])):
+        x = src[e]
+        if srcT is not None:
+            x = x + srcT[e]
+        if value is not None:
+            i, j = crd[e]
+            x = value(x, i, j)
+        h = x.to(ab)
+        frags[0][e] = h
+        if split:
+            frags[1][e] = (x - h.to(F32)).to(ab)
+    return [RegOperand(f) for f in frags]
+
+
+def _skip(*args):
+    """An MMA left out (``ablate="nomma"``)."""
+
+
+def _mma_reg_a(tiled_mma, k_blocks, acc, a_ops, b, b_ops=None):
+    """acc += A B with A given as register operands ``a_ops`` (hi[, lo]) and B either an
+    ldmatrix ``Operand`` ``b`` or register operands ``b_ops`` (hi[, lo])."""
+    products = [(acc, a) for a in a_ops]
+    if b_ops is not None:
+        mma_split_b(tiled_mma, k_blocks, products, b_ops[0],
+                    b_ops[1] if len(b_ops) > 1 else None, len(b_ops) > 1)
+    else:
+        mma_split_b(tiled_mma, k_blocks, products, b, None, False)
+
+
+def _row_sums(acc, crd, r0, term, out):
+    """out[i] = sum_j term(e) over the accumulator elements e of this thread's rows r0,
+    r0 + 8; the quad of lanes holding a row sums it and every lane of it stores the same
+    value (no branch)."""
+    z0, z1 = F32(0.0), F32(0.0)
+    for e in range(cute.size(acc)):
+        i, _ = crd[e]
+        x = term(e)
+        z0 = z0 + pick(i == r0, x, F32(0.0))
+        z1 = z1 + pick(i == r0, F32(0.0), x)
+    out[r0] = cute.arch.warp_reduction_sum(z0, threads_in_group=4)
+    out[r0 + 8] = cute.arch.warp_reduction_sum(z1, threads_in_group=4)
+
+
+def _col_sum(F, j):
+    """sum_i F[i, j] of a float32 [C, C] smem tile (two partial sums)."""
+    s0, s1 = F32(0.0), F32(0.0)
+    for i in range(0, C, 2):
+        s0 = s0 + F[i, j]
+        s1 = s1 + F[i + 1, j]
+    return s0 + s1
+
+
+_KERNELS = {}
+
+
+def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "") -> ChunkGradSm90:
+    key = (K, V, ab_name, split, ablate)
+    if key not in _KERNELS:
+        _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate)
+    return _KERNELS[key]

@@ -1,0 +1,129 @@
+"""The chunk-local gradient kernel (:mod:`gdp_jax.kernels.chunk_grad_sm90`): limits and call.
+
+One pass per chunk, all chunks in parallel: what :func:`gdp_jax.chunked.local_grads_direct`
+computes - the cotangents (dq, dk, dv, dg, dbeta) of the chunk inputs from the output-row
+cotangents, the end-state cotangents dS_end and the start states S0 - with every [C, C]
+intermediate in shared memory instead of HBM (XLA's version moves each of them through
+HBM at least once: 11 of the 18 ms of a cutedsl fwd+bwd at (8, 4096, 16, 2) before this
+kernel, benchmarks/results/history/2026-12-02).
+
+The forward's WY factors w, u and X = (I + A)^-1 are inputs (XLA builds them for the
+forward under differentiation and keeps them for the backward either way).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax.numpy as jnp
+
+from gdp_jax.grid import CHUNK as C
+from gdp_jax.kernels import binding
+from gdp_jax.spec import Unsupported
+
+
+class LocalGradKernel:
+    """Limits and the (vmappable) call of the chunk-local gradient kernel."""
+
+    DTYPES = ("bfloat16", "float16")
+    HEAD_DIMS = (64, 128)
+
+    @staticmethod
+    def can_implement(*, ab_dtype, K: int, V: int, rows: int, NC: int,
+                      HV: int) -> Optional[Unsupported]:
+        """None if the kernel runs these shapes with ``ab_dtype`` operands, else why not."""
+        ab = jnp.dtype(ab_dtype).name
+        if ab not in LocalGradKernel.DTYPES:
+            return Unsupported(f"the cutedsl local-gradient kernel takes 16-bit operands; "
+                               f"got {ab}")
+        if K not in LocalGradKernel.HEAD_DIMS or V not in LocalGradKernel.HEAD_DIMS:
+            return Unsupported(f"the cutedsl local-gradient kernel takes K, V in "
+                               f"{LocalGradKernel.HEAD_DIMS}; got K={K}, V={V}")
+        if rows * NC * HV * max(C * max(K, V, C), K * V) > binding.MAX_ELEMS:
+            return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "
+                               f"the local-gradient kernel's 32-bit offsets")
+        return None
+
+    @classmethod
+    def call(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, *, scale: float, ab_dtype,
+             split: bool = True, ablate: str = ""):
+        """-> (dq, dk [B, NC, HV, C, K], dv [B, NC, HV, C, V], dg, dbeta [B, NC, HV, C]),
+        float32; ``jax.vmap``-able.
+
+        q, k, w: [B, NC, HV, C, K]; v, u, doc: [B, NC, HV, C, V]; g, beta: [B, NC, HV, C];
+        X: [B, NC, HV, C, C]; S0, ds_end: [B, NC, HV, K, V] (any float dtypes: q, k, v,
+        w, doc and S0 enter the kernel in ``ab_dtype``, the rest in float32).
+        """
+        f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, split=split,
+                                                      ablate=ablate),
+                              out_kinds=("rows",) * 5)
+        # float32 for the kernel (raw_call casts); float64 only in emulated tests
+        scale_rows = jnp.full(k.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
+        return f(q, k, w, doc, v, g, beta, scale_rows, X, u, S0, ds_end)
+
+    @staticmethod
+    def raw_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
+                 split: bool = True, ablate: str = ""):
+        """:meth:`call` on its operands in the kernel's order, ``scale`` [B] float32 (one
+        per row). ``ablate``: parts of the kernel skipped, for timing them only (the
+        results are wrong; see ``chunk_grad_sm90.ChunkGradSm90``)."""
+        B, NC, HV, C_, K = k.shape
+        V = v.shape[-1]
+        why = LocalGradKernel.can_implement(ab_dtype=ab_dtype, K=K, V=V, rows=B, NC=NC,
+                                            HV=HV)
+        if why:
+            raise ValueError(str(why))
+        if scale.shape != (B,):
+            raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
+        ab = jnp.dtype(ab_dtype)
+        rows = (B, NC, HV, C_)
+        outputs = (binding.out(rows + (K,), jnp.float32), binding.out(rows + (K,), jnp.float32),
+                   binding.out(rows + (V,), jnp.float32), binding.out(rows, jnp.float32),
+                   binding.out(rows, jnp.float32))
+        f32 = lambda x: x.astype(jnp.float32)
+        to_ab = lambda x: x.astype(ab)
+        return binding.custom_call(
+            _launcher, "gdp_chunk_grad_sm90", outputs,
+            (to_ab(q), to_ab(k), to_ab(w), to_ab(doc), to_ab(v), f32(g), f32(beta),
+             f32(scale), f32(X), f32(u), to_ab(S0), f32(ds_end)),
+            tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
+            K=K, V=V, ab_name=ab.name, split=bool(split), ablate=ablate)
+
+    @classmethod
+    def variants(cls):
+        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims (the
+        scale is a run-time input)."""
+        import jax
+        from gdp_jax.kernels import aot
+        out = []
+        for name in cls.DTYPES:
+            for K in cls.HEAD_DIMS:
+                for V in cls.HEAD_DIMS:
+                    S = lambda *shape, dt=jnp.float32: jax.ShapeDtypeStruct(
+                        (1, 1, 1) + shape, dt)
+                    ab = jnp.dtype(name)
+                    fn = functools.partial(cls.raw_call, ab_dtype=name)
+                    out.append(aot.Variant(
+                        f"gdp_chunk_grad_sm90 {name} K={K} V={V}", fn,
+                        (S(C, K, dt=ab), S(C, K, dt=ab), S(C, K, dt=ab), S(C, V, dt=ab),
+                         S(C, V, dt=ab), S(C), S(C), jax.ShapeDtypeStruct((1,), jnp.float32),
+                         S(C, C), S(C, V), S(K, V, dt=ab), S(K, V))))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_grad_sm90 as mod
+
+    @cute.jit
+    def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, dq, dk, dv, dg,
+               dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+               ablate: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, split, ablate)(stream, q, k, w, doc, v, g, beta, scale, X, u,
+                                             S0, ds_end, dq, dk, dv, dg, dbeta)
+
+    return launch
