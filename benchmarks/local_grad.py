@@ -92,19 +92,22 @@ def kernel_time(B, NC, HV, K=128, V=128, scale=0.088, variants=()):
     ch, S0, doc, ds_end = chunk_inputs(jax.random.PRNGKey(1), B, NC, HV, K, V)
     it, X = jax.jit(chunked.wy_factors)(ch)
     S0b, docb = S0.astype(jnp.bfloat16), doc.astype(jnp.bfloat16)
-    kern = lambda split=True, ablate="": jax.jit(
+    kern = lambda split=True, ablate="", warps_n=2: jax.jit(
         lambda ch, it, X, S0, doc, ds: LocalGradKernel.call(
             ch.q, ch.k, ch.v, ch.g, ch.beta, it.w.astype(jnp.bfloat16), it.u, X, S0, doc, ds,
-            scale=scale, ab_dtype=jnp.bfloat16, split=split, ablate=ablate))
+            scale=scale, ab_dtype=jnp.bfloat16, split=split, ablate=ablate,
+            warps_n=warps_n))
     fx = jax.jit(lambda ch, it, X, S0, doc, ds: tuple(chunked.local_grads_direct(
         ch, it, X, S0, doc, ds, scale)))
     sync = lambda r: jax.block_until_ready(r)
     out = {}
     runs = [("kernel", kern()), ("xla", fx)]
-    for v in variants:       # "nosplit" or kernel ablations ("nomma", "nogates", ...)
-        runs.append((f"kernel[{v}]", kern(split="nosplit" not in v,
-                                          ablate=",".join(x for x in v.split(",")
-                                                          if x != "nosplit"))))
+    for v in variants:       # "nosplit", "warps4" or ablations ("nomma", "nogates", ...)
+        parts = v.split(",")
+        runs.append((f"kernel[{v}]", kern(split="nosplit" not in parts,
+                                          warps_n=1 if "warps4" in parts else 2,
+                                          ablate=",".join(x for x in parts
+                                                          if x not in ("nosplit", "warps4")))))
     for name, f in runs:
         out[name + "_ms"] = measure.median_ms(lambda: f(ch, it, X, S0b, docb, ds_end), sync,
                                               10, 5)
@@ -119,7 +122,7 @@ def main(argv=None):
     p.add_argument("--skip-precision", action="store_true")
     p.add_argument("--variants", default="",
                    help="kernel variants to time besides the default, ';'-separated: "
-                        "nosplit, nomma, nogates, notail (comma-combined)")
+                        "nosplit, warps4, nomma, nogates, notail (comma-combined)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     B, T, H, n = (int(x) for x in a.shape.split(","))

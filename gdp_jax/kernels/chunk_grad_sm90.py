@@ -69,9 +69,13 @@ class ChunkGradSm90:
     """Static configuration: head dims K, V, the 16-bit operand dtype, hi/lo split of the
     float32 [C, C] factors."""
 
-    def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = ""):
-        assert K in (64, 128) and V in (64, 128)
+    def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
+                 warps_n: int = 2):
+        assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
+        # warps along N (4 along M): 8 warps hide twice the latency of 4
+        self.warps_n = warps_n
+        self.threads = NUM_THREADS * warps_n
         # ablate (measurements only; results are wrong): "nomma" skips every MMA,
         # "nogates" the gate loops of phase 0, "notail" phase 14
         self.ablate = set(filter(None, ablate.split(",")))
@@ -81,6 +85,7 @@ class ChunkGradSm90:
     def __call__(self, stream, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS,
                  mDq, mDk, mDv, mDg, mDbeta):
         K, V, ab = self.K, self.V, self.ab
+        WN, NT = self.warps_n, self.threads
         sKl = smem_layout(C, K)
         sVl = smem_layout(C, V)
         sSl = smem_layout(K, V)
@@ -106,20 +111,21 @@ class ChunkGradSm90:
             sb: cute.struct.MemRange[F32, C]       # beta
             sgam: cute.struct.MemRange[F32, C]     # exp(G)
             set_: cute.struct.MemRange[F32, C]     # exp(G_last - G)
-            srq: cute.struct.MemRange[F32, C]      # rows(q, doS0)
-            sdto: cute.struct.MemRange[F32, C]     # et rows(dKt, k)
+            srq: cute.struct.MemRange[F32, C * WN]      # rows(q, doS0)
+            sdto: cute.struct.MemRange[F32, C * WN]     # et rows(dKt, k)
             scs1: cute.struct.MemRange[F32, C]     # rows(X^T dW, k)
             scs2: cute.struct.MemRange[F32, C]     # rows(X^T ddelta, v)
-            sdba: cute.struct.MemRange[F32, C]     # rows(dA KG)
-            srs: cute.struct.MemRange[F32, C]      # row sums of dseg: dP QG
-            srs2: cute.struct.MemRange[F32, C]     # row sums of dseg: diag(beta) dA KG
-            sred: cute.struct.MemRange[F32, NUM_THREADS // 32]
+            sdba: cute.struct.MemRange[F32, C * WN]     # rows(dA KG)
+            srs: cute.struct.MemRange[F32, C * WN]      # row sums of dseg: dP QG
+            srs2: cute.struct.MemRange[F32, C * WN]     # row sums of dseg: diag(beta) dA KG
+            sy: cute.struct.MemRange[F32, C]           # phase 14's row vector
+            sred: cute.struct.MemRange[F32, NT // 32]
 
         B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
         self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mDq, mDk, mDv,
-                    mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K), g2s_copy(ab, V),
-                    warp_mma(ab), Storage).launch(grid=(NC, HV, B),
-                                                  block=[NUM_THREADS, 1, 1], stream=stream)
+                    mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
+                    g2s_copy(ab, V, NT), warp_mma(ab, WN),
+                    Storage).launch(grid=(NC, HV, B), block=[NT, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -150,9 +156,15 @@ class ChunkGradSm90:
         sGam, sX, sQG = st.sGam.get_tensor(pad), st.sX.get_tensor(pad), st.sQG.get_tensor(pad)
         vec = lambda f: f.get_tensor(cute.make_layout(C))
         sg, sb, sgam, set_ = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.set_)
-        srq, sdto, scs1, scs2 = vec(st.srq), vec(st.sdto), vec(st.scs1), vec(st.scs2)
-        sdba, srs, srs2 = vec(st.sdba), vec(st.srs), vec(st.srs2)
-        sred = st.sred.get_tensor(cute.make_layout(NUM_THREADS // 32))
+        scs1, scs2 = vec(st.scs1), vec(st.scs2)
+        WN, NT = self.warps_n, self.threads
+        rvec = lambda f: f.get_tensor(cute.make_layout((WN, C), stride=(C, 1)))
+        srq, sdto, sdba, srs, srs2 = (rvec(st.srq), rvec(st.sdto), rvec(st.sdba),
+                                      rvec(st.srs), rvec(st.srs2))
+        sy = vec(st.sy)
+        sred = st.sred.get_tensor(cute.make_layout(NT // 32))
+        wn = tidx // NUM_THREADS               # this warp's N index (sm90.warp_mma)
+        rsum = lambda t, i: _sum_n(t, i, WN)
 
         gQ, gK, gW = mQ[b, c, hv, None, None], mK[b, c, hv, None, None], mW[b, c, hv, None, None]
         gDo, gV = mDo[b, c, hv, None, None], mV[b, c, hv, None, None]
@@ -190,7 +202,7 @@ class ChunkGradSm90:
                 for j in cutlass.range(i + 1, C, unroll=1):
                     sGam[i, j] = F32(0.0)
                 sgam[i] = cute.math.exp(s)         # s = G_i
-            else:
+            elif tidx < 2 * C:
                 i = tidx - C
                 t = F32(0.0)                       # G_last - G_i = g_{i+1} + ... + g_{C-1}
                 for jj in cutlass.range(C - 1 - i, unroll=1):
@@ -261,7 +273,7 @@ class ChunkGradSm90:
         for e in cutlass.range_constexpr(cute.size(acc_k)):
             i, _ = crd_k[e]
             acc_k[e] = acc_k[e] * set_[i]
-        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tKc[e].to(F32), sdto)
+        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tKc[e].to(F32), sdto, wn)
         c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_k.load())
         cute.arch.sync_threads()               # dS_end is dead: v takes its place
         cpV.load(gV, (C, V), cpV.dest(sV))
@@ -277,7 +289,7 @@ class ChunkGradSm90:
         acc_k.fill(0.0)
         mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDo))], B_(sS0), None, False)
         tQc = thr_mma.partition_C(sQ)
-        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tQc[e].to(F32), srq)
+        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tQc[e].to(F32), srq, wn)
         for e in cutlass.range_constexpr(cute.size(acc_k)):
             i, _ = crd_k[e]
             acc_k[e] = acc_k[e] * (scale * sgam[i])
@@ -303,7 +315,7 @@ class ChunkGradSm90:
         cute.arch.sync_threads()
         if tidx < C:
             scs1[tidx] = _col_sum(F2, tidx)
-        else:
+        elif tidx < 2 * C:
             scs2[tidx - C] = _col_sum(F3, tidx - C)
         cute.arch.sync_threads()
 
@@ -317,7 +329,7 @@ class ChunkGradSm90:
             t2[e] = dp * tGc[e]
             acc_cc[e] = dp * tQGc2[e]
             t3[e] = acc_cc[e]
-        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs)
+        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs, wn)
         cute.arch.sync_threads()
 
         # ---- phase 9: T = X^T dX -> sQG (QG is dead)
@@ -343,8 +355,8 @@ class ChunkGradSm90:
             acc_cc[e] = sb[i] * t                          # dseg's second term
             t3[e] = t3[e] + acc_cc[e]
             t1[e] = sb[i] * da * tGc[e]
-        _row_sums(acc_c2, crd_x, r0, lambda e: acc_c2[e], sdba)
-        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs2)
+        _row_sums(acc_c2, crd_x, r0, lambda e: acc_c2[e], sdba, wn)
+        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs2, wn)
         cute.arch.sync_threads()
 
         # ---- phase 11: dv = diag(beta) X^T ddelta
@@ -370,26 +382,26 @@ class ChunkGradSm90:
         c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_k.load())
 
         # ---- phase 14: the row vectors -> dbeta, dg. First y_l = dG_l + rowsum(dseg)_l -
-        # colsum(dseg)_l (into srq) and dbeta_l; then dg_l = sum_{i >= l} y_i +
+        # colsum(dseg)_l (into sy) and dbeta_l; then dg_l = sum_{i >= l} y_i +
         # sum_{i < l} dto_i + dG_last (the cumsums of ``local_grads_direct``).
         if cutlass.const_expr("notail" not in self.ablate):
             if tidx < C:
                 l = tidx
-                dG = sgam[l] * (scale * srq[l] + sb[l] * scs1[l])
-                srq[l] = dG + srs[l] + srs2[l] - _col_sum(F3, l)
-                mDbeta[b, c, hv, l] = sdba[l] + sgam[l] * scs1[l] + scs2[l]
+                dG = sgam[l] * (scale * rsum(srq, l) + sb[l] * scs1[l])
+                sy[l] = dG + rsum(srs, l) + rsum(srs2, l) - _col_sum(F3, l)
+                mDbeta[b, c, hv, l] = rsum(sdba, l) + sgam[l] * scs1[l] + scs2[l]
         cute.arch.sync_threads()
         if cutlass.const_expr("notail" not in self.ablate):
             if tidx < C:
                 l = tidx
                 dG_last = F32(0.0)
-                for w_ in cutlass.range_constexpr(NUM_THREADS // 32):
+                for w_ in cutlass.range_constexpr(NT // 32):
                     dG_last = dG_last + sred[w_]
                 acc_g = dG_last * sgam[C - 1]      # exp(G_last) sum(dS_end S0)
                 for i in cutlass.range(l, C, unroll=1):
-                    acc_g = acc_g + srq[i]
+                    acc_g = acc_g + sy[i]
                 for i in cutlass.range(l, unroll=1):
-                    acc_g = acc_g + sdto[i]
+                    acc_g = acc_g + rsum(sdto, i)
                 mDg[b, c, hv, l] = acc_g
 
 
@@ -446,18 +458,26 @@ def _mma_reg_a(tiled_mma, k_blocks, acc, a_ops, b, b_ops=None):
         mma_split_b(tiled_mma, k_blocks, products, b, None, False)
 
 
-def _row_sums(acc, crd, r0, term, out):
-    """out[i] = sum_j term(e) over the accumulator elements e of this thread's rows r0,
-    r0 + 8; the quad of lanes holding a row sums it and every lane of it stores the same
-    value (no branch)."""
+def _row_sums(acc, crd, r0, term, out, wn):
+    """out[wn, i] = sum_j term(e) over the accumulator elements e of this thread's rows
+    r0, r0 + 8 (this warp's columns: ``wn`` its N index); the quad of lanes holding a row
+    sums it and every lane of it stores the same value (no branch)."""
     z0, z1 = F32(0.0), F32(0.0)
     for e in range(cute.size(acc)):
         i, _ = crd[e]
         x = term(e)
         z0 = z0 + pick(i == r0, x, F32(0.0))
         z1 = z1 + pick(i == r0, F32(0.0), x)
-    out[r0] = cute.arch.warp_reduction_sum(z0, threads_in_group=4)
-    out[r0 + 8] = cute.arch.warp_reduction_sum(z1, threads_in_group=4)
+    out[wn, r0] = cute.arch.warp_reduction_sum(z0, threads_in_group=4)
+    out[wn, r0 + 8] = cute.arch.warp_reduction_sum(z1, threads_in_group=4)
+
+
+def _sum_n(t, i, warps_n):
+    """sum over the warps along N of a [warps_n, C] partial row-sum vector at row i."""
+    s = t[0, i]
+    for w in range(1, warps_n):
+        s = s + t[w, i]
+    return s
 
 
 def _col_sum(F, j):
@@ -472,8 +492,9 @@ def _col_sum(F, j):
 _KERNELS = {}
 
 
-def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "") -> ChunkGradSm90:
-    key = (K, V, ab_name, split, ablate)
+def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
+               warps_n: int = 2) -> ChunkGradSm90:
+    key = (K, V, ab_name, split, ablate, warps_n)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate)
+        _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n)
     return _KERNELS[key]

@@ -46,7 +46,7 @@ class LocalGradKernel:
 
     @classmethod
     def call(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, *, scale: float, ab_dtype,
-             split: bool = True, ablate: str = ""):
+             split: bool = True, ablate: str = "", warps_n: int = 2):
         """-> (dq, dk [B, NC, HV, C, K], dv [B, NC, HV, C, V], dg, dbeta [B, NC, HV, C]),
         float32; ``jax.vmap``-able.
 
@@ -55,7 +55,7 @@ class LocalGradKernel:
         w, doc and S0 enter the kernel in ``ab_dtype``, the rest in float32).
         """
         f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, split=split,
-                                                      ablate=ablate),
+                                                      ablate=ablate, warps_n=warps_n),
                               out_kinds=("rows",) * 5)
         # float32 for the kernel (raw_call casts); float64 only in emulated tests
         scale_rows = jnp.full(k.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
@@ -63,10 +63,12 @@ class LocalGradKernel:
 
     @staticmethod
     def raw_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
-                 split: bool = True, ablate: str = ""):
+                 split: bool = True, ablate: str = "", warps_n: int = 2):
         """:meth:`call` on its operands in the kernel's order, ``scale`` [B] float32 (one
-        per row). ``ablate``: parts of the kernel skipped, for timing them only (the
-        results are wrong; see ``chunk_grad_sm90.ChunkGradSm90``)."""
+        per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo;
+        ``warps_n``: warps along N (4 or 8 warps a CTA); ``ablate``: parts of the kernel
+        skipped, for timing them only (the results are wrong; see
+        ``chunk_grad_sm90.ChunkGradSm90``)."""
         B, NC, HV, C_, K = k.shape
         V = v.shape[-1]
         why = LocalGradKernel.can_implement(ab_dtype=ab_dtype, K=K, V=V, rows=B, NC=NC,
@@ -87,7 +89,7 @@ class LocalGradKernel:
             (to_ab(q), to_ab(k), to_ab(w), to_ab(doc), to_ab(v), f32(g), f32(beta),
              f32(scale), f32(X), f32(u), to_ab(S0), f32(ds_end)),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
-            K=K, V=V, ab_name=ab.name, split=bool(split), ablate=ablate)
+            K=K, V=V, ab_name=ab.name, split=bool(split), ablate=ablate, warps_n=int(warps_n))
 
     @classmethod
     def variants(cls):
@@ -122,8 +124,8 @@ def _launcher():
     def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, dq, dk, dv, dg,
                dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               ablate: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, split, ablate)(stream, q, k, w, doc, v, g, beta, scale, X, u,
+               ablate: cutlass.Constexpr, warps_n: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, split, ablate, warps_n)(stream, q, k, w, doc, v, g, beta, scale, X, u,
                                              S0, ds_end, dq, dk, dv, dg, dbeta)
 
     return launch

@@ -50,25 +50,26 @@ def smem_tile(ab, layout):
     return cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(layout)], 1024]
 
 
-def g2s_copy(ab, cols: int):
-    """Tiled copy gmem -> smem of [*, cols] ``ab`` tiles by NUM_THREADS threads: 128-bit
+def g2s_copy(ab, cols: int, threads: int = NUM_THREADS):
+    """Tiled copy gmem -> smem of [*, cols] ``ab`` tiles by ``threads`` threads: 128-bit
     cp.async (8 elements), one row per cols/8 threads."""
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                ab, num_bits_per_copy=128)
     tpr = cols // 8
     return cute.make_tiled_copy_tv(
-        atom, cute.make_layout((NUM_THREADS // tpr, tpr), stride=(tpr, 1)),
+        atom, cute.make_layout((threads // tpr, tpr), stride=(tpr, 1)),
         cute.make_layout((1, 8)))
 
 
-def warp_mma(ab):
-    """Tiled warp MMA: mma.sync m16n8k16 on ``ab`` operands with float32 accumulation, the
-    NUM_THREADS // 32 warps stacked along M (one step of the tiled MMA: M, N, K = 64, 16,
-    16)."""
+def warp_mma(ab, warps_n: int = 1):
+    """Tiled warp MMA: mma.sync m16n8k16 on ``ab`` operands with float32 accumulation, 4
+    warps stacked along M (NUM_THREADS // 32) times ``warps_n`` along N (warp w at
+    M index w % 4, N index w // 4; one step of the tiled MMA: M, N, K = 64,
+    16 warps_n, 16)."""
     return cute.make_tiled_mma(
         warp.MmaF16BF16Op(ab, cutlass.Float32, (16, 8, 16)),
-        (NUM_THREADS // 32, 1, 1),
-        permutation_mnk=(NUM_THREADS // 32 * 16, 16, 16),
+        (NUM_THREADS // 32, warps_n, 1),
+        permutation_mnk=(NUM_THREADS // 32 * 16, 16 * warps_n, 16),
     )
 
 
