@@ -182,37 +182,40 @@ class ChunkGradSm90:
         if tidx < C:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
+        # X and dS_end (float32) into registers now: their loads fly during the gate sums
         thr_mma = tiled_mma.get_slice(tidx)
         crd_x = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
         acc_x = make_acc(thr_mma, (C, C))
         acc_x.store(c_tile(thr_mma, mX[b, c, hv, None, None], (C, C), (0, 0)).load())
-        tXc = thr_mma.partition_C(sX)
-        for e in cutlass.range_constexpr(cute.size(acc_x)):
-            tXc[e] = acc_x[e]
+        acc_s = make_acc(thr_mma, (K, V))
+        acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V), (0, 0)).load())
         cute.arch.sync_threads()
-        dlast = F32(0.0)                       # sum(dS_end S0), this thread's part
         if cutlass.const_expr("nogates" not in self.ablate):
+            # sums from the diagonal outwards (never a difference of cumsums: strong gates
+            # stay exact), unrolled with predicates so the loads of g run ahead
             if tidx < C:
                 i = tidx
                 s = F32(0.0)                       # seg_ij, j from i down to 0
-                for jj in cutlass.range(i + 1, unroll=1):
+                for jj in cutlass.range_constexpr(C):
                     j = i - jj
-                    sGam[i, j] = cute.math.exp(s)
-                    s = s + sg[j]
-                for j in cutlass.range(i + 1, C, unroll=1):
-                    sGam[i, j] = F32(0.0)
+                    if jj <= i:
+                        sGam[i, j] = cute.math.exp(s)
+                    s = s + pick(jj < i, sg[cutlass.select_(jj < i, j, 0)], F32(0.0))
+                s = s + sg[0]
                 sgam[i] = cute.math.exp(s)         # s = G_i
             elif tidx < 2 * C:
                 i = tidx - C
                 t = F32(0.0)                       # G_last - G_i = g_{i+1} + ... + g_{C-1}
-                for jj in cutlass.range(C - 1 - i, unroll=1):
-                    t = t + sg[C - 1 - jj]
+                for l in cutlass.range_constexpr(1, C):
+                    t = t + pick(l > i, sg[l], F32(0.0))
                 set_[i] = cute.math.exp(t)
+        tXc = thr_mma.partition_C(sX)
+        for e in cutlass.range_constexpr(cute.size(acc_x)):
+            tXc[e] = acc_x[e]
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        # dS_end (float32) -> 16-bit smem in accumulator layout, with sum(dS_end S0)
-        acc_s = make_acc(thr_mma, (K, V))
-        acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V), (0, 0)).load())
+        # dS_end -> 16-bit smem in accumulator layout, with sum(dS_end S0)
+        dlast = F32(0.0)                       # sum(dS_end S0), this thread's part
         tS0c = thr_mma.partition_C(sS0)
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             dlast = dlast + acc_s[e] * tS0c[e].to(F32)
@@ -244,9 +247,9 @@ class ChunkGradSm90:
         crd_v = thr_mma.partition_C(cute.make_identity_tensor((C, V)))
         crd_k = thr_mma.partition_C(cute.make_identity_tensor((C, K)))
         acc_v = make_acc(thr_mma, (C, V))
+        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()   # flies
         acc_v.fill(0.0)
         mma_split_b_(tiled_mma, K // MMA_K, [(acc_v, A_(sW))], Bt(sS0, K, V), None, False)
-        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()
         toV = acc_to_smem(tiled_mma, tidx, acc_v, ab)
         toV.store((u - acc_v.load()).to(ab), toV.dest(sDelta))
 
@@ -326,7 +329,7 @@ class ChunkGradSm90:
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_x[e]
             dp = pick(j <= i, acc_cc[e] * scale, F32(0.0))
-            t2[e] = dp * tGc[e]
+            t2[e] = pick(j <= i, dp * tGc[e], F32(0.0))      # Gam above the diagonal: unset
             acc_cc[e] = dp * tQGc2[e]
             t3[e] = acc_cc[e]
         _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs, wn)
@@ -349,12 +352,13 @@ class ChunkGradSm90:
         mma_split_b_(tiled_mma, K // MMA_K, [(acc_c2, A_(sK))], B_(sK), None, False)
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_x[e]
-            da = pick(j < i, -acc_cc[e], F32(0.0))
-            t = da * (acc_c2[e] * tGc[e])                 # dA KG
+            strict = j < i                    # dA = -T X^T below the diagonal, else 0
+            da, gm = -acc_cc[e], tGc[e]       # (Gam above the diagonal: unset)
+            t = pick(strict, da * (acc_c2[e] * gm), F32(0.0))   # dA KG
+            t1[e] = pick(strict, sb[i] * da * gm, F32(0.0))      # dkk
             acc_c2[e] = t
             acc_cc[e] = sb[i] * t                          # dseg's second term
             t3[e] = t3[e] + acc_cc[e]
-            t1[e] = sb[i] * da * tGc[e]
         _row_sums(acc_c2, crd_x, r0, lambda e: acc_c2[e], sdba, wn)
         _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs2, wn)
         cute.arch.sync_threads()
@@ -398,10 +402,8 @@ class ChunkGradSm90:
                 for w_ in cutlass.range_constexpr(NT // 32):
                     dG_last = dG_last + sred[w_]
                 acc_g = dG_last * sgam[C - 1]      # exp(G_last) sum(dS_end S0)
-                for i in cutlass.range(l, C, unroll=1):
-                    acc_g = acc_g + sy[i]
-                for i in cutlass.range(l, unroll=1):
-                    acc_g = acc_g + rsum(sdto, i)
+                for i in cutlass.range_constexpr(C):
+                    acc_g = acc_g + pick(i >= l, sy[i], rsum(sdto, i))   # unrolled: loads run ahead
                 mDg[b, c, hv, l] = acc_g
 
 
