@@ -36,11 +36,12 @@ LAYERS = {
     "gdp_jax.kernels.sm90": 5, "gdp_jax.kernels.chunk_fwd_sm90": 5,
     "gdp_jax.kernels.chunk_bwd_sm90": 5, "gdp_jax.kernels.wy_inverse_sm90": 5,
     "gdp_jax.kernels.step_sm90": 5, "gdp_jax.kernels.chunk_prep_sm90": 5,
+    "gdp_jax.kernels.chunk_grad_sm90": 5,
     "gdp_jax.kernels.binding": 5, "gdp_jax.kernels.aot": 5,
     # 6: kernel classes (limits + calls), and their emulation
     "gdp_jax.kernels.chunk_forward": 6, "gdp_jax.kernels.state_grad": 6,
     "gdp_jax.kernels.wy_inverse": 6, "gdp_jax.kernels.step": 6, "gdp_jax.kernels.emulate": 6,
-    "gdp_jax.kernels.chunk_prep": 6,
+    "gdp_jax.kernels.chunk_prep": 6, "gdp_jax.kernels.local_grad": 6,
     # 7: the CuTe DSL engine (the pipeline's XLA glue)
     "gdp_jax.kernels.pipeline": 7, "gdp_jax.kernels": 7,
     # 8: backend selection; 9: the decoding step (the op's T = 1 path uses it)

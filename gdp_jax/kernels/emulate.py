@@ -117,12 +117,12 @@ def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype):
 
 
 def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
-                    split=True):
+                    split=True, ablate="", warps_n=2):
     """The local-gradient kernel's contract (``LocalGradKernel.raw_call``): the chunk
     inputs' cotangents (dq, dk, dv, dg, dbeta) as :func:`gdp_jax.chunked.local_grads_direct`
     computes them from the given factors w, u, X, with q, k, v, w, doc, S0 rounded to
     ``ab_dtype`` as the kernel reads them; one readout scale per row."""
-    del split
+    del split, ablate, warps_n          # the kernel's tuning / measurement knobs
     acc = jnp.promote_types(jnp.float32, ab_dtype)
     rd = lambda x: x.astype(ab_dtype).astype(acc)
     ch = ChunkInputs(rd(q), rd(k), rd(v), g.astype(acc), beta.astype(acc))
