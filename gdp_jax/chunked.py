@@ -22,7 +22,8 @@ from jax import lax
 
 from gdp_jax import _vma
 from gdp_jax._prefix import compensated_prefix_sum, prefix_sum
-from gdp_jax.grid import ChunkInputs, ChunkLayout
+from gdp_jax.grid import (ChunkInputs, ChunkLayout, every_of, from_readout_rows,
+                          readout_lower, readout_rows)
 
 # ---------------------------------------------------------------------------------------
 # Per-chunk math (all chunks at once)
@@ -44,7 +45,8 @@ def _t(x):
 
 def causal_mm(X, R, strict=False):
     """X @ R for lower-triangular X [.., m, m] (strictly lower with ``strict``), such that
-    row i reads only rows j <= i (j < i) of R [.., m, X].
+    row i reads only rows j <= i (j < i) of R [.., m, X]. X may also be the read-out rows
+    [.., m / every, m] of one (row r is row every r + every - 1, :func:`gdp_jax.grid.readout_rows`).
 
     A plain matmul multiplies the structural zeros X[i, j > i] by R's later rows, so one
     inf or NaN there (a non-finite input, an overflow) would turn the earlier rows into
@@ -54,6 +56,7 @@ def causal_mm(X, R, strict=False):
     """
     finite, bad = nonfinite_rows(R, strict)
     out = X @ jnp.where(finite[..., None], R, 0)
+    bad = readout_rows(bad, every_of(X.shape[-2], R.shape[-2]), axis=-1)
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
 
@@ -71,7 +74,9 @@ def nonfinite_rows(R, strict=False, finite=None):
 
 def mask_nonfinite_rows(w, u, Kt, qg, P):
     """The forward recursion's operands (chunk tensors [.., C, X]) made safe for plain
-    matmuls, and ``bad`` [.., C]: the output rows to set to NaN.
+    matmuls, and ``bad`` [.., Cr]: the output rows to set to NaN. The readout operands qg
+    [.., Cr, K] and P [.., Cr, C] hold all Cr = C rows or only the read-out ones
+    (Cr = C / every, :func:`gdp_jax.grid.readout_rows`); ``bad`` has their rows.
 
     ``P @ Delta`` multiplies P's zeros above the diagonal by later rows of Delta = u - w S,
     so a non-finite row there would reach earlier output rows. A row with a non-finite w
@@ -81,6 +86,7 @@ def mask_nonfinite_rows(w, u, Kt, qg, P):
     all is finite. Returns ((w, u, Kt, qg, P), bad)."""
     rows = lambda a: jnp.all(jnp.isfinite(a), axis=-1)
     state_ok, bad = nonfinite_rows(None, finite=rows(w) & rows(u))
+    bad = readout_rows(bad, every_of(P.shape[-2], P.shape[-1]), axis=-1)
     read_ok = rows(qg) & rows(P)
     keep = lambda a, ok, fill: jnp.where(ok[..., None], a, jnp.asarray(fill, a.dtype))
     return ((keep(w, state_ok, 0), keep(u, state_ok, 0), keep(Kt, state_ok, jnp.nan),
@@ -217,9 +223,11 @@ def _to_end(g):
 
 def causal_scores(q, k, Gam):
     """tril(q k^T * Gam) [.., C, C], masked with ``where``: q_i . k_j for a later j may be
-    inf, and inf * 0 (Gam's zeros) would be NaN in an earlier row."""
-    C = q.shape[-2]
-    lower = jnp.tril(jnp.ones((C, C), bool))
+    inf, and inf * 0 (Gam's zeros) would be NaN in an earlier row.
+
+    q [.., Cr, K] and Gam [.., Cr, C] may be the read-out rows only (Cr = C / every,
+    :func:`gdp_jax.grid.readout_rows`): then the [.., Cr, C] rows of the same product."""
+    lower = readout_lower(q.shape[-2], k.shape[-2])
     return jnp.where(lower, (q @ _t(k)) * Gam, 0.0)
 
 
@@ -309,18 +317,22 @@ def final_states(it, layout, S0, h0):
 
 
 def _readout_grads(ch, it, doc, scale):
-    """What the output rows' cotangents doc [.., C, V] send to Delta [.., C, V] and to the
-    chunk start state [.., K, V] (o = scale (gam Q S0 + tril(Q K^T Gam) Delta))."""
-    qk = jnp.einsum("...ik,...jk->...ij", ch.q, ch.k) * it.Gam
+    """What the output rows' cotangents doc [.., Cr, V] send to Delta [.., C, V] and to the
+    chunk start state [.., K, V] (o = scale (gam Q S0 + tril(Q K^T Gam) Delta)); doc
+    holds all Cr = C rows or the read-out ones (Cr = C / every: only those rows of Q)."""
+    every = every_of(doc.shape[-2], ch.k.shape[-2])
+    q, gam, Gam = (readout_rows(ch.q, every), readout_rows(it.gam, every, axis=-1),
+                   readout_rows(it.Gam, every))
+    qk = jnp.einsum("...ik,...jk->...ij", q, ch.k) * Gam
     ddelta = scale * jnp.swapaxes(qk, -1, -2) @ doc
-    dS0 = scale * jnp.swapaxes(it.gam[..., None] * ch.q, -1, -2) @ doc
+    dS0 = scale * jnp.swapaxes(gam[..., None] * q, -1, -2) @ doc
     return ddelta, dS0
 
 
 def reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale):
     """Gradient w.r.t. each chunk's END state, [B, NC, HV, K, V] (reverse recursion).
 
-    doc: [B, NC, HV, C, V] output-row cotangents; dfinal: [N, HV, K, V] final-state
+    doc: [B, NC, HV, C or C / every, V] output-row cotangents; dfinal: [N, HV, K, V] final-state
     cotangents. Per chunk (reverse order), dS_end = (dS_start of the next chunk unless it
     resets) + (dfinal if the chunk ends its sequence), and
         dDelta   = scale * tril(Q K^T * Gam)^T dO + Kt dS_end
@@ -408,21 +420,30 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     the gate (G, G_last - G and the segment sums of Gam are sums of g: their adjoints are
     reverse / forward cumulative sums and a rectangle sum). Inputs are finite here (the
     forward's non-finite rows give NaN gradients for their chunk).
+
+    ``doc`` may hold only the read-out rows, [.., C / every, V] (row r is chunk row
+    every r + every - 1, :func:`gdp_jax.grid.readout_rows`; q is zero on the others):
+    then the q-side terms (P, dP, dq, q S0) are computed on those rows alone, suffix
+    ``_r`` below, and dq comes back on all C rows (zeros elsewhere).
     """
     q, k, v, g, beta = ch
     C = k.shape[-2]
-    lower = jnp.tril(jnp.ones((C, C), bool))
+    every = every_of(doc.shape[-2], C)
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam, gam = it.Gam, it.gam
     Rw = (beta * gam)[..., None] * k
     Ru = beta[..., None] * v
     delta = it.u - it.w @ S0
-    qk = jnp.where(lower, q @ _t(k), 0.0)
-    P = qk * Gam
     et = jnp.exp(_to_end(g))
+    # the read-out rows of q, gam, Gam and of the causal mask ([.., Cr, X], Cr = C / every)
+    lower_r = readout_lower(doc.shape[-2], C)
+    q_r, gam_r = readout_rows(q, every), readout_rows(gam, every, axis=-1)
+    Gam_r = readout_rows(Gam, every)
+    qk_r = jnp.where(lower_r, q_r @ _t(k), 0.0)
+    P_r = qk_r * Gam_r
 
-    ddelta = scale * (_t(P) @ doc) + it.Kt @ dS_end                  # [.., C, V]
-    dP = jnp.where(lower, scale * (doc @ _t(delta)), 0.0)           # [.., C, C]
+    ddelta = scale * (_t(P_r) @ doc) + it.Kt @ dS_end                # [.., C, V]
+    dP_r = jnp.where(lower_r, scale * (doc @ _t(delta)), 0.0)       # [.., Cr, C]
     dKt = delta @ _t(dS_end)                                         # [.., C, K]
     dW = -(ddelta @ _t(S0))
     dX = dW @ _t(Rw) + ddelta @ _t(Ru)
@@ -433,12 +454,11 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
 
     kk = k @ _t(k)
     dkk = dA * beta[..., :, None] * Gam
-    dqk = dP * Gam
-    dGam = dA * beta[..., :, None] * kk + dP * qk                   # lower, 0 on the diagonal's
-    doS0 = doc @ _t(S0)                                              # [.., C, K]
+    dqk_r = dP_r * Gam_r
+    doS0_r = doc @ _t(S0)                                            # [.., Cr, K]
 
-    dq = scale * gam[..., None] * doS0 + dqk @ k
-    dk = (_t(dqk) @ q + (dkk + _t(dkk)) @ k + (beta * gam)[..., None] * dRw
+    dq = from_readout_rows(scale * gam_r[..., None] * doS0_r + dqk_r @ k, every)
+    dk = (_t(dqk_r) @ q_r + (dkk + _t(dkk)) @ k + (beta * gam)[..., None] * dRw
           + et[..., None] * dKt)
     dv = beta[..., None] * dRu
     dbeta = _rows(dA * kk, Gam) + gam * _rows(dRw, k) + _rows(dRu, v)
@@ -446,14 +466,25 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     # the gate: G_i = sum_{l <= i} g_l, (G_last - G)_i = sum_{l > i} g_l,
     # seg_ij = sum_{j < l <= i} g_l (Gam = exp(seg)), G_last = sum_l g_l
     # rows(dO, q S0) = rows(q, dO S0^T): no second product with the states
-    dG = gam * (scale * _rows(q, doS0) + beta * _rows(dRw, k))
+    dG = gam * (from_readout_rows(scale * _rows(q_r, doS0_r), every, axis=-1)
+                + beta * _rows(dRw, k))
     dto_end = et * _rows(dKt, k)
     dG_last = jnp.exp(it.G_last) * jnp.sum(dS_end * S0, axis=(-2, -1))
     # seg's adjoint: g_l collects dseg_ij over the rectangle j < l <= i. dseg is lower
     # triangular, where [j < l <= i] = [l <= i] - [l <= j]: reverse cumsums of its row
-    # and column sums (no [C, C] prefix sum).
-    dseg = dGam * Gam
-    rect = _reverse_cumsum(jnp.sum(dseg, axis=-1) - jnp.sum(dseg, axis=-2))
+    # and column sums (no [C, C] prefix sum). dGam = dA beta kk + dP qk; with every > 1
+    # the second term lives on the read-out rows only: its row sums go back to those
+    # rows and its column sums add (no [C, C] scatter).
+    if every == 1:
+        dseg = (dA * beta[..., :, None] * kk + dP_r * qk_r) * Gam
+        row_sums, col_sums = jnp.sum(dseg, axis=-1), jnp.sum(dseg, axis=-2)
+    else:
+        dseg_A = dA * beta[..., :, None] * kk * Gam
+        dseg_P = dP_r * qk_r * Gam_r                                 # [.., Cr, C]
+        row_sums = (jnp.sum(dseg_A, axis=-1)
+                    + from_readout_rows(jnp.sum(dseg_P, axis=-1), every, axis=-1))
+        col_sums = jnp.sum(dseg_A, axis=-2) + jnp.sum(dseg_P, axis=-2)
+    rect = _reverse_cumsum(row_sums - col_sums)
     dg = (_reverse_cumsum(dG) + (prefix_sum(dto_end, axis=-1) - dto_end) + rect
           + dG_last[..., None])
     if SPLIT_ROW_SUMS:

@@ -18,6 +18,11 @@ and the CP rank's pair around them (defaults: the summaries, then the plain pass
     backward_resume(spec, ch, layout, h0, doc, dfinal, states, seqs, work)
                                                            -> (cotangents, dh0)
 
+Output rows and their cotangents ``doc`` are [B, NC, HV, Cr, V]: all Cr = C rows of every
+chunk, or only its read-out rows (Cr = C / every, every = ``grid.readout_every(n)``,
+:func:`gdp_jax.grid.readout_rows`). :func:`backward_problem` gives read-out rows; an
+engine's forward may return either (:func:`outputs` takes both) and its backward must take
+either (the stride is ``grid.every_of(doc.shape[-2])``).
 ``states``: what the forward keeps for the backward under differentiation (the start
 state of every (recompute_chunk_num + 1)-th chunk, in the engine's layout). ``work``: what
 a summary pass computed that the matching apply pass can reuse (None: compute it).
@@ -135,9 +140,10 @@ def add_response(x, V: int, seq_of_rows, seqs, delta):
 class ForwardResponse(NamedTuple):
     """A CP rank's forward pass on V + K columns, kept from prepare for apply.
 
-    h0p: [N, HV, K, V] the provisional start states; o: [B, NC, HV, C, V + K] output rows;
-    final: [N, HV, K, V + K]; states: the V + K checkpoints in the engine's layout; bad:
-    [B, NC, HV, C] output rows to set to NaN, or None (already NaN in o)."""
+    h0p: [N, HV, K, V] the provisional start states; o: [B, NC, HV, Cr, V + K] output rows
+    (Cr = C or the read-out rows); final: [N, HV, K, V + K]; states: the V + K checkpoints
+    in the engine's layout; bad: [B, NC, HV, Cr] output rows to set to NaN, or None
+    (already NaN in o)."""
     h0p: jax.Array
     o: jax.Array
     final: jax.Array
@@ -199,13 +205,15 @@ class XlaEngine(Engine):
         return recurrence.Blocking(B, NC, recurrence.block_len(NC, stride)), None
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
+        """Output rows on the read-out rows only ([.., C / every, V])."""
         blk, Ls = self._blocking(spec, ch)
         chb, f = blk.tree_block(ch), recurrence.flags(blk, layout)
         stride = spec.checkpoint_stride if keep_states else 0
         batched = recurrence.is_batched(blk, layout)
         if Ls is not None:
             o, final, states = recurrence.forward_segmented(
-                chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls, batched)
+                chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls, batched,
+                grid.readout_every(spec.n))
         else:
             o, final, states = self._walk(spec, blk, chb, f, h0, stride, spec.checkpoint_dtype,
                                           batched)
@@ -214,9 +222,10 @@ class XlaEngine(Engine):
 
     @staticmethod
     def _walk(spec, blk, chb, f, h0, stride, states_dtype, batched=False):
-        """The one-level forward on the blocked grid: (o rows with NaN for ``bad`` rows,
-        final states, checkpoints in ``states_dtype``)."""
-        x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale)
+        """The one-level forward on the blocked grid: (o rows (the read-out rows) with NaN
+        for ``bad`` rows, final states, checkpoints in ``states_dtype``)."""
+        x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale,
+                                             grid.readout_every(spec.n))
         o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride, states_dtype,
                                               batched)
         return jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o), final, states
@@ -237,7 +246,7 @@ class XlaEngine(Engine):
                                                         batched)
         else:
             it, X = chunked.wy_factors(chb)
-            x, _ = recurrence.forward_operands(chb, it, spec.scale)
+            x, _ = recurrence.forward_operands(chb, it, spec.scale, grid.every_of(doc.shape[-2]))
             if states is None:      # not kept (a direct caller): recompute them
                 stride = 1
                 states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype, batched)[2]
@@ -299,7 +308,7 @@ class XlaEngine(Engine):
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         chb, f = blk.tree_block(ch), recurrence.flags(blk, layout)
         it, X = chunked.wy_factors(chb)
-        x, _ = recurrence.forward_operands(chb, it, spec.scale)
+        x, _ = recurrence.forward_operands(chb, it, spec.scale, grid.every_of(doc.shape[-2]))
         dfx = identity_columns(dfinal, K)
         rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P,
                                  blk.block(zero_columns(doc, K)))
@@ -340,7 +349,7 @@ class BackwardProblem(NamedTuple):
     layout: grid.ChunkLayout
     ch: grid.ChunkInputs
     pull_inputs: object          # chunk-input cotangents -> (dq, dk, dv, dg, dbeta)
-    doc: jax.Array               # [B, NC, HV, C, V] output-row cotangents
+    doc: jax.Array               # [B, NC, HV, C / every, V] read-out-row cotangents
     dfinal: jax.Array            # [N, HV, K, V] final-state cotangents (compute dtype)
 
 
@@ -350,15 +359,16 @@ def forward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens) -> ForwardProb
 
 
 def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal):
-    """The chunk inputs with their vjp, and the cotangents on the grid."""
+    """The chunk inputs with their vjp, and the cotangents on the grid (``doc`` on the
+    read-out rows of every chunk only, :func:`gdp_jax.grid.readout_every`)."""
     layout = grid.layout_of(spec, cu_seqlens)
     ch, pull = jax.vjp(lambda *a: grid.chunks_of(spec, layout, *a), q, k, v, g, beta)
-    doc = grid.readout_cotangent(layout, do.astype(spec.cdt))
+    doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))
     return BackwardProblem(layout, ch, pull, doc, dfinal.astype(spec.cdt))
 
 
 def outputs(layout, oc, dtype):
-    """Output rows [B, NC, HV, C, V] -> o [B, T, HV, V] in ``dtype``."""
+    """Output rows [B, NC, HV, C or C / every, V] -> o [B, T, HV, V] in ``dtype``."""
     return grid.from_chunks(layout, oc).astype(dtype)
 
 

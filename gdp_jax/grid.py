@@ -9,7 +9,8 @@ laid out so that every chunk belongs to ONE sequence (each sequence starts a new
 its tail chunk is padded with identity steps k = v = beta = g = 0); a chunk flagged
 ``reset`` starts from its sequence's initial state instead of the previous chunk's end
 state. Every engine (XLA, CuTe DSL) works on this grid; this module owns the layout, the
-interleave, the relayouts in both directions and the readout's cotangent.
+interleave, the relayouts in both directions, the readout's cotangent and which chunk rows
+are read out (:func:`readout_every`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gdp_jax import _vma
 from gdp_jax._prefix import prefix_sum
@@ -133,14 +135,72 @@ def to_chunks(layout: ChunkLayout, x: jax.Array, C: int = CHUNK) -> jax.Array:
     return jnp.moveaxis(y, 2, 3)                                  # rows after the head axis
 
 
+def readout_every(n: int, C: int = CHUNK) -> int:
+    """The row stride of the read-out rows of every chunk: n when n divides C, else 1.
+
+    Token t's steps are rows n t .. n t + n - 1 of its sequence, and every sequence starts
+    a chunk (both layouts of :func:`make_layout`; also every CP rank's and intra-CP
+    segment's local layout, built by the same function), so with n | C the rows read out
+    (sub-step n - 1) are exactly rows n - 1, 2n - 1, .., C - 1 of every chunk; the other
+    rows of q are zeros and their readout terms can be skipped. Otherwise (n = 3: a token
+    may cross a chunk boundary) 1: every row is treated as read out."""
+    return n if C % n == 0 else 1
+
+
+def every_of(rows: int, C: int = CHUNK) -> int:
+    """The readout stride of a chunk tensor with ``rows`` rows per chunk (C or C / every)."""
+    if rows < 1 or C % rows:
+        raise ValueError(f"{rows} rows per chunk are not the readout rows of {C}")
+    return C // rows
+
+
+def readout_rows(x: jax.Array, every: int, axis: int = -2) -> jax.Array:
+    """Rows every - 1, 2 every - 1, .. of ``axis`` (the C chunk rows): [.., C, X] ->
+    [.., C / every, X] (``axis=-1`` for [.., C] vectors). Row r of the result is chunk row
+    every r + every - 1. ``every = 1``: x itself."""
+    if every == 1:
+        return x
+    return lax.slice_in_dim(x, every - 1, x.shape[axis], every, axis=axis % x.ndim)
+
+
+def from_readout_rows(x: jax.Array, every: int, axis: int = -2) -> jax.Array:
+    """Transpose of :func:`readout_rows`: [.., C / every, X] -> [.., C, X] with zeros in
+    the rows that are not read out (a pad and a reshape, no scatter)."""
+    if every == 1:
+        return x
+    axis = axis % x.ndim
+    y = jnp.expand_dims(x, axis + 1)
+    pad = [(0, 0)] * y.ndim
+    pad[axis + 1] = (every - 1, 0)
+    y = jnp.pad(y, pad)
+    return y.reshape(x.shape[:axis] + (x.shape[axis] * every,) + x.shape[axis + 1:])
+
+
+def readout_lower(rows: int, C: int = CHUNK, strict: bool = False) -> jax.Array:
+    """Causality of the read-out rows, [rows, C] bool: readout row r (chunk row
+    i = every r + every - 1, every = C / rows) reads chunk rows j <= i (j < i with
+    ``strict``). rows = C: ``tril`` (``tril(.., -1)``)."""
+    i = (jnp.arange(rows) + 1) * every_of(rows, C) - 1
+    j = jnp.arange(C)
+    return j[None, :] < i[:, None] if strict else j[None, :] <= i[:, None]
+
+
 def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
-    """Readout rows: [B, NC, HV, C, V] -> [B, T, HV, V] at each token's last sub-step."""
-    B, NC, HV, C, V = y.shape
-    flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * C, HV, V)
+    """Readout rows: [B, NC, HV, C, V] -> [B, T, HV, V] at each token's last sub-step.
+
+    ``y`` may hold all C rows of every chunk or only its read-out rows
+    ([B, NC, HV, C / every, V], :func:`readout_rows` with every = :func:`readout_every`)."""
+    B, NC, HV, Cr, V = y.shape
+    every = every_of(Cr)
+    flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * Cr, HV, V)
     if isinstance(layout.out_slot, Contiguous):
         n, T = layout.out_slot.n, layout.out_slot.T
-        return flat[:, :n * T].reshape(B, T, n, HV, V)[:, :, n - 1]
-    return jnp.take_along_axis(flat, layout.out_slot[:, :, None, None], axis=1)
+        if every == 1:
+            return flat[:, :n * T].reshape(B, T, n, HV, V)[:, :, n - 1]
+        assert every == n, (every, n)
+        return flat[:, :T]              # token t is read-out row t of its row
+    # out_slot = c C + i with i = every - 1 (mod every): readout row c (C / every) + i // every
+    return jnp.take_along_axis(flat, (layout.out_slot // every)[:, :, None, None], axis=1)
 
 
 def interleave(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
@@ -189,10 +249,11 @@ def chunks_of(spec: CallSpec, layout: ChunkLayout, q, k, v, g, beta) -> ChunkInp
                         compute_dtype=spec.cdt, use_qk_l2norm=spec.use_qk_l2norm)
 
 
-def readout_cotangent(layout: ChunkLayout, do) -> jax.Array:
-    """Transpose of :func:`from_chunks`: [B, T, HV, V] -> [B, NC, HV, C, V]."""
+def readout_cotangent(layout: ChunkLayout, do, every: int = 1) -> jax.Array:
+    """Transpose of :func:`from_chunks`: [B, T, HV, V] -> [B, NC, HV, C / every, V] (the
+    read-out rows only for ``every`` = :func:`readout_every` > 1)."""
     B, NC = layout.reset.shape
-    zeros = _vma.like(jnp.zeros((B, NC, do.shape[2], CHUNK, do.shape[3]), do.dtype), do,
-                      layout)
+    zeros = _vma.like(jnp.zeros((B, NC, do.shape[2], CHUNK // every, do.shape[3]), do.dtype),
+                      do, layout)
     _, pull = jax.vjp(lambda y: from_chunks(layout, y), zeros)
     return pull(do)[0]

@@ -24,6 +24,9 @@ Per chunk (shapes of :class:`gdp_jax.chunked.Intra`, one chunk): Delta = u - w S
 o = qg S + P Delta, S_end = exp(G_last) S + Kt^T Delta, with qg = scale gam q and
 P = scale tril(q k^T Gam); in reverse dS_end = dS_next + dfinal (last chunk),
 dDelta = P^T dO + Kt dS_end, dS_start = qg^T dO + exp(G_last) dS_end - w^T dDelta.
+The readout side (qg, P, o, dO) has Cr rows per chunk: all C, or with n Householder steps
+(n | C) only the Cr = C / n rows that are read out (``every`` = n,
+:func:`gdp_jax.grid.readout_every`): the other rows of q are zeros.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _vma, chunked
-from gdp_jax.grid import ChunkInputs, ChunkLayout, Contiguous
+from gdp_jax.grid import ChunkInputs, ChunkLayout, Contiguous, every_of, readout_rows
 
 # Rows of more chunks than this are walked in two levels. Off (None) by default: on the
 # H200 the scans turned out throughput-bound, not step-bound (benchmarks/results/history/
@@ -124,20 +127,23 @@ class Forward(NamedTuple):
     u: jax.Array          # [C, V]
     Kt: jax.Array         # [C, K]
     G_last: jax.Array     # []
-    qg: jax.Array         # [C, K]  scale * gam * q
-    P: jax.Array          # [C, C]  scale * tril(q k^T Gam)
+    qg: jax.Array         # [Cr, K] scale * gam * q   (Cr = C / every read-out rows)
+    P: jax.Array          # [Cr, C] scale * tril(q k^T Gam)
 
 
-def readout_operands(ch: ChunkInputs, it: chunked.Intra, scale):
-    """(qg, P) of every chunk: scale gam q [.., C, K], scale tril(q k^T Gam) [.., C, C]."""
-    return (scale * it.gam[..., None] * ch.q,
-            scale * chunked.causal_scores(ch.q, ch.k, it.Gam))
+def readout_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1):
+    """(qg, P) of every chunk on its read-out rows (:func:`gdp_jax.grid.readout_rows`,
+    Cr = C / every): scale gam q [.., Cr, K], scale tril(q k^T Gam) [.., Cr, C]."""
+    q = readout_rows(ch.q, every)
+    gam, Gam = readout_rows(it.gam, every, axis=-1), readout_rows(it.Gam, every)
+    return scale * gam[..., None] * q, scale * chunked.causal_scores(q, ch.k, Gam)
 
 
-def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale):
-    """The forward pass's operands with non-finite rows masked, and ``bad`` [.., C] (the
-    output rows to set to NaN): :func:`gdp_jax.chunked.mask_nonfinite_rows`."""
-    qg, P = readout_operands(ch, it, scale)
+def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1):
+    """The forward pass's operands with non-finite rows masked (readout operands on the
+    Cr = C / every read-out rows), and ``bad`` [.., Cr] (the output rows to set to NaN):
+    :func:`gdp_jax.chunked.mask_nonfinite_rows`."""
+    qg, P = readout_operands(ch, it, scale, every)
     (w, u, Kt, qg, P), bad = chunked.mask_nonfinite_rows(it.w, it.u, it.Kt, qg, P)
     return Forward(w, u, Kt, it.G_last, qg, P), bad
 
@@ -199,7 +205,8 @@ def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
 
 def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
             states_dtype=None, batched: bool = False):
-    """The forward pass: (o rows [L, R, HV, C, V], final states [N, HV, K, V],
+    """The forward pass: (o rows [L, R, HV, C / every, V] (the rows of ``x.qg``), final
+    states [N, HV, K, V],
     checkpoints [L / stride, R, HV, K, V] in ``states_dtype`` or None for stride = 0:
     the start state of chunks 0, stride, 2 stride, ... of every block).
 
@@ -314,9 +321,9 @@ class Reverse(NamedTuple):
     w: jax.Array          # [C, K]
     Kt: jax.Array         # [C, K]
     G_last: jax.Array     # []
-    qg: jax.Array         # [C, K]
-    P: jax.Array          # [C, C]
-    do: jax.Array         # [C, V] output-row cotangents
+    qg: jax.Array         # [Cr, K] (Cr = C / every read-out rows, as in Forward)
+    P: jax.Array          # [Cr, C]
+    do: jax.Array         # [Cr, V] output-row cotangents
 
 
 def _block_end_grads(blk: Blocking, x: Reverse, f: Flags, dfinal):
@@ -433,11 +440,11 @@ def _unsegment(tree):
 
 
 def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, states_dtype,
-                      scale, Ls: int, batched: bool = False):
+                      scale, Ls: int, batched: bool = False, every: int = 1):
     """The xla engine's forward in segments of Ls chunks (one level, L a multiple of Ls):
     each segment's factors and operands, then its walk from the carried state. Returns
-    (o rows [L, R, HV, C, V] with non-finite rows NaN, final states, checkpoints or None).
-    ``batched``: :func:`is_batched`."""
+    (o rows [L, R, HV, C / every, V] with non-finite rows NaN, final states, checkpoints
+    or None). ``batched``: :func:`is_batched`; ``every``: :func:`forward_operands`."""
     L, R, HV, _, K = chb.k.shape
     V = chb.v.shape[-1]
     S0 = _vma.like(h0 if batched else jnp.zeros((R, HV, K, V), h0.dtype), chb.k, h0)
@@ -445,7 +452,7 @@ def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, state
 
     def step(carry, xs):
         c, fs = xs
-        x, bad = forward_operands(c, chunked.intra_chunk(c), scale)
+        x, bad = forward_operands(c, chunked.intra_chunk(c), scale, every)
         S, fin, o, states = forward_walk(x, fs, h0, N, stride, states_dtype, *carry,
                                          batched=batched)
         o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
@@ -461,9 +468,11 @@ def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: 
     segment's factors, its chunk start states from the checkpoints, its reverse walk from
     the carried gradient and its chunk-local gradients. Returns (the chunk-input
     cotangents on the blocked grid, the first-chunk start-state gradients [N, HV, K, V]).
-    ``batched``: :func:`is_batched`."""
+    ``batched``: :func:`is_batched`. ``docb`` [L, R, HV, C / every, V]: all rows or the
+    read-out rows (the readout terms then run on those only)."""
     L, R, HV, _, K = chb.k.shape
     V = chb.v.shape[-1]
+    every = every_of(docb.shape[-2], chb.k.shape[-2])
     dS0 = _vma.like(dfinal if batched else jnp.zeros((R, HV, K, V), dfinal.dtype),
                     chb.k, dfinal)
     first0 = None if batched else _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype),
@@ -472,7 +481,7 @@ def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: 
     def step(carry, xs):
         c, do, fs, st = xs
         it, X = chunked.wy_factors(c)
-        x, _ = forward_operands(c, it, scale)
+        x, _ = forward_operands(c, it, scale, every)
         S0 = states_from_checkpoints(x, fs, h0, st, stride, batched=batched)
         rev = Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, do)
         dS, first, dS_end = reverse_walk(rev, fs, dfinal, N, *carry, batched=batched)

@@ -96,17 +96,24 @@ class BackwardWork:
     """What the backward and the CP backward summary both need, computed once: the
     intra-chunk factors with the WY inverse X (for the written-out local backward
     :func:`gdp_jax.chunked.local_grads_direct`) and the reverse kernel's operands
-    (kt, w, qg, ddo, do, decay); ddo = P^T dO is what the output sends to Delta directly."""
+    (kt, w, qg, ddo, do, decay); ddo = P^T dO is what the output sends to Delta directly.
+
+    ``doc`` [.., Cr, V]: all C rows or only the read-out ones (Cr = C / every,
+    :func:`gdp_jax.grid.readout_rows`); ddo is then computed from those rows of P alone,
+    and the kernel still gets do on all C rows (zeros elsewhere)."""
 
     def __init__(self, ch: grid.ChunkInputs, doc, scale: float, ab_dtype):
         self.it, self.X = chunked.wy_factors(ch, inverse=wy_inverse.unit_lower_inverse)
         acc = acc_dtype(ab_dtype)
-        p = readout_matrix(ch, self.it, scale)
+        every = grid.every_of(doc.shape[-2])
+        rows = lambda x: grid.readout_rows(x, every)
+        p = scale * chunked.causal_scores(rows(ch.q), ch.k, rows(self.it.Gam))  # [.., Cr, C]
         ddo = jnp.swapaxes(p, -1, -2) @ doc
         qg = scale * self.it.gam[..., None] * ch.q
         cast = lambda x: x.astype(ab_dtype)
         self.operands = (cast(self.it.Kt), cast(self.it.w), cast(qg), ddo.astype(acc),
-                         cast(doc), jnp.exp(self.it.G_last).astype(acc))
+                         cast(grid.from_readout_rows(doc, every)),
+                         jnp.exp(self.it.G_last).astype(acc))
 
 
 # The chunk-local backward on its kernel where it takes the call (False: always XLA's

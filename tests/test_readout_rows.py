@@ -1,0 +1,288 @@
+"""Readout terms on the read-out rows only (issue 22).
+
+With n Householder steps per token and n | 64, only rows n - 1, 2n - 1, .. of every chunk
+are read out (grid.readout_every); the readout side (qg, P, o, dO, dq, the dP terms) runs
+on those C / n rows. float64, random inputs (no zero rows among the read-out ones):
+1. the layouts put every read-out row at a stride position and q is zero elsewhere, for
+   batched and packed rows (empty and one-token sequences, T not a multiple of 64, T = 1);
+2. every stride-aware function equals its all-rows form on the read-out rows, n = 1, 2, 4
+   (n = 3 keeps every row: readout_every(3) == 1);
+3. the op's outputs and all gradients equal those of the all-rows path (readout_every
+   forced to 1, main's code path) for n = 2, 4: xla (one level and segmented), emulated
+   cutedsl, and CP on the xla engine.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from gdp_jax import chunked, engine, grid, recurrence, testing
+from gdp_jax._checks import check_inputs
+from gdp_jax.kernels import pipeline
+from gdp_jax.testing import loss_and_grads, make_inputs, rel_max
+
+TOL = 1e-12
+C = grid.CHUNK
+
+# (T, cu_seqlens or None): batched rows; packed with empty and one-token sequences and T
+# not a multiple of 64; one token.
+LAYOUTS = [(150, None), (150, [0, 0, 1, 70, 70, 150]), (1, None), (1, [0, 0, 1])]
+
+
+def _problem(n, T, cu, seed=0):
+    N = 2 if cu is None else len(cu) - 1
+    inp = make_inputs(seed + n, 2 if cu is None else 1, T, n, 1, 2, 8, 6, jnp.float64, N=N)
+    cu = None if cu is None else np.asarray(cu, np.int32)
+    spec = check_inputs(inp.q, inp.k, inp.v, inp.g, inp.beta,
+                        initial_state=inp.initial_state, cu_seqlens=cu)
+    prob = engine.forward_problem(spec, inp.q, inp.k, inp.v, inp.g, inp.beta,
+                                  None if cu is None else jnp.asarray(cu))
+    return spec, prob.layout, prob.ch, inp
+
+
+def _rand(rng, shape):
+    return jnp.asarray(rng.uniform(0.5, 1.5, shape) * rng.choice([-1.0, 1.0], shape))
+
+
+def test_readout_every():
+    assert [grid.readout_every(n) for n in (1, 2, 3, 4, 5, 8, 64)] == [1, 2, 1, 4, 1, 8, 64]
+    assert grid.every_of(C) == 1 and grid.every_of(C // 4) == 4
+    with pytest.raises(ValueError):
+        grid.every_of(3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("T, cu", LAYOUTS)
+def test_layout_reads_out_on_the_stride(n, T, cu):
+    """Every token's readout row is a stride row of its chunk, and the chunked q is zero
+    on all the other rows: skipping them drops zeros only."""
+    spec, layout, ch, _ = _problem(n, T, cu)
+    every = grid.readout_every(n)
+    rows = np.arange(T) * n + n - 1 if cu is None else np.asarray(layout.out_slot)[0]
+    if every > 1:
+        assert np.all(rows % C % every == every - 1)
+    q = np.asarray(ch.q)
+    q_off = q.copy()
+    q_off[..., every - 1::every, :] = 0
+    assert np.all(q_off == 0)
+    assert np.any(np.asarray(grid.readout_rows(ch.q, every)) != 0)
+
+
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_rows_and_their_transpose(every):
+    rng = np.random.default_rng(every)
+    x = _rand(rng, (2, 3, C, 5))
+    r = grid.readout_rows(x, every)
+    assert r.shape == (2, 3, C // every, 5)
+    np.testing.assert_array_equal(np.asarray(r), np.asarray(x)[:, :, every - 1::every])
+    back = np.asarray(grid.from_readout_rows(r, every))
+    want = np.zeros(x.shape)
+    want[:, :, every - 1::every] = np.asarray(r)
+    np.testing.assert_array_equal(back, want)
+    # the transpose: <rows(x), y> = <x, from_rows(y)>
+    y = _rand(rng, r.shape)
+    assert abs(float(jnp.sum(r * y) - jnp.sum(x * grid.from_readout_rows(y, every)))) < 1e-12
+    v = _rand(rng, (4, C))
+    np.testing.assert_array_equal(np.asarray(grid.readout_rows(v, every, axis=-1)),
+                                  np.asarray(v)[:, every - 1::every])
+    for strict in (False, True):
+        full = np.tril(np.ones((C, C), bool), -1 if strict else 0)
+        np.testing.assert_array_equal(np.asarray(grid.readout_lower(C // every, C, strict)),
+                                      full[every - 1::every])
+
+
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_causal_products_on_readout_rows(every):
+    """causal_mm / causal_scores on the read-out rows = those rows of the all-rows forms,
+    non-finite rows of the right operand included (NaN from the first such row on)."""
+    rng = np.random.default_rng(10 + every)
+    rows = lambda x: grid.readout_rows(x, every)
+    X = jnp.tril(_rand(rng, (3, C, C)))
+    R = np.array(_rand(rng, (3, C, 4)))
+    R[1, 17, 2] = np.inf
+    R[2, 40, 0] = np.nan
+    R = jnp.asarray(R)
+    for strict in (False, True):
+        Xs = jnp.tril(X, -1) if strict else X
+        want = rows(chunked.causal_mm(Xs, R, strict))
+        got = chunked.causal_mm(rows(Xs), R, strict)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert rel_max(jnp.nan_to_num(got), jnp.nan_to_num(want)) < TOL
+    q, k = _rand(rng, (3, C, 8)), _rand(rng, (3, C, 8))
+    Gam = jnp.tril(jnp.exp(-_rand(rng, (3, C, C)) ** 2))
+    got = chunked.causal_scores(rows(q), k, rows(Gam))
+    assert rel_max(got, rows(chunked.causal_scores(q, k, Gam))) < TOL
+
+
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_mask_nonfinite_rows_on_readout_rows(every):
+    rng = np.random.default_rng(20 + every)
+    rows = lambda x, axis=-2: grid.readout_rows(x, every, axis)
+    w, u, Kt = (np.array(_rand(rng, (3, C, d))) for d in (8, 6, 8))
+    qg, P = np.array(_rand(rng, (3, C, 8))), np.array(_rand(rng, (3, C, C)))
+    w[1, 30, 0] = np.inf                       # a state row: NaN from row 30 on
+    qg[2, 4 * 7 + 3, 1] = np.nan               # a read-out row for every stride
+    P[0, 63, 5] = -np.inf
+    ops = [jnp.asarray(a) for a in (w, u, Kt, qg, P)]
+    (fw, fu, fK, fqg, fP), fbad = chunked.mask_nonfinite_rows(*ops)
+    (gw, gu, gK, gqg, gP), gbad = chunked.mask_nonfinite_rows(*ops[:3], rows(ops[3]),
+                                                              rows(ops[4]))
+    np.testing.assert_array_equal(np.asarray(gbad), np.asarray(rows(fbad, -1)))
+    for a, b in ((gw, fw), (gu, fu), (gqg, rows(fqg)), (gP, rows(fP))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(gK), np.asarray(fK))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("T, cu", LAYOUTS)
+def test_engine_functions_on_readout_rows(n, T, cu):
+    """On the real grid: forward operands, the readout of a walk, from_chunks, the readout
+    cotangent, the reverse pass, the CP backward summaries, the cutedsl backward operands
+    and the chunk-local backward, each on the read-out rows vs all rows."""
+    spec, layout, ch, inp = _problem(n, T, cu, seed=30)
+    every = grid.readout_every(n)
+    rows = lambda x, axis=-2: grid.readout_rows(x, every, axis)
+    rng = np.random.default_rng(n + T)
+    B, NC, HV = ch.k.shape[:3]
+    K, V = ch.k.shape[-1], ch.v.shape[-1]
+
+    it, X = chunked.wy_factors(ch)
+    x1, bad1 = recurrence.forward_operands(ch, it, spec.scale)
+    xr, badr = recurrence.forward_operands(ch, it, spec.scale, every)
+    assert xr.qg.shape[-2] == C // every
+    assert rel_max(xr.qg, rows(x1.qg)) < TOL and rel_max(xr.P, rows(x1.P)) < TOL
+    np.testing.assert_array_equal(np.asarray(badr), np.asarray(rows(bad1, -1)))
+    S0 = _rand(rng, (B, NC, HV, K, V))
+    o1 = recurrence.readout(x1, S0)
+    orr = recurrence.readout(xr, S0)
+    assert rel_max(orr, rows(o1)) < TOL
+    assert rel_max(grid.from_chunks(layout, orr), grid.from_chunks(layout, o1)) < TOL
+
+    do = _rand(rng, (B, T, HV, V))
+    doc1 = grid.readout_cotangent(layout, do)
+    docr = grid.readout_cotangent(layout, do, every)
+    np.testing.assert_array_equal(np.asarray(docr), np.asarray(rows(doc1)))
+    np.testing.assert_array_equal(np.asarray(grid.from_readout_rows(docr, every)),
+                                  np.asarray(doc1))
+    docr = _rand(rng, docr.shape)            # random on every read-out row (the padding too)
+    doc1 = grid.from_readout_rows(docr, every)
+
+    dS_end = _rand(rng, S0.shape)
+    want = chunked.local_grads_direct(ch, it, X, S0, doc1, dS_end, spec.scale)
+    got = chunked.local_grads_direct(ch, it, X, S0, docr, dS_end, spec.scale)
+    for name, a, b in zip(ch._fields, got, want):
+        assert rel_max(a, b) < TOL, name
+
+    dfinal = _rand(rng, inp.initial_state.shape)
+    for a, b in zip(chunked.backward_summaries(ch, layout, docr, dfinal, spec.scale),
+                    chunked.backward_summaries(ch, layout, doc1, dfinal, spec.scale)):
+        assert rel_max(a, b) < TOL
+    blk = recurrence.Blocking(B, NC, NC)
+    f = recurrence.flags(blk, layout)
+    revs = [recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, d)
+            for x, d in ((x1, doc1), (xr, docr))]
+    (dS1, first1), (dSr, firstr) = (recurrence.reverse(blk, jax.tree_util.tree_map(
+        lambda a: jnp.moveaxis(a, 1, 0), r), f, dfinal, spec.N) for r in revs)
+    assert rel_max(dSr, dS1) < TOL and rel_max(firstr, first1) < TOL
+
+    with testing.emulated_kernels():          # its WY inverse is a kernel
+        w1 = pipeline.BackwardWork(ch, doc1, spec.scale, jnp.float64)
+        wr = pipeline.BackwardWork(ch, docr, spec.scale, jnp.float64)
+    for a, b in zip(wr.operands, w1.operands):
+        assert a.shape == b.shape and rel_max(a, b) < TOL
+
+
+# ------------------------------------------------------------------ the op, end to end
+
+def _all_rows(n, C=C):
+    return 1
+
+
+def _op_runs(monkeypatch, inp, cu, **kw):
+    """(the op on the read-out rows, the op on all rows): (o, final, grads) each."""
+    runs = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(grid, "readout_every", _all_rows)
+        jax.clear_caches()
+        o, s, _, g = loss_and_grads(gdp_jax.gated_delta_product, inp, cu_seqlens=cu, **kw)
+        runs.append((o, s, g))
+    monkeypatch.undo()
+    jax.clear_caches()
+    return runs
+
+
+def _assert_same(runs):
+    (o, s, g), (o1, s1, g1) = runs
+    assert rel_max(o, o1) < TOL and rel_max(s, s1) < TOL
+    assert set(g) == set(g1) and {"q", "k", "v", "g", "beta", "initial_state"} <= set(g)
+    for name in g:
+        assert rel_max(g[name], g1[name]) < TOL, name
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("T, cu", [(150, None), (150, [0, 0, 1, 70, 70, 150])])
+@pytest.mark.parametrize("segmented", [False, True])
+def test_op_equals_all_rows_path_xla(monkeypatch, n, T, cu, segmented):
+    inp = make_inputs(40 + n, 2 if cu is None else 1, T, n, 1, 2, 8, 6, jnp.float64,
+                      N=2 if cu is None else len(cu) - 1, gate="strong")
+    cu = None if cu is None else np.asarray(cu, np.int32)
+    kw = dict(backend="xla", recompute_chunk_num=1)
+    if segmented:
+        with monkeypatch.context() as m:
+            m.setattr(recurrence, "MAX_PROBLEMS", 0)
+            m.setattr(recurrence, "SEGMENT_PROBLEMS", 4)
+            runs = _op_runs(m, inp, cu, **kw)
+    else:
+        runs = _op_runs(monkeypatch, inp, cu, **kw)
+    _assert_same(runs)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_op_equals_all_rows_path_cutedsl_emulated(monkeypatch, n):
+    inp = make_inputs(50 + n, 1, 150, n, 1, 2, 8, 6, jnp.float64, N=5)
+    cu = np.asarray([0, 0, 1, 70, 70, 150], np.int32)
+    with testing.emulated_kernels():
+        runs = _op_runs(monkeypatch, inp, cu, backend="cutedsl", recompute_chunk_num=1,
+                        use_qk_l2norm=True)
+    _assert_same(runs)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cp_equals_all_rows_path_xla(monkeypatch, n):
+    """CP on 2 simulated devices (xla engine: its one-pass ranks), packed sequences
+    crossing the rank boundary: outputs, final states and every gradient."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+    T = 160
+    inp = make_inputs(60 + n, 1, T, n, 1, 2, 8, 6, jnp.float64, N=4)
+    cu = jnp.asarray([0, 1, 1, 100, T], jnp.int32)
+    rng = np.random.default_rng(n)
+    wo = _rand(rng, (1, T, 2, 6))
+    ws = _rand(rng, inp.initial_state.shape)
+
+    def loss(q, k, v, g, beta, h0):
+        f = jax.shard_map(
+            lambda q, k, v, g, beta, h0, cu: gdp_jax.gated_delta_product(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                cp_axis="cp", backend="xla"),
+            mesh=mesh, in_specs=(P(None, "cp"),) * 5 + (P(), P()),
+            out_specs=(P(None, "cp"), P()))
+        o, s = f(q, k, v, g, beta, h0, cu)
+        return jnp.sum(o * wo) + jnp.sum(s * ws), (o, s)
+
+    args = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    runs = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(grid, "readout_every", _all_rows)
+        jax.clear_caches()
+        (_, (o, s)), g = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)),
+                                                    has_aux=True))(*args)
+        runs.append((o, s, dict(zip(("q", "k", "v", "g", "beta", "initial_state"), g))))
+    monkeypatch.undo()
+    jax.clear_caches()
+    _assert_same(runs)
