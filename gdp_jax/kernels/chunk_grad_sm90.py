@@ -8,11 +8,10 @@ dv [C, V], dg, dbeta [C] of the chunk inputs - from
     g, beta [C] (float32), the row's readout scale,
 
 with X = (I + A)^-1, w = X diag(beta gam) k, u = X diag(beta) v (the forward's WY
-factors, which XLA builds for the forward under differentiation anyway). v is not read:
-everything it enters reaches the gradients through u and ddelta v^T, which reads v (loaded
-late, into the space dS_end leaves). In the notation of ``local_grads_direct``
-(Gam = exp(seg) lower, gam = exp(G), et = exp(G_last - G), QG = tril(q k^T Gam),
-KG = tril(k k^T Gam, -1), all unscaled):
+factors, which XLA builds for the forward under differentiation anyway); v itself enters
+only ddelta v^T, so it is loaded late, into the space dS_end leaves. In the notation of
+``local_grads_direct`` (Gam = exp(seg) lower, gam = exp(G), et = exp(G_last - G),
+QG = tril(q k^T Gam), KG = tril(k k^T Gam, -1), all unscaled):
 
     Delta  = u - w S0                                  [C, V]
     ddelta = scale QG^T doc + diag(et) k dS_end        [C, V]
