@@ -42,7 +42,7 @@ def kernel_times(out_dir, steps):
 
 def engine_backward(shape, impl: str):
     """(jitted fn, args): the ``impl`` engine's backward alone ("xla" or "cutedsl") on the
-    registry inputs of ``shape`` - chunk inputs, random output-row cotangents, zero
+    registry inputs of ``shape`` - chunk inputs, random read-out-row cotangents, zero
     final-state cotangents and the checkpoints its own forward keeps."""
     import jax
     import jax.numpy as jnp
@@ -57,7 +57,11 @@ def engine_backward(shape, impl: str):
     h0 = engine.start_states(spec, None)
     states = jax.jit(lambda ch: eng.forward(spec, ch, prob.layout, h0,
                                             keep_states=True)[2])(prob.ch)
-    doc = jax.random.normal(jax.random.PRNGKey(1), prob.ch.v.shape, prob.ch.v.dtype)
+    from gdp_jax import grid
+    # the op's backward gets the read-out rows only (engine.backward_problem)
+    *lead, C, V = prob.ch.v.shape
+    doc = jax.random.normal(jax.random.PRNGKey(1),
+                            (*lead, C // grid.readout_every(spec.n), V), prob.ch.v.dtype)
     fn = jax.jit(lambda ch, doc, st: eng.backward(spec, ch, prob.layout, h0, doc,
                                                   jnp.zeros_like(h0), st))
     return fn, (prob.ch, doc, states)

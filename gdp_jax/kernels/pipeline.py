@@ -125,11 +125,12 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end)
     """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
     dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
-    only the read-out rows ([.., C / every, V]); the kernel takes all C rows."""
+    only the read-out rows ([.., C / every, V]); the kernel takes all C rows: ``work``'s
+    ``do``, the copy the reverse kernel reads."""
     B, NC, HV, _, K = ch.k.shape
     if LOCAL_GRAD_KERNEL and LocalGradKernel.can_implement(
             ab_dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC, HV=HV) is None:
-        doc_all = grid.from_readout_rows(doc, grid.every_of(doc.shape[-2]))
+        doc_all = work.operands[4]    # dO on all C rows in the 16-bit dtype, padded once
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.it.w, work.it.u,
                                      work.X, S0, doc_all, ds_end, scale=spec.scale,
                                      ab_dtype=spec.ab_dtype)
