@@ -101,6 +101,30 @@ def test_operands_match_xla(T, n, H, HV, K, V, dtype, cu):
     _compare(got, xla, ref, f"{dtype} K={K} V={V} n={n} cu={cu}")
 
 
+@pytest.mark.parametrize("T,n,H,HV,K,V,dtype,cu", CASES)
+def test_inverse_output(T, n, H, HV, K, V, dtype, cu):
+    """The backward's variant (``inverse=True``): the same operands bit for bit as the
+    forward's, and X = (I + A)^-1 at least as close to the float64 X as XLA's float32
+    one (``chunked.wy_factors`` with the inverse kernel)."""
+    from gdp_jax import chunked
+    from gdp_jax.kernels import wy_inverse
+    spec, ch = _chunks(2, T, n, H, HV, K, V, jnp.dtype(dtype), cu)
+    call = lambda inverse: jax.jit(lambda c: ChunkPrepKernel.call(
+        c, scale=spec.scale, ab_dtype=spec.ab_dtype, inverse=inverse))(ch)
+    (ops0, bad0), (ops1, bad1, X) = call(False), call(True)
+    np.testing.assert_array_equal(np.asarray(bad0), np.asarray(bad1))
+    for name, a, b in zip(NAMES, ops0, ops1):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    rd = chunk_prep.as_read(ch, spec.ab_dtype)
+    X32 = jax.jit(lambda c: chunked.wy_factors(c, inverse=wy_inverse.unit_lower_inverse)[1])(rd)
+    ch64 = grid.ChunkInputs(*(x.astype(jnp.float64) for x in rd))
+    X64 = np.asarray(jax.jit(lambda c: chunked.wy_factors(c)[1])(ch64))
+    e_got = rel_rms(np.asarray(X, np.float64), X64)
+    e_xla = rel_rms(np.asarray(X32, np.float64), X64)
+    print(f"X {dtype} K={K} V={V}: kernel {e_got:.2e}, XLA float32 {e_xla:.2e}")
+    assert X.dtype == jnp.float32 and e_got <= 1.5 * e_xla + 1e-7, (e_got, e_xla)
+
+
 def test_nonfinite_rows_match_xla():
     """A NaN key, an inf value, a NaN query and a NaN gate, each in a different chunk:
     the same bad rows, NaN rows and zeroed rows as the XLA pipeline."""

@@ -359,10 +359,18 @@ def test_operands_kernel_contract_is_the_xla_pipeline(nonfinite):
     spec, ch = _bf16_chunks(4, nonfinite)
     B = ch.k.shape[0]
     got = emulate.chunk_prep_call(*ch, jnp.full((B,), spec.scale, jnp.float32),
-                                  ab_dtype=spec.ab_dtype)
+                                  ab_dtype=spec.ab_dtype, inverse=True)
     want, bad = pipeline.causal_operands(pipeline.forward_operands(
         as_read(ch, spec.ab_dtype), spec.scale, spec.ab_dtype))
     np.testing.assert_array_equal(got[6] != 0, bad)
+    # X = (I + A)^-1, in the chunks without a non-finite input (elsewhere unspecified)
+    X = np.asarray(chunked.wy_factors(as_read(ch, spec.ab_dtype))[1], np.float64)
+    clean = np.isfinite(X).all(axis=(-1, -2))
+    assert got[7].dtype == jnp.float32 and got[7].shape == X.shape and clean.any()
+    np.testing.assert_allclose(np.asarray(got[7], np.float64)[clean], X[clean], rtol=1e-5,
+                               atol=1e-6)
+    assert emulate.chunk_prep_call(*ch, jnp.full((B,), spec.scale, jnp.float32),
+                                   ab_dtype=spec.ab_dtype)[7].shape == (1,)
     assert np.any(bad) == nonfinite
     for a, b in zip(got[:6], want):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -403,14 +411,40 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
         assert rel_max(a, b) < 1e-2
 
 
-def test_differentiated_forward_shares_its_operands_with_the_backward(monkeypatch):
-    """Under jax.grad the forward builds its operands in XLA, not on the (opaque) operands
+def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
+    """Under jax.grad, where the kernels take the backward, the forward takes its operands
+    from the operands kernel (no X) and the backward runs it once more with X for the
+    local-gradient kernel; the gradients equal those of the all-XLA backward
+    (``LOCAL_GRAD_KERNEL = False``) to bf16 rounding."""
+    from gdp_jax.kernels import emulate, pipeline
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    calls = []
+    raw = emulate.chunk_prep_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
+        lambda *a, **kw: calls.append(kw.get("inverse", False)) or raw(*a, **kw)))
+    inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    loss = lambda *x: OP(*x, use_qk_l2norm=True, backend="cutedsl").astype(
+        jnp.float32).sum()
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*inp[:5])
+    assert sorted(calls) == [False, True]
+    calls.clear()
+    monkeypatch.setattr(pipeline, "LOCAL_GRAD_KERNEL", False)
+    want = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*inp[:5])
+    assert not calls
+    for a, b in zip(grads, want):
+        assert a.shape == b.shape and rel_max(a, b) < 1e-2
+
+
+def test_differentiated_forward_shares_its_operands_with_an_xla_backward(monkeypatch):
+    """Where the backward's factors are XLA's (here: ``LOCAL_GRAD_KERNEL = False``) the
+    differentiated forward builds its operands in XLA, not on the (opaque) operands
     kernel: XLA then computes the intra-chunk factors once for the forward and the
     backward. With the kernel made opaque (an optimization barrier on its inputs, as a
     custom call is on the GPU) the fwd+bwd program costs what it costs without it."""
     from jax import lax
-    from gdp_jax.kernels import emulate
+    from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    monkeypatch.setattr(pipeline, "LOCAL_GRAD_KERNEL", False)
     inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     loss = lambda q, k, v: OP(q, k, v, inp.g, inp.beta, use_qk_l2norm=True,
                               backend="cutedsl")[0].astype(jnp.float32).sum()
@@ -433,30 +467,34 @@ def test_differentiated_forward_shares_its_operands_with_the_backward(monkeypatc
     assert calls                        # but in the plain forward
 
 
-def test_cp_differentiated_forward_builds_xla_operands(monkeypatch):
-    """Under CP too, the forward of a differentiated call builds its operands in XLA (which
-    XLA then shares with the backward's) and the plain CP forward runs the operands
-    kernel (``CuTeDSLGatedDeltaProductCPBackend.for_differentiation`` in the driver's
-    custom_vjp fwd, and in intra_cp's); gradients unchanged."""
-    from gdp_jax.kernels import emulate
+@pytest.mark.parametrize("kernel_backward", [True, False])
+def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
+    """Under CP (the driver's custom_vjp and intra_cp's) a differentiated call takes its
+    operands as the single-device one does: from the operands kernel, forward and backward
+    (once each per rank), where the kernels take the backward, else from XLA (shared with
+    the backward's factors); the plain CP forward always runs the kernel; gradients
+    agree with the plain forward's outputs either way."""
+    from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    monkeypatch.setattr(pipeline, "LOCAL_GRAD_KERNEL", kernel_backward)
     calls = []
     opaque = emulate.chunk_prep_call
-    monkeypatch.setattr(ChunkPrepKernel, "raw_call",
-                        staticmethod(lambda *a, **kw: calls.append(1) or opaque(*a, **kw)))
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
+        lambda *a, **kw: calls.append(kw.get("inverse", False)) or opaque(*a, **kw)))
     inp = make_inputs(9, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     args = tcp._args(inp)
     w = tcp._weights(3, (2, 200, 2, 64), (2, 2, 64, 64), np.float32)
     kw = (("backend", "cutedsl"),)
     got = tcp._run("cp", args, None, w, True, n_dev=2, kw=kw)
-    assert not calls
+    assert sorted(set(calls)) == ([False, True] if kernel_backward else [])
+    calls.clear()
     o = jax.jit(lambda a: tcp._cp_apply(2, a, None, True, kw)[0])(args)
     assert calls and rel_max(o, got[0]) < 1e-2
     calls.clear()
     split = jax.grad(lambda q: OP(q, *inp[1:5], use_qk_l2norm=True, backend="cutedsl",
                                   intra_cp=2).astype(jnp.float32).sum())
     jax.jit(split)(inp.q)
-    assert not calls
+    assert sorted(set(calls)) == ([False, True] if kernel_backward else [])
 
 
 def test_cp_xla_segmented_ranks_take_the_two_pass_path(monkeypatch):

@@ -106,14 +106,21 @@ def _chunk_avals(B, NC, HV, K, V, dtype=jnp.float32):
                             S((B, NC, HV, C), dtype))
 
 
-@pytest.mark.parametrize("dtype,K,V", [(jnp.bfloat16, 128, 128), (jnp.float16, 64, 64),
-                                       (jnp.bfloat16, 64, 128), (jnp.float16, 128, 64)])
-def test_chunk_prep_kernel_compiles(dtype, K, V):
-    """The forward-operands kernel: outputs typed as the forward kernel's operands."""
+@pytest.mark.parametrize("dtype,K,V,inverse", [(jnp.bfloat16, 128, 128, False),
+                                               (jnp.float16, 64, 64, False),
+                                               (jnp.bfloat16, 64, 128, True),
+                                               (jnp.float16, 128, 64, True)])
+def test_chunk_prep_kernel_compiles(dtype, K, V, inverse):
+    """The forward-operands kernel: outputs typed as the forward kernel's operands (and,
+    for the backward, X = (I + A)^-1 in float32)."""
     B, NC, HV, C = 2, 3, 4, grid.CHUNK
-    f = lambda c: ChunkPrepKernel.call(c, scale=K ** -0.5, ab_dtype=dtype)
+    f = lambda c: ChunkPrepKernel.call(c, scale=K ** -0.5, ab_dtype=dtype, inverse=inverse)
     ch = _chunk_avals(B, NC, HV, K, V)
-    (w, kt, qg, p, u, decay), bad = jax.eval_shape(f, ch)
+    out = jax.eval_shape(f, ch)
+    assert len(out) == (3 if inverse else 2)
+    (w, kt, qg, p, u, decay), bad = out[:2]
+    if inverse:
+        assert (out[2].shape, out[2].dtype) == ((B, NC, HV, C, C), jnp.float32)
     for x in (w, kt, qg):
         assert (x.shape, x.dtype) == ((B, NC, HV, C, K), jnp.dtype(dtype))
     assert (p.shape, p.dtype) == ((B, NC, HV, C, C), jnp.dtype(dtype))

@@ -58,22 +58,26 @@ class ChunkPrepKernel:
         return None
 
     @classmethod
-    def call(cls, ch, *, scale: float, ab_dtype):
+    def call(cls, ch, *, scale: float, ab_dtype, inverse: bool = False):
         """ch (:class:`gdp_jax.grid.ChunkInputs`, float32) -> ((w, kt, qg, p, u, decay),
-        bad); ``jax.vmap``-able."""
-        f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype),
-                              out_kinds=("rows",) * 7)
+        bad), and with ``inverse`` ((..), bad, X): X = (I + A)^-1 [B, NC, HV, C, C]
+        float32, as the kernel computed it (from the k rows it entered: a non-finite k row
+        enters as zeros); ``jax.vmap``-able."""
+        f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, inverse=inverse),
+                              out_kinds=("rows",) * 7 + ("rows" if inverse else "dummy",))
         scale_rows = jnp.full(ch.k.shape[:1], scale, jnp.float32)
-        w, kt, qg, p, u, decay, bad = f(ch.q, ch.k, ch.v, ch.g, ch.beta, scale_rows)
-        return (w, kt, qg, p, u, decay), bad != 0
+        w, kt, qg, p, u, decay, bad, X = f(ch.q, ch.k, ch.v, ch.g, ch.beta, scale_rows)
+        out = (w, kt, qg, p, u, decay), bad != 0
+        return out + (X,) if inverse else out
 
     @staticmethod
-    def raw_call(q, k, v, g, beta, scale, *, ab_dtype):
+    def raw_call(q, k, v, g, beta, scale, *, ab_dtype, inverse: bool = False):
         """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V] (cast to ``ab_dtype``), g, beta
         [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
         w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V],
         decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
-        row to NaN)."""
+        row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
+        placeholder)."""
         B, NC, HV, C_, K = k.shape
         V = v.shape[-1]
         why = ChunkPrepKernel.can_implement(ab_dtype=ab_dtype, cdt=k.dtype, K=K, V=V,
@@ -87,19 +91,21 @@ class ChunkPrepKernel:
         outputs = (binding.out(rows + (K,), ab), binding.out(rows + (K,), ab),
                    binding.out(rows + (K,), ab), binding.out(rows + (C_,), ab),
                    binding.out(rows + (V,), jnp.float32), binding.out((B, NC, HV), jnp.float32),
-                   binding.out(rows, jnp.int32))
+                   binding.out(rows, jnp.int32),
+                   binding.out(rows + (C_,) if inverse else (1,), jnp.float32))
         f32 = lambda x: x.astype(jnp.float32)
         to_ab = lambda x: x.astype(ab)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),
                                     f32(scale)),
-                                   tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1),
-                                   K=K, V=V, ab_name=ab.name)
+                                   tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1,
+                                              2 if inverse else 1),
+                                   K=K, V=V, ab_name=ab.name, inverse=inverse)
 
     @classmethod
     def variants(cls):
-        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims (the
-        scale is a run-time input)."""
+        """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims, the
+        forward's (no X) and the backward's (with X); the scale is a run-time input."""
         import jax
         from gdp_jax.kernels import aot
         out = []
@@ -107,10 +113,13 @@ class ChunkPrepKernel:
             for K in cls.HEAD_DIMS:
                 for V in cls.HEAD_DIMS:
                     S = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1, C) + shape, jnp.float32)
-                    fn = functools.partial(cls.raw_call, ab_dtype=name)
-                    out.append(aot.Variant(f"gdp_chunk_prep_sm90 {name} K={K} V={V}", fn,
-                                           (S(K), S(K), S(V), S(), S(),
-                                            jax.ShapeDtypeStruct((1,), jnp.float32))))
+                    for inverse in (False, True):
+                        fn = functools.partial(cls.raw_call, ab_dtype=name, inverse=inverse)
+                        out.append(aot.Variant(
+                            f"gdp_chunk_prep_sm90 {name} K={K} V={V}"
+                            + (" inverse" if inverse else ""), fn,
+                            (S(K), S(K), S(V), S(), S(),
+                             jax.ShapeDtypeStruct((1,), jnp.float32))))
         return out
 
 
@@ -122,9 +131,10 @@ def _launcher():
     from gdp_jax.kernels import chunk_prep_sm90 as mod
 
     @cute.jit
-    def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, *,
-               K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name)(stream, q, k, v, g, beta, scale, w, kt, qg, p, u,
-                                      decay, bad)
+    def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
+               K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
+               inverse: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, inverse)(stream, q, k, v, g, beta, scale, w, kt, qg,
+                                               p, u, decay, bad, X)
 
     return launch

@@ -2,7 +2,8 @@
 
 One CTA (4 warps) per (chunk, value head, batch row) reads the chunk inputs q, k [C, K],
 v [C, V] (16-bit), g, beta [C] (float32) and the row's readout scale, and writes what the
-forward chunk kernel reads (``gdp_jax.kernels.chunk_fwd_sm90``), already made causal-safe:
+forward chunk kernel reads (``gdp_jax.kernels.chunk_fwd_sm90``), already made causal-safe,
+and with ``inverse`` also X (float32) for the backward (``gdp_jax.kernels.chunk_grad_sm90``):
 
     seg_ij = g_{j+1} + ... + g_i (j <= i), Gam = exp(seg), G_i = g_0 + ... + g_i, gam = exp(G)
     A  = tril(beta K K^T * Gam, -1),   X = (I + A)^-1
@@ -74,14 +75,15 @@ def _nonfinite(z, lanes: int):
 class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
-    def __init__(self, K: int, V: int, ab_dtype):
+    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
+        self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, stream, mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay,
-                 mBad):
+                 mBad, mX):
         K, V, ab = self.K, self.V, self.ab
         sK_layout = smem_layout(C, K)
         sV_layout = smem_layout(C, V)
@@ -113,14 +115,14 @@ class ChunkPrepSm90:
             ok: cute.struct.MemRange[I32, C]        # state row enters (causal_operands)
 
         B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
-        self.kernel(mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad,
+        self.kernel(mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad, mX,
                     sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
                     warp_mma(ab), Storage).launch(grid=(NC, HV, B),
                                                   block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad,
+    def kernel(self, mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad, mX,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                pad: cute.Layout, sT_layout: cute.Layout, copy_K: cute.TiledCopy,
                copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
@@ -221,6 +223,12 @@ class ChunkPrepSm90:
 
         # ---- phase 3: X = (I + A)^-1
         self._inverse(tidx, sA, sX, sT)
+        if cutlass.const_expr(self.inverse):
+            # consecutive threads, consecutive columns: coalesced float32 stores
+            gX = mX[b, c, hv, None, None]
+            for e in cutlass.range_constexpr(C * C // NUM_THREADS):
+                idx = e * NUM_THREADS + tidx
+                gX[idx // C, idx % C] = sX[idx // C, idx % C]
 
         # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
         tXs = thr_mma.partition_A(sX)
@@ -421,8 +429,8 @@ class ChunkPrepSm90:
 _KERNELS = {}
 
 
-def get_kernel(K: int, V: int, ab_name: str) -> ChunkPrepSm90:
-    key = (K, V, ab_name)
+def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name))
+        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse)
     return _KERNELS[key]

@@ -92,16 +92,18 @@ def inverse_kernel_call(A):
     return chunked._blocked_inverse(jnp.where(strict, A, 0.0))
 
 
-def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype):
+def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype, inverse=False):
     """The operands kernel's contract (``ChunkPrepKernel.raw_call``; ``scale`` [B], one
     per row): the forward kernel's operands, cast (16-bit; u, decay in the accumulator
-    dtype) and made causal-safe, and the int32 ``bad`` rows - as
+    dtype) and made causal-safe, the int32 ``bad`` rows - as
     ``pipeline.causal_operands(pipeline.forward_operands(..))`` on the chunk inputs with
-    q, k, v rounded to ``ab_dtype`` (tests/test_cutedsl_emulated.py holds the two equal)."""
+    q, k, v rounded to ``ab_dtype`` (tests/test_cutedsl_emulated.py holds the two equal) -
+    and X = (I + A)^-1 with ``inverse`` (a [1] placeholder without; in chunks with a
+    non-finite input X is not part of the contract: the kernel zeroes such k rows)."""
     acc = jnp.promote_types(jnp.float32, ab_dtype)
     ch = as_read(ChunkInputs(q, k, v, g.astype(acc), beta.astype(acc)), ab_dtype, acc)
     q, k = ch.q, ch.k
-    it = chunked.intra_chunk(ch, inverse=inverse_kernel_call_batched)
+    it, X = chunked.wy_factors(ch, inverse=inverse_kernel_call_batched)
     s = scale.astype(acc).reshape((-1,) + (1,) * (q.ndim - 1))
     cast = lambda x: x.astype(ab_dtype)
     w, kt, u = cast(it.w), cast(it.Kt), it.u.astype(acc)
@@ -113,7 +115,8 @@ def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype):
     keep = lambda x, ok, fill: jnp.where(ok[..., None], x, jnp.asarray(fill, x.dtype))
     return (keep(w, state_ok, 0), keep(kt, state_ok, jnp.nan), keep(qg, read_ok, 0),
             keep(p, read_ok, 0), keep(u, state_ok, 0), jnp.exp(it.G_last).astype(acc),
-            (bad | ~read_ok).astype(jnp.int32))
+            (bad | ~read_ok).astype(jnp.int32),
+            X.astype(acc) if inverse else jnp.zeros((1,), acc))
 
 
 def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,

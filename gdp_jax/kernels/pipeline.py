@@ -7,14 +7,17 @@ Forward:
     qg = scale exp(G) q and P = scale tril(q k^T Gam), cast to the 16-bit input dtype (u,
     decay stay float32) and masked for non-finite rows (:func:`causal_operands`); where it
     cannot run, the same in XLA (batched float32 matmuls, the inverse (I + A)^-1 on its
-    kernel, :mod:`gdp_jax.kernels.wy_inverse`) - and always in XLA under differentiation,
-    where XLA shares them with the backward's factors;
+    kernel, :mod:`gdp_jax.kernels.wy_inverse`) - and in XLA under differentiation when
+    the backward's factors are XLA's too (XLA then shares them);
   kernel (:class:`~gdp_jax.kernels.chunk_forward.ChunkForwardKernel`): the state recursion
     fused with the output and the final states, and under differentiation the start state
     of every (N + 1)-th chunk (N = recompute_chunk_num).
 Backward:
+  kernel (``ChunkPrepKernel`` with X): the forward's operands again and the WY inverse X
+    (recomputed: nothing more is kept from the forward);
+    where the kernels cannot take the backward, XLA's factors (``chunked.wy_factors``);
   XLA: chunk states from the checkpoints (N recompute steps, all groups at once) and the
-    reverse kernel's operands (ddo = P^T dO);
+    reverse kernel's operand ddo = P^T dO;
   kernel (:class:`~gdp_jax.kernels.state_grad.StateGradKernel`): the reverse state-gradient
     recursion, dS_end of every chunk and the initial-state gradients;
   kernel (:class:`~gdp_jax.kernels.local_grad.LocalGradKernel`): the chunk-local backward
@@ -94,31 +97,59 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True):
 
 class BackwardWork:
     """What the backward and the CP backward summary both need, computed once: the
-    intra-chunk factors with the WY inverse X (for the written-out local backward
-    :func:`gdp_jax.chunked.local_grads_direct`) and the reverse kernel's operands
-    (kt, w, qg, ddo, do, decay); ddo = P^T dO is what the output sends to Delta directly.
+    factors of the chunk-local backward (``w``, ``u``, ``X`` = (I + A)^-1, and ``it``, the
+    :class:`gdp_jax.chunked.Intra` the chunk states are recomputed from) and the reverse
+    kernel's operands (kt, w, qg, ddo, do, decay); ddo = P^T dO is what the output sends
+    to Delta directly.
+
+    ``on_kernel`` (:func:`kernel_backward`): the factors and operands come from one pass of
+    the operands kernel with X (``ChunkPrepKernel``, as the forward's operands do), for
+    the local-gradient kernel; else from XLA (``chunked.wy_factors``), with every field of
+    ``it`` for the written-out backward :func:`gdp_jax.chunked.local_grads_direct`.
 
     ``doc`` [.., Cr, V]: all C rows or only the read-out ones (Cr = C / every,
     :func:`gdp_jax.grid.readout_rows`); ddo is then computed from those rows of P alone,
-    and the kernel still gets do on all C rows (zeros elsewhere)."""
+    and the kernels get do on all C rows (zeros elsewhere)."""
 
-    def __init__(self, ch: grid.ChunkInputs, doc, scale: float, ab_dtype):
-        self.it, self.X = chunked.wy_factors(ch, inverse=wy_inverse.unit_lower_inverse)
+    def __init__(self, ch: grid.ChunkInputs, doc, scale: float, ab_dtype,
+                 on_kernel: bool = False):
         acc = acc_dtype(ab_dtype)
         every = grid.every_of(doc.shape[-2])
         rows = lambda x: grid.readout_rows(x, every)
+        cast = lambda x: x.astype(ab_dtype)
+        do = cast(grid.from_readout_rows(doc, every))
+        if on_kernel:
+            (w, kt, qg, p, u, decay), _, self.X = ChunkPrepKernel.call(
+                ch, scale=scale, ab_dtype=ab_dtype, inverse=True)
+            ddo = jnp.swapaxes(rows(p).astype(acc), -1, -2) @ doc.astype(acc)
+            # the chunk-state recompute (states_from_checkpoints) reads w, u, Kt, G_last
+            G_last = chunked.prefix_sum(ch.g, axis=-1)[..., -1]
+            self.it = chunked.Intra(G_last, None, None, w.astype(acc), u, kt.astype(acc))
+            self.w, self.u = w, u
+            self.operands = (kt, w, qg, ddo, do, decay)
+            return
+        self.it, self.X = chunked.wy_factors(ch, inverse=wy_inverse.unit_lower_inverse)
+        self.w, self.u = self.it.w, self.it.u
         p = scale * chunked.causal_scores(rows(ch.q), ch.k, rows(self.it.Gam))  # [.., Cr, C]
         ddo = jnp.swapaxes(p, -1, -2) @ doc
         qg = scale * self.it.gam[..., None] * ch.q
-        cast = lambda x: x.astype(ab_dtype)
-        self.operands = (cast(self.it.Kt), cast(self.it.w), cast(qg), ddo.astype(acc),
-                         cast(grid.from_readout_rows(doc, every)),
+        self.operands = (cast(self.it.Kt), cast(self.it.w), cast(qg), ddo.astype(acc), do,
                          jnp.exp(self.it.G_last).astype(acc))
 
 
 # The chunk-local backward on its kernel where it takes the call (False: always XLA's
-# ``local_grads_direct``, for A/B measurements).
+# ``local_grads_direct`` and XLA's factors, for A/B measurements).
 LOCAL_GRAD_KERNEL = True
+
+
+def kernel_backward(spec, ch: grid.ChunkInputs) -> bool:
+    """Does the backward of these chunks run on the kernels (factors from the operands
+    kernel with X, the chunk-local gradients on the local-gradient kernel)? Else its
+    factors and local gradients are XLA's."""
+    B, NC, HV, _, K = ch.k.shape
+    kw = dict(ab_dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC, HV=HV)
+    return (LOCAL_GRAD_KERNEL and LocalGradKernel.can_implement(**kw) is None
+            and ChunkPrepKernel.can_implement(cdt=ch.k.dtype, **kw) is None)
 
 
 def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end):
@@ -127,12 +158,9 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end)
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
     only the read-out rows ([.., C / every, V]); the kernel takes all C rows: ``work``'s
     ``do``, the copy the reverse kernel reads."""
-    B, NC, HV, _, K = ch.k.shape
-    if LOCAL_GRAD_KERNEL and LocalGradKernel.can_implement(
-            ab_dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC, HV=HV) is None:
-        doc_all = work.operands[4]    # dO on all C rows in the 16-bit dtype, padded once
-        grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.it.w, work.it.u,
-                                     work.X, S0, doc_all, ds_end, scale=spec.scale,
+    if kernel_backward(spec, ch):
+        grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
+                                     work.X, S0, work.operands[4], ds_end, scale=spec.scale,
                                      ab_dtype=spec.ab_dtype)
         dch = grid.ChunkInputs(*(d.astype(x.dtype) for d, x in zip(grads, ch)))
         return _vma.cotangent_like(dch, ch)
@@ -174,14 +202,19 @@ class CuTeDSLEngine(Engine):
         if why is not None:
             raise ValueError(f"backend='cutedsl' cannot run this call: {why}")
 
+    @staticmethod
+    def _prep_kernel(spec, ch, differentiated):
+        """Forward operands on the operands kernel? Always, unless differentiated with an
+        XLA backward: XLA then builds the same intra-chunk factors for both and shares
+        them (CSE; the kernel's are opaque to it: benchmarks/results/history/2026-12-01/
+        cse_operands.md)."""
+        return not differentiated or kernel_backward(spec, ch)
+
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
         self._check(spec, ch)
-        # Under differentiation (keep_states) the operands are built in XLA: the backward
-        # builds the same intra-chunk factors in XLA (BackwardWork) and XLA computes them
-        # once for both (CSE); the kernel's are opaque to it, so the backward would build
-        # them again (benchmarks/results/history/2026-12-01/cse_operands.md).
         operands, bad = (work if work is not None
-                         else masked_operands(spec, ch, use_kernel=not keep_states))
+                         else masked_operands(spec, ch, use_kernel=self._prep_kernel(
+                             spec, ch, keep_states)))
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
@@ -193,7 +226,8 @@ class CuTeDSLEngine(Engine):
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
         self._check(spec, ch)
-        work = work if work is not None else BackwardWork(ch, doc, spec.scale, spec.ab_dtype)
+        work = work if work is not None else BackwardWork(
+            ch, doc, spec.scale, spec.ab_dtype, on_kernel=kernel_backward(spec, ch))
         S0 = chunked.states_from_checkpoints(work.it, layout, h0, states,
                                              spec.checkpoint_stride)
         ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
@@ -214,9 +248,8 @@ class CuTeDSLEngine(Engine):
         -> ((E, M), :class:`ForwardResponse`)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        # differentiated: XLA operands, which XLA shares with the backward's (as forward)
-        (w, kt, qg, p, u, decay), bad = masked_operands(spec, ch,
-                                                        use_kernel=not differentiated)
+        (w, kt, qg, p, u, decay), bad = masked_operands(
+            spec, ch, use_kernel=self._prep_kernel(spec, ch, differentiated))
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
         # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
@@ -249,7 +282,8 @@ class CuTeDSLEngine(Engine):
         -> ((gamma, M^T), :class:`BackwardResponse`)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype)
+        work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype,
+                            on_kernel=kernel_backward(spec, ch))
         kt, w, qg, ddo, do, decay = work.operands
         df = dfinal.astype(acc_dtype(spec.ab_dtype))
         dfx = identity_columns(df, K)
