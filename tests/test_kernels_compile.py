@@ -84,8 +84,14 @@ def test_dh_kernel_compiles(dtype, K, V, BV, split):
              + (S((B, NC, HV, C, V), jnp.float32), S((B, NC, HV, C, V), dtype),
                 S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3
              + (S((N, HV, K, V), jnp.float32),))
-    txt = _lower(lambda *a: StateGradKernel.call(*a, BV=BV, split=split), *avals)
-    assert "CuteDSLRT_NvJaxCutlassCall" in txt
+    # dS_end in float32 (split: the CP summary's) or 16-bit (the local-gradient kernel's)
+    ds = jnp.float32 if split else dtype
+    call = lambda *a: StateGradKernel.call(*a, BV=BV, split=split, ds_dtype=ds)
+    assert jax.eval_shape(call, *avals)[0].dtype == jnp.dtype(ds)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(call, *avals)
+    with pytest.raises(ValueError, match="ds_dtype: float32 or the operands'"):
+        StateGradKernel.raw_call(*(jnp.zeros(a.shape, a.dtype) for a in avals), BV=BV,
+                                 ds_dtype=jnp.float64)
 
 
 @pytest.mark.parametrize("shape", [(3, 64, 64), (2, 5, 3, 64, 64)])
@@ -373,14 +379,16 @@ def test_step_unsupported_reasons():
 @pytest.mark.parametrize("dtype,K,V", [(jnp.bfloat16, 128, 128), (jnp.float16, 64, 64),
                                        (jnp.bfloat16, 64, 128), (jnp.float16, 128, 64)])
 def test_local_grad_kernel_compiles(dtype, K, V):
-    """The chunk-local gradient kernel (its vmap too), from float32 chunk tensors."""
+    """The chunk-local gradient kernel (its vmap too), from float32 chunk tensors; dS_end
+    float32 (CP) or 16-bit (one device)."""
     from gdp_jax.kernels.local_grad import LocalGradKernel
     B, NC, HV, C = 2, 3, 4, grid.CHUNK
     f32 = jnp.float32
+    ds = f32 if K == V else dtype
     avals = (S((B, NC, HV, C, K), f32), S((B, NC, HV, C, K), f32), S((B, NC, HV, C, V), f32),
              S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B, NC, HV, C, K), dtype),
              S((B, NC, HV, C, V), f32), S((B, NC, HV, C, C), f32), S((B, NC, HV, K, V), dtype),
-             S((B, NC, HV, C, V), dtype), S((B, NC, HV, K, V), f32))
+             S((B, NC, HV, C, V), dtype), S((B, NC, HV, K, V), ds))
     call = lambda *a: LocalGradKernel.call(*a, scale=0.1, ab_dtype=dtype)
     out = jax.eval_shape(call, *avals)
     assert [o.shape for o in out] == [(B, NC, HV, C, K)] * 2 + [(B, NC, HV, C, V)] + [

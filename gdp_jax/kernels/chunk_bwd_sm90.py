@@ -6,7 +6,7 @@ gradient w.r.t. the state) in float32 registers. Per chunk c, in reverse (operan
 precomputed by XLA, see ``gdp_jax.kernels.pipeline``):
 
     dS     += dfinal[seq[c]]             if is_last[c]        (the sequence ends here)
-    dS_end[c] <- dS                                            (written, float32)
+    dS_end[c] <- dS                                 (written, float32 or 16-bit)
     dDelta  = ddo_c + Kt_c dS                                  [C, BV]   ddo = P^T dO
     dS     <- decay_c dS + qg_c^T dO_c - w_c^T dDelta          [K, BV]
     dh0[seq[c]] <- dS;  dS <- 0          if reset[c]          (the sequence starts here)
@@ -125,7 +125,8 @@ class ChunkBwdDhSm90:
             if mLast[b, c] != 0:
                 gF = c_tile(thr_mma, mDfinal[seq, hv, None, None], (K, BV), (0, vt))
                 acc_S.store(acc_S.load() + gF.load())
-            c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(acc_S.load())
+            c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(
+                acc_S.load().to(mDsEnd.element_type))
             toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
             toD.store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt)).load(), tCsO)
             ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV), (0, vt)).load().to(

@@ -4,11 +4,11 @@ One CTA (4 warps) per (chunk, value head, batch row) computes what
 :func:`gdp_jax.chunked.local_grads_direct` does for one chunk - the cotangents dq, dk [C, K],
 dv [C, V], dg, dbeta [C] of the chunk inputs - from
 
-    q, k, w [C, K], doc [C, V], S0 [K, V] (16-bit), u [C, V], X [C, C], dS_end [K, V],
-    g, beta [C] (float32), the row's readout scale,
+    q, k, w [C, K], doc [C, V], S0 [K, V] (16-bit), u [C, V], X [C, C], g, beta [C]
+    (float32), dS_end [K, V] (float32 or 16-bit), the row's readout scale,
 
 with X = (I + A)^-1, w = X diag(beta gam) k, u = X diag(beta) v (the forward's WY
-factors, which XLA builds for the forward under differentiation anyway); v itself enters
+factors, from the operands kernel: ``gdp_jax.kernels.pipeline.BackwardWork``); v itself enters
 only ddelta v^T, so it is loaded late, into the space dS_end leaves. In the notation of
 ``local_grads_direct`` (Gam = exp(seg) lower, gam = exp(G), et = exp(G_last - G),
 QG = tril(q k^T Gam), KG = tril(k k^T Gam, -1), all unscaled):
@@ -187,7 +187,7 @@ class ChunkGradSm90:
         acc_x = make_acc(thr_mma, (C, C))
         acc_x.store(c_tile(thr_mma, mX[b, c, hv, None, None], (C, C), (0, 0)).load())
         acc_s = make_acc(thr_mma, (K, V))
-        acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V), (0, 0)).load())
+        acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V), (0, 0)).load().to(F32))
         cute.arch.sync_threads()
         if cutlass.const_expr("nogates" not in self.ablate):
             # sums from the diagonal outwards (never a difference of cumsums: strong gates

@@ -61,7 +61,10 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
     return o.astype(w.dtype), final, states
 
 
-def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None):
+def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None,
+                   ds_dtype=None):
+    """The reverse kernel's contract (``StateGradKernel.raw_call``): dS_end in
+    ``ds_dtype`` (rounded once, as stored; the walk carries the accumulator dtype)."""
     del BV, split
     B, NC, HV, C, K = kt.shape
     acc = ddo.dtype
@@ -81,7 +84,7 @@ def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, s
     dh0 = _scatter_rows(dfinal.shape[0], seq.reshape(-1),
                         ds_start.reshape((B * NC,) + ds_start.shape[2:]),
                         reset.reshape(-1) != 0)
-    return ds_end, dh0
+    return ds_end.astype(ds_dtype or acc), dh0
 
 
 def inverse_kernel_call(A):

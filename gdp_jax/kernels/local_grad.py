@@ -7,8 +7,8 @@ intermediate in shared memory instead of HBM (XLA's version moves each of them t
 HBM at least once: 11 of the 18 ms of a cutedsl fwd+bwd at (8, 4096, 16, 2) before this
 kernel, benchmarks/results/history/2026-12-02).
 
-The forward's WY factors w, u and X = (I + A)^-1 are inputs (XLA builds them for the
-forward under differentiation and keeps them for the backward either way).
+The forward's WY factors w, u and X = (I + A)^-1 are inputs (the operands kernel
+recomputes them for the backward: ``gdp_jax.kernels.pipeline.BackwardWork``).
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ class LocalGradKernel:
 
         q, k, w: [B, NC, HV, C, K]; v, u, doc: [B, NC, HV, C, V]; g, beta: [B, NC, HV, C];
         X: [B, NC, HV, C, C]; S0, ds_end: [B, NC, HV, K, V] (any float dtypes: q, k, v,
-        w, doc and S0 enter the kernel in ``ab_dtype``, the rest in float32).
+        w, doc and S0 enter the kernel in ``ab_dtype``, ds_end in ``ab_dtype`` if it is
+        in it, the rest in float32).
         """
         f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, split=split,
                                                       ablate=ablate, warps_n=warps_n),
@@ -87,7 +88,8 @@ class LocalGradKernel:
         return binding.custom_call(
             _launcher, "gdp_chunk_grad_sm90", outputs,
             (to_ab(q), to_ab(k), to_ab(w), to_ab(doc), to_ab(v), f32(g), f32(beta),
-             f32(scale), f32(X), f32(u), to_ab(S0), f32(ds_end)),
+             f32(scale), f32(X), f32(u), to_ab(S0),
+             ds_end if ds_end.dtype == ab else f32(ds_end)),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
             K=K, V=V, ab_name=ab.name, split=bool(split), ablate=ablate, warps_n=int(warps_n))
 
@@ -105,11 +107,13 @@ class LocalGradKernel:
                         (1, 1, 1) + shape, dt)
                     ab = jnp.dtype(name)
                     fn = functools.partial(cls.raw_call, ab_dtype=name)
-                    out.append(aot.Variant(
-                        f"gdp_chunk_grad_sm90 {name} K={K} V={V}", fn,
-                        (S(C, K, dt=ab), S(C, K, dt=ab), S(C, K, dt=ab), S(C, V, dt=ab),
-                         S(C, V, dt=ab), S(C), S(C), jax.ShapeDtypeStruct((1,), jnp.float32),
-                         S(C, C), S(C, V), S(K, V, dt=ab), S(K, V))))
+                    for ds in (ab, jnp.dtype(jnp.float32)):    # dS_end: 1 GPU, CP
+                        out.append(aot.Variant(
+                            f"gdp_chunk_grad_sm90 {name} K={K} V={V} dS_end {ds.name}", fn,
+                            (S(C, K, dt=ab), S(C, K, dt=ab), S(C, K, dt=ab), S(C, V, dt=ab),
+                             S(C, V, dt=ab), S(C), S(C),
+                             jax.ShapeDtypeStruct((1,), jnp.float32),
+                             S(C, C), S(C, V), S(K, V, dt=ab), S(K, V, dt=ds))))
         return out
 
 

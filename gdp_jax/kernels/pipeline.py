@@ -230,9 +230,12 @@ class CuTeDSLEngine(Engine):
             ch, doc, spec.scale, spec.ab_dtype, on_kernel=kernel_backward(spec, ch))
         S0 = chunked.states_from_checkpoints(work.it, layout, h0, states,
                                              spec.checkpoint_stride)
+        # dS_end in 16 bits for the local-gradient kernel (its MMAs round it so anyway)
+        on_kernel = kernel_backward(spec, ch)
         ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
-                                           BV=_bv(ch))
+                                           BV=_bv(ch), ds_dtype=spec.ab_dtype if on_kernel
+                                           else acc_dtype(spec.ab_dtype))
         dch = local_grads(spec, ch, work, S0, doc, ds_end)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 

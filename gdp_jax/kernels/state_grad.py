@@ -29,16 +29,19 @@ class StateGradKernel:
 
     @classmethod
     def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-             split: Optional[bool] = None):
+             split: Optional[bool] = None, ds_dtype=jnp.float32):
         """:meth:`raw_call`, ``jax.vmap``-able."""
-        f = binding.vmappable(lambda *a: cls.raw_call(*a, BV=BV, split=split), seq_arg=7,
-                              table_arg=9, out_kinds=("rows", "rows"))
+        f = binding.vmappable(lambda *a: cls.raw_call(*a, BV=BV, split=split,
+                                                      ds_dtype=ds_dtype),
+                              seq_arg=7, table_arg=9, out_kinds=("rows", "rows"))
         return f(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
 
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-                 split: Optional[bool] = None):
-        """-> (dS_end [B, NC, HV, K, V] float32, dh0 [N, HV, K, V] float32).
+                 split: Optional[bool] = None, ds_dtype=jnp.float32):
+        """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (float32, or the operands' 16-bit
+        dtype: what the local-gradient kernel rounds it to for its MMAs anyway),
+        dh0 [N, HV, K, V] float32).
 
         kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, V] in one 16-bit dtype; ddo:
         [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC]
@@ -49,7 +52,11 @@ class StateGradKernel:
         V = do.shape[-1]
         ab_name = jnp.dtype(kt.dtype).name
         split = ChunkForwardKernel.default_split(kt.dtype) if split is None else bool(split)
-        outputs = (binding.out((B, NC, HV, K, V), jnp.float32),
+        ds_dtype = jnp.dtype(ds_dtype)
+        if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
+            raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
+                             f"got {ds_dtype.name}")
+        outputs = (binding.out((B, NC, HV, K, V), ds_dtype),
                    binding.out(dfinal.shape, jnp.float32))
         return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
                                    (kt, w, qg, ddo, do, decay, reset, seq, last, dfinal),
@@ -59,17 +66,19 @@ class StateGradKernel:
     @classmethod
     def variants(cls):
         """The variants the cutedsl engine runs: per dtype and head dims, the backward
-        and the CP summary (V + K columns)."""
+        (dS_end in the 16-bit dtype, and float32 for the XLA local gradients) and the CP
+        summary (V + K columns, float32 dS_end)."""
         from gdp_jax.kernels import aot
         out = []
         for name in ChunkForwardKernel.DTYPES:
             for K in ChunkForwardKernel.HEAD_DIMS:
                 for V in ChunkForwardKernel.HEAD_DIMS:
-                    for Vx in (V, V + K):
+                    for Vx, ds in ((V, name), (V, "float32"), (V + K, "float32")):
                         fn = functools.partial(cls.raw_call,
-                                               BV=ChunkForwardKernel.pick_bv(1, 1, Vx))
-                        out.append(aot.Variant(f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx}",
-                                               fn, _avals(name, K, Vx)))
+                                               BV=ChunkForwardKernel.pick_bv(1, 1, Vx),
+                                               ds_dtype=ds)
+                        out.append(aot.Variant(f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
+                                               f"dS_end {ds}", fn, _avals(name, K, Vx)))
         return out
 
 
