@@ -234,8 +234,8 @@ class CuTeDSLEngine(Engine):
         on_kernel = kernel_backward(spec, ch)
         ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
-                                           BV=_bv(ch), ds_dtype=spec.ab_dtype if on_kernel
-                                           else acc_dtype(spec.ab_dtype))
+                                           BV=_bv(ch),
+                                           ds_dtype=spec.ab_dtype if on_kernel else None)
         dch = local_grads(spec, ch, work, S0, doc, ds_end)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 

@@ -29,7 +29,7 @@ class StateGradKernel:
 
     @classmethod
     def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-             split: Optional[bool] = None, ds_dtype=jnp.float32):
+             split: Optional[bool] = None, ds_dtype=None):
         """:meth:`raw_call`, ``jax.vmap``-able."""
         f = binding.vmappable(lambda *a: cls.raw_call(*a, BV=BV, split=split,
                                                       ds_dtype=ds_dtype),
@@ -38,9 +38,10 @@ class StateGradKernel:
 
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-                 split: Optional[bool] = None, ds_dtype=jnp.float32):
-        """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (float32, or the operands' 16-bit
-        dtype: what the local-gradient kernel rounds it to for its MMAs anyway),
+                 split: Optional[bool] = None, ds_dtype=None):
+        """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
+        or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
+        MMAs anyway),
         dh0 [N, HV, K, V] float32).
 
         kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, V] in one 16-bit dtype; ddo:
@@ -52,7 +53,7 @@ class StateGradKernel:
         V = do.shape[-1]
         ab_name = jnp.dtype(kt.dtype).name
         split = ChunkForwardKernel.default_split(kt.dtype) if split is None else bool(split)
-        ds_dtype = jnp.dtype(ds_dtype)
+        ds_dtype = jnp.dtype(jnp.float32 if ds_dtype is None else ds_dtype)
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
             raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
                              f"got {ds_dtype.name}")
