@@ -10,7 +10,9 @@
 2. Kernel time: the kernel alone vs XLA's local gradients alone (jitted, inputs
    precomputed) on the chunk tensors of ``--shape`` (B, T, H, n: NC = n T / 64 chunks).
 3. The op: cutedsl fwd+bwd at ``--shape`` through the benchmark runner (check vs float64,
-   medians, peak memory) with the kernel and with ``pipeline.LOCAL_GRAD_KERNEL = False``.
+   medians, peak memory) as the engine runs it, with XLA's factors and float32 dS_end
+   (``pipeline.KERNEL_FACTORS = False``) and with XLA's local gradients too
+   (``pipeline.LOCAL_GRAD_KERNEL = False``).
 """
 from __future__ import annotations
 
@@ -139,16 +141,17 @@ def main(argv=None):
         ref = op.reference(x, min(4, shape.H), True)
         args = types.SimpleNamespace(check_heads=4, iters=5, reps=5)
         res["op"] = []
-        for use in (True, False):
-            pipeline.LOCAL_GRAD_KERNEL = use
-            row = {"shape": shape.label(), "local_grad_kernel": use}
+        for use, factors in ((True, True), (True, False), (False, False)):
+            pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = use, factors
+            row = {"shape": shape.label(), "local_grad_kernel": use,
+                   "kernel_factors": factors}
             try:
                 op.one(registry.impl("cutedsl", "fwdbwd"), x, shape, "fwdbwd", ref, args, row)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
             print("op", json.dumps(row), flush=True)
             res["op"].append(row)
-        pipeline.LOCAL_GRAD_KERNEL = True
+        pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = True, True
     print("\n| K | V | strong gates | kernel dq / dk / dv / dg / dbeta | xla f32 (same) |")
     print("|---|---|---|---|---|")
     for r in res["precision"]:
@@ -159,9 +162,11 @@ def main(argv=None):
         f"{k[:-3]} {v:.3f} ms" for k, v in t.items()))
     for r in res.get("op", []):
         if "error" in r:
-            print(f"op kernel={r['local_grad_kernel']}: error {r['error']}")
+            print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']}: "
+                  f"error {r['error']}")
         else:
-            print(f"op kernel={r['local_grad_kernel']}: fwd {r['fwd_ms']:.2f} ms, fwd+bwd "
+            print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']}: "
+                  f"fwd {r['fwd_ms']:.2f} ms, fwd+bwd "
                   f"{r['fwdbwd_ms']:.2f} ms, peak {r['peak_gb']:.2f} GB, check max "
                   f"{r['check_max']:.2e}")
     if a.json:

@@ -414,8 +414,8 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
 def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     """Under jax.grad, where the kernels take the backward, the forward takes its operands
     from the operands kernel (no X) and the backward runs it once more with X for the
-    local-gradient kernel; the gradients equal those of the all-XLA backward
-    (``LOCAL_GRAD_KERNEL = False``) to bf16 rounding."""
+    local-gradient kernel; the gradients equal those with XLA's factors
+    (``KERNEL_FACTORS = False``: XLA's factors, float32 dS_end) to bf16 rounding."""
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     calls = []
@@ -428,7 +428,7 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*inp[:5])
     assert sorted(calls) == [False, True]
     calls.clear()
-    monkeypatch.setattr(pipeline, "LOCAL_GRAD_KERNEL", False)
+    monkeypatch.setattr(pipeline, "KERNEL_FACTORS", False)
     want = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*inp[:5])
     assert not calls
     for a, b in zip(grads, want):
@@ -436,7 +436,7 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
 
 
 def test_differentiated_forward_shares_its_operands_with_an_xla_backward(monkeypatch):
-    """Where the backward's factors are XLA's (here: ``LOCAL_GRAD_KERNEL = False``) the
+    """Where the backward's factors are XLA's (here: ``KERNEL_FACTORS = False``) the
     differentiated forward builds its operands in XLA, not on the (opaque) operands
     kernel: XLA then computes the intra-chunk factors once for the forward and the
     backward. With the kernel made opaque (an optimization barrier on its inputs, as a
@@ -444,7 +444,7 @@ def test_differentiated_forward_shares_its_operands_with_an_xla_backward(monkeyp
     from jax import lax
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    monkeypatch.setattr(pipeline, "LOCAL_GRAD_KERNEL", False)
+    monkeypatch.setattr(pipeline, "KERNEL_FACTORS", False)
     inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     loss = lambda q, k, v: OP(q, k, v, inp.g, inp.beta, use_qk_l2norm=True,
                               backend="cutedsl")[0].astype(jnp.float32).sum()
@@ -476,7 +476,7 @@ def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
     agree with the plain forward's outputs either way."""
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    monkeypatch.setattr(pipeline, "LOCAL_GRAD_KERNEL", kernel_backward)
+    monkeypatch.setattr(pipeline, "KERNEL_FACTORS", kernel_backward)
     calls = []
     opaque = emulate.chunk_prep_call
     monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(

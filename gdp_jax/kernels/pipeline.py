@@ -137,19 +137,30 @@ class BackwardWork:
                          jnp.exp(self.it.G_last).astype(acc))
 
 
-# The chunk-local backward on its kernel where it takes the call (False: always XLA's
-# ``local_grads_direct`` and XLA's factors, for A/B measurements).
+# A/B switches (measurements): the chunk-local backward on its kernel where it takes the
+# call (False: XLA's ``local_grads_direct``), and its factors from the operands kernel
+# with dS_end in 16 bits (False: XLA's factors, float32 dS_end; XLA then shares the
+# factors with the differentiated forward's operands).
 LOCAL_GRAD_KERNEL = True
+KERNEL_FACTORS = True
+
+
+def local_grad_kernel(spec, ch: grid.ChunkInputs) -> bool:
+    """Do these chunks' local gradients run on the local-gradient kernel?"""
+    B, NC, HV, _, K = ch.k.shape
+    return LOCAL_GRAD_KERNEL and LocalGradKernel.can_implement(
+        ab_dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC, HV=HV) is None
 
 
 def kernel_backward(spec, ch: grid.ChunkInputs) -> bool:
-    """Does the backward of these chunks run on the kernels (factors from the operands
-    kernel with X, the chunk-local gradients on the local-gradient kernel)? Else its
-    factors and local gradients are XLA's."""
+    """Does the backward of these chunks run on the kernels only (factors from the
+    operands kernel with X, dS_end in 16 bits, the chunk-local gradients on the
+    local-gradient kernel)? Else its factors are XLA's."""
     B, NC, HV, _, K = ch.k.shape
-    kw = dict(ab_dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC, HV=HV)
-    return (LOCAL_GRAD_KERNEL and LocalGradKernel.can_implement(**kw) is None
-            and ChunkPrepKernel.can_implement(cdt=ch.k.dtype, **kw) is None)
+    return (KERNEL_FACTORS and local_grad_kernel(spec, ch)
+            and ChunkPrepKernel.can_implement(ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K,
+                                              V=ch.v.shape[-1], rows=B, NC=NC,
+                                              HV=HV) is None)
 
 
 def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end):
@@ -158,7 +169,7 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end)
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
     only the read-out rows ([.., C / every, V]); the kernel takes all C rows: ``work``'s
     ``do``, the copy the reverse kernel reads."""
-    if kernel_backward(spec, ch):
+    if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
                                      work.X, S0, work.operands[4], ds_end, scale=spec.scale,
                                      ab_dtype=spec.ab_dtype)
