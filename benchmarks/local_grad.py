@@ -11,8 +11,9 @@
    precomputed) on the chunk tensors of ``--shape`` (B, T, H, n: NC = n T / 64 chunks).
 3. The op: cutedsl fwd+bwd at ``--shape`` through the benchmark runner (check vs float64,
    medians, peak memory) as the engine runs it, with XLA's factors and float32 dS_end
-   (``pipeline.KERNEL_FACTORS = False``) and with XLA's local gradients too
-   (``pipeline.LOCAL_GRAD_KERNEL = False``).
+   (``pipeline.KERNEL_FACTORS = False``), with XLA's local gradients too
+   (``pipeline.LOCAL_GRAD_KERNEL = False``), and with the kernel's [C, C] factors in one
+   16-bit rounding (``pipeline.LOCAL_GRAD_SPLIT = False``).
 """
 from __future__ import annotations
 
@@ -50,16 +51,29 @@ def xla_grads(ch, S0, doc, ds_end, scale):
     return tuple(chunked.local_grads_direct(ch, it, X, S0, doc, ds_end, scale))
 
 
-def kernel_grads(ch, S0, doc, ds_end, scale):
+def kernel_grads(ch, S0, doc, ds_end, scale, variant=""):
     import jax.numpy as jnp
     from gdp_jax import chunked
     from gdp_jax.kernels.local_grad import LocalGradKernel
     it, X = chunked.wy_factors(ch)
     return LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, it.w, it.u, X, S0, doc,
-                                ds_end, scale=scale, ab_dtype=jnp.bfloat16)
+                                ds_end, scale=scale, ab_dtype=jnp.bfloat16,
+                                **variant_kwargs(variant))
 
 
-def precision(cases, scale=0.088):
+def variant_kwargs(variant: str) -> dict:
+    """The ``LocalGradKernel.call`` options of a variant name: "nosplit", "warps4" and
+    ``ablate`` parts, comma-combined."""
+    parts = [x for x in variant.split(",") if x]
+    return dict(split="nosplit" not in parts, warps_n=1 if "warps4" in parts else 2,
+                ablate=",".join(x for x in parts if x not in ("nosplit", "warps4")))
+
+
+# variants whose results are right (the others are timing ablations)
+EXACT_VARIANTS = ("nosplit", "warps4", "roundtrip")
+
+
+def precision(cases, scale=0.088, variants=()):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -80,6 +94,10 @@ def precision(cases, scale=0.088):
                "kernel": {n: rel(a, b) for n, a, b in zip(names, got_k, ref)},
                "xla_f32": {n: rel(a, b) for n, a, b in zip(names, got_x, ref)},
                "finite": all(bool(np.all(np.isfinite(a))) for a in got_k)}
+        for v in variants:
+            got_v = [np.asarray(r, np.float64) for r in
+                     jax.jit(kernel_grads, static_argnums=(4, 5))(*inp, scale, v)]
+            row[f"kernel[{v}]"] = {n: rel(a, b) for n, a, b in zip(names, got_v, ref)}
         print("precision", json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -104,12 +122,8 @@ def kernel_time(B, NC, HV, K=128, V=128, scale=0.088, variants=()):
     sync = lambda r: jax.block_until_ready(r)
     out = {}
     runs = [("kernel", kern()), ("xla", fx)]
-    for v in variants:       # "nosplit", "warps4" or ablations ("nomma", "nogates", ...)
-        parts = v.split(",")
-        runs.append((f"kernel[{v}]", kern(split="nosplit" not in parts,
-                                          warps_n=1 if "warps4" in parts else 2,
-                                          ablate=",".join(x for x in parts
-                                                          if x not in ("nosplit", "warps4")))))
+    for v in variants:       # "nosplit", "warps4", "roundtrip" or ablations ("nomma", ...)
+        runs.append((f"kernel[{v}]", kern(**variant_kwargs(v))))
     for name, f in runs:
         out[name + "_ms"] = measure.median_ms(lambda: f(ch, it, X, S0b, docb, ds_end), sync,
                                               10, 5)
@@ -124,15 +138,17 @@ def main(argv=None):
     p.add_argument("--skip-precision", action="store_true")
     p.add_argument("--variants", default="",
                    help="kernel variants to time besides the default, ';'-separated: "
-                        "nosplit, warps4, nomma, nogates, notail (comma-combined)")
+                        "nosplit, warps4, roundtrip (results right), nomma, nogates, "
+                        "notail (comma-combined)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     B, T, H, n = (int(x) for x in a.shape.split(","))
+    variants = [v for v in a.variants.split(";") if v]
+    exact = [v for v in variants if set(v.split(",")) <= set(EXACT_VARIANTS)]
     res = {"precision": [] if a.skip_precision else precision(
         [(128, 128, False), (128, 128, True), (64, 64, False), (64, 128, False),
-         (128, 64, True)])}
-    res["time"] = kernel_time(B, n * T // 64, H,
-                              variants=[v for v in a.variants.split(";") if v])
+         (128, 64, True)], variants=exact)}
+    res["time"] = kernel_time(B, n * T // 64, H, variants=variants)
     if not a.skip_op:
         from benchmarks import op, registry
         from gdp_jax.kernels import pipeline
@@ -141,10 +157,12 @@ def main(argv=None):
         ref = op.reference(x, min(4, shape.H), True)
         args = types.SimpleNamespace(check_heads=4, iters=5, reps=5)
         res["op"] = []
-        for use, factors in ((True, True), (True, False), (False, False)):
+        for use, factors, split in ((True, True, True), (True, True, False),
+                                    (True, False, True), (False, False, True)):
             pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = use, factors
+            pipeline.LOCAL_GRAD_SPLIT = split
             row = {"shape": shape.label(), "local_grad_kernel": use,
-                   "kernel_factors": factors}
+                   "kernel_factors": factors, "split": split}
             try:
                 op.one(registry.impl("cutedsl", "fwdbwd"), x, shape, "fwdbwd", ref, args, row)
             except Exception as e:
@@ -152,20 +170,24 @@ def main(argv=None):
             print("op", json.dumps(row), flush=True)
             res["op"].append(row)
         pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = True, True
+        pipeline.LOCAL_GRAD_SPLIT = True
     print("\n| K | V | strong gates | kernel dq / dk / dv / dg / dbeta | xla f32 (same) |")
     print("|---|---|---|---|---|")
     for r in res["precision"]:
         f = lambda d: " / ".join(f"{d[k]:.1e}" for k in ("dq", "dk", "dv", "dg", "dbeta"))
         print(f"| {r['K']} | {r['V']} | {r['strong']} | {f(r['kernel'])} | {f(r['xla_f32'])} |")
+        for v in exact:
+            print(f"|   kernel[{v}] | | | {f(r[f'kernel[{v}]'])} | |")
     t = res["time"]
     print(f"\nlocal gradients alone at {a.shape}: " + ", ".join(
         f"{k[:-3]} {v:.3f} ms" for k, v in t.items()))
     for r in res.get("op", []):
         if "error" in r:
-            print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']}: "
-                  f"error {r['error']}")
+            print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']} "
+                  f"split={r['split']}: error {r['error']}")
         else:
-            print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']}: "
+            print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']} "
+                  f"split={r['split']}: "
                   f"fwd {r['fwd_ms']:.2f} ms, fwd+bwd "
                   f"{r['fwdbwd_ms']:.2f} ms, peak {r['peak_gb']:.2f} GB, check max "
                   f"{r['check_max']:.2e}")

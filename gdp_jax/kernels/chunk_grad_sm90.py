@@ -76,7 +76,9 @@ class ChunkGradSm90:
         self.warps_n = warps_n
         self.threads = NUM_THREADS * warps_n
         # ablate (measurements only; results are wrong): "nomma" skips every MMA,
-        # "nogates" the gate loops of phase 0, "notail" phase 14
+        # "nogates" the gate loops of phase 0, "notail" phase 14; "roundtrip" (results
+        # right) parks the partial dk, dq in their global outputs between phases instead
+        # of registers
         self.ablate = set(filter(None, ablate.split(",")))
 
     # ------------------------------------------------------------------ host side
@@ -136,6 +138,7 @@ class ChunkGradSm90:
         tidx, _, _ = cute.arch.thread_idx()
         c, hv, b = cute.arch.block_idx()
         on = "nomma" not in self.ablate
+        roundtrip = "roundtrip" in self.ablate
         mma_split_b_ = mma_split_b if on else _skip
         _mma_reg_a_ = _mma_reg_a if on else _skip
 
@@ -268,34 +271,40 @@ class ChunkGradSm90:
 
         # ---- phase 4: diag(et) dKt = diag(et) Delta dS_end^T -> dk (partial, global);
         # dto = et rows(dKt, k)
-        acc_k = make_acc(thr_mma, (C, K))
-        acc_k.fill(0.0)
-        mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDelta))], B_(sDS), None, False)
+        # dk and dq accumulate in registers from here to phases 12, 13 (``roundtrip``:
+        # through their global outputs instead, the first version, for A/B timing)
+        acc_dk = make_acc(thr_mma, (C, K))
+        acc_dk.fill(0.0)
+        mma_split_b_(tiled_mma, V // MMA_K, [(acc_dk, A_(sDelta))], B_(sDS), None, False)
         tKc = thr_mma.partition_C(sK)
-        for e in cutlass.range_constexpr(cute.size(acc_k)):
+        for e in cutlass.range_constexpr(cute.size(acc_dk)):
             i, _ = crd_k[e]
-            acc_k[e] = acc_k[e] * set_[i]
-        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tKc[e].to(F32), sdto, wn)
-        c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_k.load())
+            acc_dk[e] = acc_dk[e] * set_[i]
+        _row_sums(acc_dk, crd_k, r0, lambda e: acc_dk[e] * tKc[e].to(F32), sdto, wn)
+        if cutlass.const_expr(roundtrip):
+            c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_dk.load())
         cute.arch.sync_threads()               # dS_end is dead: v takes its place
         cpV.load(gV, (C, V), cpV.dest(sV))
         cute.arch.cp_async_commit_group()
 
         # ---- phase 5: dW = -ddelta S0^T -> smem (16-bit, where w was)
+        acc_k = make_acc(thr_mma, (C, K))
         acc_k.fill(0.0)
         mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDD))], B_(sS0), None, False)
         toK = acc_to_smem(tiled_mma, tidx, acc_k, ab)
         toK.store((acc_k.load() * -1.0).to(ab), toK.dest(sW))
 
         # ---- phase 6: diag(scale gam) doS0 -> dq (partial, global); rq = rows(q, doS0)
-        acc_k.fill(0.0)
-        mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDo))], B_(sS0), None, False)
+        acc_dq = make_acc(thr_mma, (C, K))
+        acc_dq.fill(0.0)
+        mma_split_b_(tiled_mma, V // MMA_K, [(acc_dq, A_(sDo))], B_(sS0), None, False)
         tQc = thr_mma.partition_C(sQ)
-        _row_sums(acc_k, crd_k, r0, lambda e: acc_k[e] * tQc[e].to(F32), srq, wn)
-        for e in cutlass.range_constexpr(cute.size(acc_k)):
+        _row_sums(acc_dq, crd_k, r0, lambda e: acc_dq[e] * tQc[e].to(F32), srq, wn)
+        for e in cutlass.range_constexpr(cute.size(acc_dq)):
             i, _ = crd_k[e]
-            acc_k[e] = acc_k[e] * (scale * sgam[i])
-        c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_k.load())
+            acc_dq[e] = acc_dq[e] * (scale * sgam[i])
+        if cutlass.const_expr(roundtrip):
+            c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_dq.load())
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()               # S0 is dead: F2, F3 take its place
 
@@ -370,19 +379,21 @@ class ChunkGradSm90:
         c_tile(thr_mma, mDv[b, c, hv, None, None], (C, V), (0, 0)).store(acc_v.load())
 
         # ---- phase 12: dk = partial + diag(beta gam) X^T dW + dqk^T q + (dkk + dkk^T) k
-        acc_k.store(c_tile(thr_mma, gDk, (C, K), (0, 0)).load())
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k,
+        if cutlass.const_expr(roundtrip):
+            acc_dk.store(c_tile(thr_mma, gDk, (C, K), (0, 0)).load())
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk,
                    R(transpose_view(sX, C, C), True, lambda x, i, j: x * (sb[i] * sgam[i])),
                    Bt(sW, C, K))
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k, R(transpose_view(F2, C, C), True),
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(transpose_view(F2, C, C), True),
                    Bt(sQ, C, K))
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k, R(F1, True, None, F1), Bt(sK, C, K))
-        c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_k.load())
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(F1, True, None, F1), Bt(sK, C, K))
+        c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_dk.load())
 
         # ---- phase 13: dq = partial + dqk k
-        acc_k.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_k, R(F2, True), Bt(sK, C, K))
-        c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_k.load())
+        if cutlass.const_expr(roundtrip):
+            acc_dq.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
+        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dq, R(F2, True), Bt(sK, C, K))
+        c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_dq.load())
 
         # ---- phase 14: the row vectors -> dbeta, dg. First y_l = dG_l + rowsum(dseg)_l -
         # colsum(dseg)_l (into sy) and dbeta_l; then dg_l = sum_{i >= l} y_i +

@@ -143,6 +143,9 @@ class BackwardWork:
 # factors with the differentiated forward's operands).
 LOCAL_GRAD_KERNEL = True
 KERNEL_FACTORS = True
+# and the local-gradient kernel's [C, C] float32 factors entering its MMAs as hi + lo
+# (False: one 16-bit rounding, fewer MMAs)
+LOCAL_GRAD_SPLIT = True
 
 
 def local_grad_kernel(spec, ch: grid.ChunkInputs) -> bool:
@@ -172,7 +175,7 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end)
     if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
                                      work.X, S0, work.operands[4], ds_end, scale=spec.scale,
-                                     ab_dtype=spec.ab_dtype)
+                                     ab_dtype=spec.ab_dtype, split=LOCAL_GRAD_SPLIT)
         dch = grid.ChunkInputs(*(d.astype(x.dtype) for d, x in zip(grads, ch)))
         return _vma.cotangent_like(dch, ch)
     return chunked.local_grads_direct(ch, work.it, work.X, S0, doc, ds_end.astype(ch.k.dtype),
