@@ -12,8 +12,9 @@
 3. The op: cutedsl fwd+bwd at ``--shape`` through the benchmark runner (check vs float64,
    medians, peak memory) as the engine runs it, with XLA's factors and float32 dS_end
    (``pipeline.KERNEL_FACTORS = False``), with XLA's local gradients too
-   (``pipeline.LOCAL_GRAD_KERNEL = False``), and with the kernel's [C, C] factors in one
-   16-bit rounding (``pipeline.LOCAL_GRAD_SPLIT = False``).
+   (``pipeline.LOCAL_GRAD_KERNEL = False``), with the kernel's [C, C] factors in one
+   16-bit rounding (``pipeline.LOCAL_GRAD_SPLIT = False``), and with the forward's
+   operands kept for the backward (``pipeline.SAVE_OPERANDS = True``).
 """
 from __future__ import annotations
 
@@ -157,12 +158,15 @@ def main(argv=None):
         ref = op.reference(x, min(4, shape.H), True)
         args = types.SimpleNamespace(check_heads=4, iters=5, reps=5)
         res["op"] = []
-        for use, factors, split in ((True, True, True), (True, True, False),
-                                    (True, False, True), (False, False, True)):
+        for use, factors, split, save in ((True, True, True, False),
+                                          (True, True, True, True),
+                                          (True, True, False, False),
+                                          (True, False, True, False),
+                                          (False, False, True, False)):
             pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = use, factors
-            pipeline.LOCAL_GRAD_SPLIT = split
+            pipeline.LOCAL_GRAD_SPLIT, pipeline.SAVE_OPERANDS = split, save
             row = {"shape": shape.label(), "local_grad_kernel": use,
-                   "kernel_factors": factors, "split": split}
+                   "kernel_factors": factors, "split": split, "save_operands": save}
             try:
                 op.one(registry.impl("cutedsl", "fwdbwd"), x, shape, "fwdbwd", ref, args, row)
             except Exception as e:
@@ -170,7 +174,7 @@ def main(argv=None):
             print("op", json.dumps(row), flush=True)
             res["op"].append(row)
         pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = True, True
-        pipeline.LOCAL_GRAD_SPLIT = True
+        pipeline.LOCAL_GRAD_SPLIT, pipeline.SAVE_OPERANDS = True, False
     print("\n| K | V | strong gates | kernel dq / dk / dv / dg / dbeta | xla f32 (same) |")
     print("|---|---|---|---|---|")
     for r in res["precision"]:
@@ -184,12 +188,13 @@ def main(argv=None):
     for r in res.get("op", []):
         if "error" in r:
             print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']} "
-                  f"split={r['split']}: error {r['error']}")
+                  f"split={r['split']} save={r['save_operands']}: error {r['error']}")
         else:
             print(f"op kernel={r['local_grad_kernel']} factors={r['kernel_factors']} "
-                  f"split={r['split']}: "
+                  f"split={r['split']} save={r['save_operands']}: "
                   f"fwd {r['fwd_ms']:.2f} ms, fwd+bwd "
-                  f"{r['fwdbwd_ms']:.2f} ms, peak {r['peak_gb']:.2f} GB, check max "
+                  f"{r['fwdbwd_ms']:.2f} ms, peak {r['peak_gb']:.2f} GB, kept "
+                  f"{r.get('kept_gb', float('nan')):.2f} GB, check max "
                   f"{r['check_max']:.2e}")
     if a.json:
         with open(a.json, "w") as f:

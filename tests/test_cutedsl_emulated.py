@@ -435,6 +435,32 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
         assert a.shape == b.shape and rel_max(a, b) < 1e-2
 
 
+def test_saved_operands_give_the_recomputed_gradients(monkeypatch):
+    """``SAVE_OPERANDS``: the differentiated forward runs the operands kernel once, with X,
+    and the backward reuses its outputs (no second pass); outputs and gradients equal
+    those of the recomputing backward bitwise (the same kernel on the same inputs)."""
+    from gdp_jax.kernels import emulate, pipeline
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    calls = []
+    raw = emulate.chunk_prep_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
+        lambda *a, **kw: calls.append(kw.get("inverse", False)) or raw(*a, **kw)))
+    inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    loss = lambda *x: OP(*x[:5], initial_state=x[5], output_final_state=True,
+                         use_qk_l2norm=True, backend="cutedsl")
+    vg = lambda: jax.vjp(loss, *inp[:5], inp.initial_state)
+    (o, s), pull = vg()
+    cts = (jnp.ones_like(o), jnp.ones_like(s))
+    want = pull(cts)
+    calls.clear()
+    monkeypatch.setattr(pipeline, "SAVE_OPERANDS", True)
+    (o2, s2), pull2 = vg()
+    got = pull2(cts)
+    assert calls == [True]
+    for a, b in zip((o, s) + tuple(want), (o2, s2) + tuple(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_differentiated_forward_shares_its_operands_with_an_xla_backward(monkeypatch):
     """Where the backward's factors are XLA's (here: ``KERNEL_FACTORS = False``) the
     differentiated forward builds its operands in XLA, not on the (opaque) operands

@@ -112,15 +112,17 @@ class BackwardWork:
     and the kernels get do on all C rows (zeros elsewhere)."""
 
     def __init__(self, ch: grid.ChunkInputs, doc, scale: float, ab_dtype,
-                 on_kernel: bool = False):
+                 on_kernel: bool = False, prep=None):
         acc = acc_dtype(ab_dtype)
         every = grid.every_of(doc.shape[-2])
         rows = lambda x: grid.readout_rows(x, every)
         cast = lambda x: x.astype(ab_dtype)
         do = cast(grid.from_readout_rows(doc, every))
         if on_kernel:
-            (w, kt, qg, p, u, decay), _, self.X = ChunkPrepKernel.call(
-                ch, scale=scale, ab_dtype=ab_dtype, inverse=True)
+            # ``prep``: the forward's (operands, X) when it kept them (SAVE_OPERANDS)
+            (w, kt, qg, p, u, decay), self.X = prep if prep is not None else (
+                _drop_bad(ChunkPrepKernel.call(ch, scale=scale, ab_dtype=ab_dtype,
+                                               inverse=True)))
             ddo = jnp.swapaxes(rows(p).astype(acc), -1, -2) @ doc.astype(acc)
             # the chunk-state recompute (states_from_checkpoints) reads w, u, Kt, G_last
             G_last = chunked.prefix_sum(ch.g, axis=-1)[..., -1]
@@ -137,6 +139,12 @@ class BackwardWork:
                          jnp.exp(self.it.G_last).astype(acc))
 
 
+def _drop_bad(prep):
+    """(operands, bad, X) of ``ChunkPrepKernel.call(inverse=True)`` -> (operands, X)."""
+    operands, _, X = prep
+    return operands, X
+
+
 # A/B switches (measurements): the chunk-local backward on its kernel where it takes the
 # call (False: XLA's ``local_grads_direct``), and its factors from the operands kernel
 # with dS_end in 16 bits (False: XLA's factors, float32 dS_end; XLA then shares the
@@ -146,6 +154,9 @@ KERNEL_FACTORS = True
 # and the local-gradient kernel's [C, C] float32 factors entering its MMAs as hi + lo
 # (False: one 16-bit rounding, fewer MMAs)
 LOCAL_GRAD_SPLIT = True
+# and the differentiated forward keeping its operands and X for the backward (one operands
+# kernel pass fewer, ~100 KB more kept per chunk at K = V = 128) instead of recomputing them
+SAVE_OPERANDS = False
 
 
 def local_grad_kernel(spec, ch: grid.ChunkInputs) -> bool:
@@ -225,10 +236,18 @@ class CuTeDSLEngine(Engine):
         return not differentiated or kernel_backward(spec, ch)
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
+        """-> (o rows, final states, residuals): the residuals are the chunk-state
+        checkpoints, with ``SAVE_OPERANDS`` (and a kernel backward) a pair
+        (checkpoints, (operands, X))."""
         self._check(spec, ch)
-        operands, bad = (work if work is not None
-                         else masked_operands(spec, ch, use_kernel=self._prep_kernel(
-                             spec, ch, keep_states)))
+        save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
+        if save:
+            operands, bad, X = ChunkPrepKernel.call(ch, scale=spec.scale,
+                                                    ab_dtype=spec.ab_dtype, inverse=True)
+        else:
+            operands, bad = (work if work is not None
+                             else masked_operands(spec, ch, use_kernel=self._prep_kernel(
+                                 spec, ch, keep_states)))
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
@@ -236,12 +255,18 @@ class CuTeDSLEngine(Engine):
             states_dtype=spec.checkpoint_dtype)
         oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
         final = where_has_tokens(layout, final, h0).astype(spec.cdt)
+        if save:
+            return oc, final, (states, (operands, X))
         return oc, final, states if keep_states else None
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
         self._check(spec, ch)
+        prep = None
+        if isinstance(states, tuple):          # the forward kept its operands
+            states, prep = states
         work = work if work is not None else BackwardWork(
-            ch, doc, spec.scale, spec.ab_dtype, on_kernel=kernel_backward(spec, ch))
+            ch, doc, spec.scale, spec.ab_dtype, on_kernel=kernel_backward(spec, ch),
+            prep=prep)
         S0 = chunked.states_from_checkpoints(work.it, layout, h0, states,
                                              spec.checkpoint_stride)
         # dS_end in 16 bits for the local-gradient kernel (its MMAs round it so anyway)
