@@ -6,7 +6,8 @@ ONE set of inputs of a shape (:class:`Inputs`, JAX arrays) and returns a :class:
 callables take no arguments, so every implementation is timed on the same values.
 
 Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>``, ``xla``,
-and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP inside the device).
+and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP inside the device),
+``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward).
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
 """
@@ -148,8 +149,9 @@ class OursOp:
     kept = bytes of ``jax.vjp``'s residuals beyond the inputs."""
     family = "ours"
 
-    def __init__(self, name, backend, N=None, intra_cp=None):
+    def __init__(self, name, backend, N=None, intra_cp=None, save_operands=False):
         self.name, self.backend, self.N, self.intra_cp = name, backend, N, intra_cp
+        self.save_operands = save_operands   # pipeline.SAVE_OPERANDS while tracing
         # without grad no checkpoints are kept, so the forward of N > 0 is N = 0's
         self.fwd_same_as = ("cutedsl" if backend == "cutedsl" and N and intra_cp is None
                             else None)
@@ -166,8 +168,19 @@ class OursOp:
         kw = {} if self.N is None else {"recompute_chunk_num": self.N}
         if self.intra_cp is not None:
             kw["intra_cp"] = self.intra_cp
-        return lambda q, k, v, g, beta: gated_delta_product(
+        f = lambda q, k, v, g, beta: gated_delta_product(
             q, k, v, g, beta, use_qk_l2norm=True, backend=self.backend, **kw)
+        if not self.save_operands:
+            return f
+
+        def saving(*a):             # the switch is read when the forward is traced
+            from gdp_jax.kernels import pipeline
+            old, pipeline.SAVE_OPERANDS = pipeline.SAVE_OPERANDS, True
+            try:
+                return f(*a)
+            finally:
+                pipeline.SAVE_OPERANDS = old
+        return saving
 
     def build(self, x: Inputs) -> Built:
         import jax
@@ -241,6 +254,8 @@ def _ours(name: str, bench: str):
         return OursOp("xla", "xla")
     if name == "cutedsl":
         return OursOp("cutedsl", "cutedsl", 0)
+    if name == "cutedsl-save":
+        return OursOp(name, "cutedsl", 0, save_operands=True)
     m = re.fullmatch(r"cutedsl-n(\d+)", name)
     if m:
         return OursOp(name, "cutedsl", int(m.group(1)))
@@ -252,8 +267,9 @@ def _ours(name: str, bench: str):
     return None
 
 
-IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), xla, <backend>-cp<S> and "
-              "<backend>-cpauto (intra_cp), fla")
+IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the forward's "
+              "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
+              "<backend>-cp<S> and <backend>-cpauto (intra_cp), fla")
 
 
 def impl(name: str, bench: str):
