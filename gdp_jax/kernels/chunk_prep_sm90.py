@@ -155,24 +155,21 @@ class ChunkPrepSm90:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
         cute.arch.sync_threads()
-        # unrolled with predicates (the loads of g run ahead of the dependent adds); the
-        # sums keep their order: g_i first, down to g_0
         if tidx < C:
             i = tidx
             s = F32(0.0)                          # seg_ij, j from i down to 0
-            for jj in cutlass.range_constexpr(C):
+            for jj in cutlass.range(i + 1, unroll=1):
                 j = i - jj
-                if jj <= i:
-                    sA[i, j] = cute.math.exp(s)
-                s = s + _pick(jj <= i, sg[cutlass.select_(jj <= i, j, 0)], F32(0.0))
+                sA[i, j] = cute.math.exp(s)
+                s = s + sg[j]
             sgam[i] = cute.math.exp(s)            # s = G_i
             if i == C - 1:
                 mDecay[b, c, hv] = cute.math.exp(s)
         else:
             i = tidx - C
-            t = F32(0.0)                          # G_last - G_i = g_{C-1} + ... + g_{i+1}
-            for jj in cutlass.range_constexpr(C - 1):
-                t = t + _pick(jj < C - 1 - i, sg[C - 1 - jj], F32(0.0))
+            t = F32(0.0)                          # G_last - G_i = g_{i+1} + ... + g_{C-1}
+            for jj in cutlass.range(C - 1 - i, unroll=1):
+                t = t + sg[C - 1 - jj]
             send[i] = cute.math.exp(t)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
@@ -253,14 +250,12 @@ class ChunkPrepSm90:
             nan = I32(0)
             anybad = I32(0)
             row_ok = I32(1)
-            for l in cutlass.range_constexpr(C):     # rows l <= i (unrolled, predicated)
-                take = l <= i
+            for l in cutlass.range(i + 1, unroll=1):
                 rhs = I32(cutlass.select_(_finite(sb[l] * sgam[l]) & _finite(sb[l]),
                                           I32(0), I32(1)))
-                nan = I32(cutlass.select_(take, nan | fA[l] | fK[l] | fV[l] | rhs, nan))
-                rok = I32(cutlass.select_((nan | fWU[l]) == 0, I32(1), I32(0)))
-                row_ok = I32(cutlass.select_(take, rok, row_ok))
-                anybad = anybad | I32(cutlass.select_(take, 1 - rok, I32(0)))
+                nan = nan | fA[l] | fK[l] | fV[l] | rhs
+                row_ok = I32(cutlass.select_((nan | fWU[l]) == 0, I32(1), I32(0)))
+                anybad = anybad | (1 - row_ok)
             ok[i] = row_ok
             mBad[b, c, hv, i] = anybad | fP[i] | fQ[i]
         cute.arch.sync_threads()
