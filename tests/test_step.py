@@ -46,10 +46,12 @@ def test_one_step_equals_reference(n, H, HV, K, V, gate, l2, backend, request):
     if backend == "cutedsl":
         request.getfixturevalue("emulated_step")
     inp = make_inputs(n + 10 * HV, 3, 1, n, H, HV, K, V, gate=gate)
-    o, S = STEP(*_token(inp, 0), inp.initial_state, use_qk_l2norm=l2, backend=backend,
-                scale=0.7)
-    o_r, S_r = REF(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
-                   output_final_state=True, use_qk_l2norm=l2, scale=0.7)
+    # One jit for both (CPU time: eager dispatch compiles every primitive on its own).
+    (o, S), (o_r, S_r) = jax.jit(lambda inp: (
+        STEP(*_token(inp, 0), inp.initial_state, use_qk_l2norm=l2, backend=backend,
+             scale=0.7),
+        REF(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
+            output_final_state=True, use_qk_l2norm=l2, scale=0.7)))(inp)
     assert o.shape == (3, HV, V) and o.dtype == inp.q.dtype
     assert S.shape == inp.initial_state.shape and S.dtype == inp.initial_state.dtype
     assert rel_max(o, o_r[:, 0]) < TOL
@@ -69,8 +71,10 @@ def _decode_loop(inp, S, l2, backend="xla", start=0):
 def test_loop_of_steps_equals_chunked_op(n, H, HV, K, V, gate, l2):
     inp = make_inputs(3 + n, 2, 37, n, H, HV, K, V, gate=gate)
     o, S = _decode_loop(inp, inp.initial_state, l2)
-    o_c, S_c = OP(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
-                  output_final_state=True, use_qk_l2norm=l2, backend="xla")
+    o_c, S_c = jax.jit(lambda inp: OP(inp.q, inp.k, inp.v, inp.g, inp.beta,
+                                      initial_state=inp.initial_state,
+                                      output_final_state=True, use_qk_l2norm=l2,
+                                      backend="xla"))(inp)
     assert rel_max(o, o_c) < TOL
     assert rel_max(S, S_c) < TOL
 
@@ -78,10 +82,12 @@ def test_loop_of_steps_equals_chunked_op(n, H, HV, K, V, gate, l2):
 def test_prefill_then_steps_equals_op_from_zero():
     inp = make_inputs(5, 2, 40, 2, 1, 2, 8, 8, gate="strong", initial_state=False)
     P = 29                                             # prompt: 29 tokens, then 11 steps
-    o_p, S = OP(inp.q[:, :P], inp.k[:, :P], inp.v[:, :P], inp.g[:, :P], inp.beta[:, :P],
-                output_final_state=True, backend="xla")
+    o_p, S = jax.jit(lambda q, k, v, g, beta: OP(
+        q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], output_final_state=True,
+        backend="xla"))(inp.q, inp.k, inp.v, inp.g, inp.beta)
     o_d, S = _decode_loop(inp, S, False, start=P)
-    o_r, S_r = REF(inp.q, inp.k, inp.v, inp.g, inp.beta, output_final_state=True)
+    o_r, S_r = jax.jit(lambda q, k, v, g, beta: REF(q, k, v, g, beta, output_final_state=True))(
+        inp.q, inp.k, inp.v, inp.g, inp.beta)
     assert rel_max(jnp.concatenate([o_p, o_d], 1), o_r) < TOL
     assert rel_max(S, S_r) < TOL
 
@@ -110,14 +116,15 @@ def test_grad_jit_vmap(backend, request):
         return o[:, 0], S
 
     got = jax.jit(jax.grad(_loss(step, w_o, w_s), argnums=range(6)))(*args)
-    want = jax.grad(_loss(ref_step, w_o, w_s), argnums=range(6))(*args)
+    want = jax.jit(jax.grad(_loss(ref_step, w_o, w_s), argnums=range(6)))(*args)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), got, want):
         assert rel_max(a, b) < TOL, name
     # vmap over a leading axis of 3 problems == each problem on its own
     stacked = [jnp.stack([x, 1.1 * x, 0.9 * x]) for x in args]
-    o_v, S_v = jax.vmap(step)(*stacked)
+    o_v, S_v = jax.jit(jax.vmap(step))(*stacked)
+    step1 = jax.jit(step)                             # one compilation for the 3 problems
     for m in range(3):
-        o_m, S_m = step(*[x[m] for x in stacked])
+        o_m, S_m = step1(*[x[m] for x in stacked])
         assert rel_max(o_v[m], o_m) < TOL and rel_max(S_v[m], S_m) < TOL
 
 
@@ -138,10 +145,11 @@ def test_donated_state(backend, request):
 
 def test_float32_state_and_bf16_inputs():
     inp = make_inputs(6, 2, 1, 2, 1, 2, 16, 16, dtype=jnp.bfloat16)
-    o, S = STEP(*_token(inp, 0), inp.initial_state, backend="xla")
+    o, S = jax.jit(lambda inp: STEP(*_token(inp, 0), inp.initial_state, backend="xla"))(inp)
     assert o.dtype == jnp.bfloat16 and S.dtype == jnp.float32
-    o_r, S_r = REF(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
-                   output_final_state=True)
+    o_r, S_r = jax.jit(lambda inp: REF(inp.q, inp.k, inp.v, inp.g, inp.beta,
+                                       initial_state=inp.initial_state,
+                                       output_final_state=True))(inp)
     assert rel_max(o.astype(jnp.float32), o_r[:, 0].astype(jnp.float32)) < 2e-2
     assert rel_max(S, S_r) < 1e-5
 
@@ -246,11 +254,11 @@ def test_step_under_shard_map_over_rows(backend, request):
     step = lambda *a: STEP(*a, backend=backend)
     sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))
     o, S = sharded(*args)
-    o_1, S_1 = step(*args)
+    o_1, S_1 = jax.jit(step)(*args)
     assert rel_max(o, o_1) < TOL and rel_max(S, S_1) < TOL
     loss = lambda *a: jnp.sum(jax.shard_map(step, mesh=mesh, in_specs=P("dp"),
                                             out_specs=P("dp"))(*a)[1] ** 2)
     g = jax.jit(jax.grad(loss, argnums=range(6)))(*args)
-    g_1 = jax.grad(lambda *a: jnp.sum(step(*a)[1] ** 2), argnums=range(6))(*args)
+    g_1 = jax.jit(jax.grad(lambda *a: jnp.sum(step(*a)[1] ** 2), argnums=range(6)))(*args)
     for a, b in zip(g, g_1):
         assert rel_max(a, b) < TOL
