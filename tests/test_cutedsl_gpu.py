@@ -1,11 +1,10 @@
 """cutedsl forward AND backward on an sm_90 GPU vs the xla backend and the float64 reference.
 
 Run on the lent H200 only (``pytest -m gpu tests/test_cutedsl_gpu.py``); CI has no GPU.
-Last real run: 2026-12-02 on nvidia-h200 (ninth session, the backward's factors on the
-operands kernel, 6a5c6dc): ``gradients_match`` (9) passed in a run cut by its time limit
-(s9-2 in tests/gpu_results/GPU_TESTS.md); packed gradients and the local-gradient kernel's
-test last passed at 41f4ccf (s8-4, s8-3), determinism and recompute_chunk_num at 1e54295
-(s7-5), the other tests at 1e54295 (s7-4, s7-5) - not re-run since the backward changed. The 2-GPU cases last passed on nvidia-h200-x2
+Last real run: 2026-12-02 on nvidia-h200 (tenth session, 0b7cd96 and its forward /
+operands-kernel variant db54964, since reverted): every 1-GPU test passed (s10-1: gradients 9,
+the rest 16; s10-2: forward / packed 12, gradients incl. packed 11; tests/gpu_results/
+GPU_TESTS.md). The 2-GPU cases last passed on nvidia-h200-x2
 on 2026-11-29 (tests/gpu_results/history/2026-11-29/gpu_tests_2026-11-29_run6_final.log).
 Tolerance: FLA-style relative RMS error ||x - ref|| / ||ref|| < 5e-3 for the output and
 the final state, < 1e-2 for gradients.
