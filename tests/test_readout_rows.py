@@ -43,10 +43,6 @@ def _problem(n, T, cu, seed=0):
     return spec, prob.layout, prob.ch, inp
 
 
-def _jit(fn):
-    return jax.jit(fn)
-
-
 def _rand(rng, shape):
     return jnp.asarray(rng.uniform(0.5, 1.5, shape) * rng.choice([-1.0, 1.0], shape))
 
@@ -155,24 +151,24 @@ def test_engine_functions_on_readout_rows(n, T, cu):
 
     # Each engine function runs under jax.jit (CPU time: eager dispatch compiled every
     # primitive of them on its own, ~80 s per case); the comparisons are unchanged.
-    it, X = _jit(chunked.wy_factors)(ch)
-    x1, bad1 = _jit(lambda ch, it: recurrence.forward_operands(ch, it, spec.scale))(ch, it)
-    xr, badr = _jit(lambda ch, it: recurrence.forward_operands(ch, it, spec.scale, every))(
+    it, X = jax.jit(chunked.wy_factors)(ch)
+    x1, bad1 = jax.jit(lambda ch, it: recurrence.forward_operands(ch, it, spec.scale))(ch, it)
+    xr, badr = jax.jit(lambda ch, it: recurrence.forward_operands(ch, it, spec.scale, every))(
         ch, it)
     assert xr.qg.shape[-2] == C // every
     assert rel_max(xr.qg, rows(x1.qg)) < TOL and rel_max(xr.P, rows(x1.P)) < TOL
     np.testing.assert_array_equal(np.asarray(badr), np.asarray(rows(bad1, -1)))
     S0 = _rand(rng, (B, NC, HV, K, V))
-    readout = _jit(recurrence.readout)
+    readout = jax.jit(recurrence.readout)
     o1 = readout(x1, S0)
     orr = readout(xr, S0)
     assert rel_max(orr, rows(o1)) < TOL
-    from_chunks = _jit(lambda o: grid.from_chunks(layout, o))
+    from_chunks = jax.jit(lambda o: grid.from_chunks(layout, o))
     assert rel_max(from_chunks(orr), from_chunks(o1)) < TOL
 
     do = _rand(rng, (B, T, HV, V))
-    doc1 = _jit(lambda do: grid.readout_cotangent(layout, do))(do)
-    docr = _jit(lambda do: grid.readout_cotangent(layout, do, every))(do)
+    doc1 = jax.jit(lambda do: grid.readout_cotangent(layout, do))(do)
+    docr = jax.jit(lambda do: grid.readout_cotangent(layout, do, every))(do)
     np.testing.assert_array_equal(np.asarray(docr), np.asarray(rows(doc1)))
     np.testing.assert_array_equal(np.asarray(grid.from_readout_rows(docr, every)),
                                   np.asarray(doc1))
@@ -180,7 +176,7 @@ def test_engine_functions_on_readout_rows(n, T, cu):
     doc1 = grid.from_readout_rows(docr, every)
 
     dS_end = _rand(rng, S0.shape)
-    local = _jit(lambda ch, it, X, S0, doc, dS_end: chunked.local_grads_direct(
+    local = jax.jit(lambda ch, it, X, S0, doc, dS_end: chunked.local_grads_direct(
         ch, it, X, S0, doc, dS_end, spec.scale))
     want = local(ch, it, X, S0, doc1, dS_end)
     got = local(ch, it, X, S0, docr, dS_end)
@@ -188,7 +184,7 @@ def test_engine_functions_on_readout_rows(n, T, cu):
         assert rel_max(a, b) < TOL, name
 
     dfinal = _rand(rng, inp.initial_state.shape)
-    summaries = _jit(lambda ch, doc, dfinal: chunked.backward_summaries(
+    summaries = jax.jit(lambda ch, doc, dfinal: chunked.backward_summaries(
         ch, layout, doc, dfinal, spec.scale))
     for a, b in zip(summaries(ch, docr, dfinal), summaries(ch, doc1, dfinal)):
         assert rel_max(a, b) < TOL
@@ -196,13 +192,13 @@ def test_engine_functions_on_readout_rows(n, T, cu):
     f = recurrence.flags(blk, layout)
     revs = [recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, d)
             for x, d in ((x1, doc1), (xr, docr))]
-    reverse = _jit(lambda r, dfinal: recurrence.reverse(blk, jax.tree_util.tree_map(
+    reverse = jax.jit(lambda r, dfinal: recurrence.reverse(blk, jax.tree_util.tree_map(
         lambda a: jnp.moveaxis(a, 1, 0), r), f, dfinal, spec.N))
     (dS1, first1), (dSr, firstr) = (reverse(r, dfinal) for r in revs)
     assert rel_max(dSr, dS1) < TOL and rel_max(firstr, first1) < TOL
 
     with testing.emulated_kernels():          # its WY inverse is a kernel
-        work = _jit(lambda ch, doc: pipeline.BackwardWork(ch, doc, spec.scale,
+        work = jax.jit(lambda ch, doc: pipeline.BackwardWork(ch, doc, spec.scale,
                                                           jnp.float64).operands)
         w1 = work(ch, doc1)
         wr = work(ch, docr)

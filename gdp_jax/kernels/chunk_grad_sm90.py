@@ -269,7 +269,7 @@ class ChunkGradSm90:
         toV.store(acc_v.load().to(ab), toV.dest(sDD))
         cute.arch.sync_threads()
 
-        # ---- phase 4: diag(et) dKt = diag(et) Delta dS_end^T -> dk (partial, global);
+        # ---- phase 4: diag(et) dKt = diag(et) Delta dS_end^T -> dk (partial, registers);
         # dto = et rows(dKt, k)
         # dk and dq accumulate in registers from here to phases 12, 13 (``roundtrip``:
         # through their global outputs instead, the first version, for A/B timing)
@@ -294,7 +294,7 @@ class ChunkGradSm90:
         toK = acc_to_smem(tiled_mma, tidx, acc_k, ab)
         toK.store((acc_k.load() * -1.0).to(ab), toK.dest(sW))
 
-        # ---- phase 6: diag(scale gam) doS0 -> dq (partial, global); rq = rows(q, doS0)
+        # ---- phase 6: diag(scale gam) doS0 -> dq (partial, registers); rq = rows(q, doS0)
         acc_dq = make_acc(thr_mma, (C, K))
         acc_dq.fill(0.0)
         mma_split_b_(tiled_mma, V // MMA_K, [(acc_dq, A_(sDo))], B_(sS0), None, False)

@@ -120,9 +120,11 @@ class BackwardWork:
         do = cast(grid.from_readout_rows(doc, every))
         if on_kernel:
             # ``prep``: the forward's (operands, X) when it kept them (SAVE_OPERANDS)
-            (w, kt, qg, p, u, decay), self.X = prep if prep is not None else (
-                _drop_bad(ChunkPrepKernel.call(ch, scale=scale, ab_dtype=ab_dtype,
-                                               inverse=True)))
+            if prep is None:
+                operands, _, X = ChunkPrepKernel.call(ch, scale=scale, ab_dtype=ab_dtype,
+                                                      inverse=True)
+                prep = (operands, X)
+            (w, kt, qg, p, u, decay), self.X = prep
             ddo = jnp.swapaxes(rows(p).astype(acc), -1, -2) @ doc.astype(acc)
             # the chunk-state recompute (states_from_checkpoints) reads w, u, Kt, G_last
             G_last = chunked.prefix_sum(ch.g, axis=-1)[..., -1]
@@ -137,12 +139,6 @@ class BackwardWork:
         qg = scale * self.it.gam[..., None] * ch.q
         self.operands = (cast(self.it.Kt), cast(self.it.w), cast(qg), ddo.astype(acc), do,
                          jnp.exp(self.it.G_last).astype(acc))
-
-
-def _drop_bad(prep):
-    """(operands, bad, X) of ``ChunkPrepKernel.call(inverse=True)`` -> (operands, X)."""
-    operands, _, X = prep
-    return operands, X
 
 
 # A/B switches (measurements): the chunk-local backward on its kernel where it takes the
