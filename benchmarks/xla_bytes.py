@@ -116,6 +116,8 @@ def main(argv=None):
     p.add_argument("--recompute-chunk-num", type=int, default=None)
     p.add_argument("--error", default=None, help="B,T,H,n[,K,V]: also the error vs float64")
     p.add_argument("--f64-ref", default=None, help=".npz of float64 results to save / compare")
+    p.add_argument("--segment-problems", type=int, default=None,
+                   help="force segments of this many chunk problems (benchmarks.segments)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     parse = lambda s: (tuple(int(v) for v in s.split(",")) + (128, 128))[:6] \
@@ -123,7 +125,13 @@ def main(argv=None):
     shape = parse(a.shape)
     kw = {} if a.recompute_chunk_num is None else {"recompute_chunk_num": a.recompute_chunk_num}
     res = {"shape": list(shape), "dtype": a.dtype, **kw}
-    res.update(compiled_bytes(shape, a.dtype, **kw))
+    if a.segment_problems is not None:
+        from benchmarks.segments import segments
+        res["segment_problems"] = a.segment_problems
+        with segments(a.segment_problems):
+            res.update(compiled_bytes(shape, a.dtype, **kw))
+    else:
+        res.update(compiled_bytes(shape, a.dtype, **kw))
     for name in ("fwd", "fwdbwd"):
         r = res[name]
         print(f"{shape} {a.dtype} {name}: temp {r['temp_GB']:.3f} GB, bytes accessed "

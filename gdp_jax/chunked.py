@@ -43,6 +43,14 @@ def _t(x):
     return jnp.swapaxes(x, -1, -2)
 
 
+def mm(a, b):
+    """a @ b accumulated in float32 at least (``preferred_element_type``): two 16-bit
+    operands stay 16-bit into the product (half the bytes read) and the result is the
+    float32 (float64) one; operands of one wider dtype give exactly ``a @ b``."""
+    acc = jnp.promote_types(jnp.result_type(a, b), jnp.float32)
+    return jnp.matmul(a, b, preferred_element_type=acc)
+
+
 def causal_mm(X, R, strict=False):
     """X @ R for lower-triangular X [.., m, m] (strictly lower with ``strict``), such that
     row i reads only rows j <= i (j < i) of R [.., m, X]. X may also be the read-out rows
@@ -55,7 +63,7 @@ def causal_mm(X, R, strict=False):
     X's entries above the diagonal must be finite (zero) in the rows not set to NaN.
     """
     finite, bad = nonfinite_rows(R, strict)
-    out = X @ jnp.where(finite[..., None], R, 0)
+    out = mm(X, jnp.where(finite[..., None], R, jnp.zeros((), R.dtype)))
     bad = readout_rows(bad, every_of(X.shape[-2], R.shape[-2]), axis=-1)
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, out.dtype), out)
 
@@ -194,9 +202,14 @@ def intra_chunk(ch: ChunkInputs, inverse=None) -> Intra:
     return wy_factors(ch, inverse)[0]
 
 
-def wy_factors(ch: ChunkInputs, inverse=None):
+def wy_factors(ch: ChunkInputs, inverse=None, narrow=None):
     """(:class:`Intra`, X = (I + A)^-1 [.., C, C]) of every chunk: ``intra_chunk`` with
-    the inverse kept (the direct backward :func:`local_grads_direct` reuses it)."""
+    the inverse kept (the direct backward :func:`local_grads_direct` reuses it).
+
+    ``narrow`` (a 16-bit dtype, the xla engine's for 16-bit inputs): w, u and Kt
+    [.., C, K | V] come back in it (products accumulated in float32, then rounded: what
+    the scans and the backward read); w and u from two products (no [.., C, K + V]
+    concatenate). None: all in the compute dtype (the cutedsl backend's callers)."""
     inverse = unit_lower_inverse if inverse is None else inverse
     C = ch.k.shape[-2]
     G = prefix_sum(ch.g, axis=-1)                                # log-decay from chunk start
@@ -207,8 +220,13 @@ def wy_factors(ch: ChunkInputs, inverse=None):
     kk = ch.k @ _t(ch.k)
     A = jnp.where(strict, ch.beta[..., :, None] * kk * Gam, 0.0)
     gam = jnp.exp(G)
-    rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
     X = inverse(A)
+    if narrow is not None:
+        Rw, Ru = (ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v
+        w, u = causal_mm(X, Rw).astype(narrow), causal_mm(X, Ru).astype(narrow)
+        Kt = (jnp.exp(_to_end(ch.g))[..., None] * ch.k).astype(narrow)
+        return Intra(G_last, Gam, gam, w, u, Kt), X
+    rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
     wu = causal_mm(X, rhs)
     K = ch.k.shape[-1]
     Kt = jnp.exp(_to_end(ch.g))[..., None] * ch.k
@@ -427,38 +445,39 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     ``_r`` below, and dq comes back on all C rows (zeros elsewhere).
     """
     q, k, v, g, beta = ch
+    acc = jnp.promote_types(g.dtype, jnp.float32)   # 16-bit operands (w, S0, ..) meet it
     C = k.shape[-2]
     every = every_of(doc.shape[-2], C)
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam, gam = it.Gam, it.gam
     Rw = (beta * gam)[..., None] * k
     Ru = beta[..., None] * v
-    delta = it.u - it.w @ S0
+    delta = it.u - mm(it.w, S0)
     et = jnp.exp(_to_end(g))
     # the read-out rows of q, gam, Gam and of the causal mask ([.., Cr, X], Cr = C / every)
     lower_r = readout_lower(doc.shape[-2], C)
     q_r, gam_r = readout_rows(q, every), readout_rows(gam, every, axis=-1)
     Gam_r = readout_rows(Gam, every)
-    qk_r = jnp.where(lower_r, q_r @ _t(k), 0.0)
+    qk_r = jnp.where(lower_r, mm(q_r, _t(k)), 0.0)
     P_r = qk_r * Gam_r
 
-    ddelta = scale * (_t(P_r) @ doc) + it.Kt @ dS_end                # [.., C, V]
-    dP_r = jnp.where(lower_r, scale * (doc @ _t(delta)), 0.0)       # [.., Cr, C]
-    dKt = delta @ _t(dS_end)                                         # [.., C, K]
-    dW = -(ddelta @ _t(S0))
-    dX = dW @ _t(Rw) + ddelta @ _t(Ru)
+    ddelta = scale * mm(_t(P_r), doc) + mm(it.Kt, dS_end)                # [.., C, V]
+    dP_r = jnp.where(lower_r, scale * mm(doc, _t(delta)), 0.0)       # [.., Cr, C]
+    dKt = mm(delta, _t(dS_end))                                         # [.., C, K]
+    dW = -mm(ddelta, _t(S0))
+    dX = mm(dW, _t(Rw)) + mm(ddelta, _t(Ru))
     Xt = _t(X)
-    dA = jnp.where(strict, -(Xt @ dX @ Xt), 0.0)
-    dRw = Xt @ dW
-    dRu = Xt @ ddelta
+    dA = jnp.where(strict, -mm(mm(Xt, dX), Xt), 0.0)
+    dRw = mm(Xt, dW)
+    dRu = mm(Xt, ddelta)
 
-    kk = k @ _t(k)
+    kk = mm(k, _t(k))
     dkk = dA * beta[..., :, None] * Gam
     dqk_r = dP_r * Gam_r
-    doS0_r = doc @ _t(S0)                                            # [.., Cr, K]
+    doS0_r = mm(doc, _t(S0))                                            # [.., Cr, K]
 
-    dq = from_readout_rows(scale * gam_r[..., None] * doS0_r + dqk_r @ k, every)
-    dk = (_t(dqk_r) @ q_r + (dkk + _t(dkk)) @ k + (beta * gam)[..., None] * dRw
+    dq = from_readout_rows(scale * gam_r[..., None] * doS0_r + mm(dqk_r, k), every)
+    dk = (mm(_t(dqk_r), q_r) + mm(dkk + _t(dkk), k) + (beta * gam)[..., None] * dRw
           + et[..., None] * dKt)
     dv = beta[..., None] * dRu
     dbeta = _rows(dA * kk, Gam) + gam * _rows(dRw, k) + _rows(dRu, v)
@@ -469,7 +488,7 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     dG = gam * (from_readout_rows(scale * _rows(q_r, doS0_r), every, axis=-1)
                 + beta * _rows(dRw, k))
     dto_end = et * _rows(dKt, k)
-    dG_last = jnp.exp(it.G_last) * jnp.sum(dS_end * S0, axis=(-2, -1))
+    dG_last = jnp.exp(it.G_last) * jnp.sum(dS_end.astype(acc) * S0.astype(acc), axis=(-2, -1))
     # seg's adjoint: g_l collects dseg_ij over the rectangle j < l <= i. dseg is lower
     # triangular, where [j < l <= i] = [l <= i] - [l <= j]: reverse cumsums of its row
     # and column sums (no [C, C] prefix sum). dGam = dA beta kk + dP qk; with every > 1

@@ -184,6 +184,26 @@ def _add_response_time_major(x, V: int, seq, seqs, delta):
     return jnp.moveaxis(out, 0, 1)
 
 
+def narrow_dtype(spec):
+    """The xla engine's storage dtype of its big chunk operands (w, u, Kt, qg, P, v, dO)
+    for 16-bit inputs, None otherwise (float32 / float64 inputs keep the compute dtype
+    everywhere). Products accumulate in float32 (``chunked.mm``)."""
+    return spec.ab_dtype if spec.ab_dtype.itemsize == 2 else None
+
+
+def walk_dtype(spec):
+    """The dtype of the per-chunk states and dS_end the xla scans keep ([.., K, V] per
+    chunk): the checkpoint dtype where it is 16-bit (bfloat16 inputs), else None (the
+    compute dtype; float16's range is too small for states)."""
+    dt = spec.checkpoint_dtype
+    return dt if dt.itemsize == 2 else None
+
+
+def _narrow_inputs(ch, dt):
+    """v in the 16-bit input dtype (exact: it came from there); q, k, g, beta as they are."""
+    return ch if dt is None else ch._replace(v=ch.v.astype(dt))
+
+
 class XlaEngine(Engine):
     """Pure JAX: any device and dtype, float64 included. The chunk-local math is
     :mod:`gdp_jax.chunked`, the sequential passes :mod:`gdp_jax.recurrence` (two-level,
@@ -207,13 +227,14 @@ class XlaEngine(Engine):
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
         """Output rows on the read-out rows only ([.., C / every, V])."""
         blk, Ls = self._blocking(spec, ch)
-        chb, f = blk.tree_block(ch), recurrence.flags(blk, layout)
+        nd = narrow_dtype(spec)
+        chb, f = blk.tree_block(_narrow_inputs(ch, nd)), recurrence.flags(blk, layout)
         stride = spec.checkpoint_stride if keep_states else 0
         batched = recurrence.is_batched(blk, layout)
         if Ls is not None:
             o, final, states = recurrence.forward_segmented(
                 chb, f, h0, spec.N, stride, spec.checkpoint_dtype, spec.scale, Ls, batched,
-                grid.readout_every(spec.n))
+                grid.readout_every(spec.n), nd, walk_dtype(spec))
         else:
             o, final, states = self._walk(spec, blk, chb, f, h0, stride, spec.checkpoint_dtype,
                                           batched)
@@ -221,18 +242,24 @@ class XlaEngine(Engine):
         return blk.unblock(o), final, states
 
     @staticmethod
-    def _walk(spec, blk, chb, f, h0, stride, states_dtype, batched=False):
+    def _walk(spec, blk, chb, f, h0, stride, states_dtype, batched=False, narrow=True):
         """The one-level forward on the blocked grid: (o rows (the read-out rows) with NaN
-        for ``bad`` rows, final states, checkpoints in ``states_dtype``)."""
-        x, bad = recurrence.forward_operands(chb, chunked.intra_chunk(chb), spec.scale,
-                                             grid.readout_every(spec.n))
+        for ``bad`` rows, final states, checkpoints in ``states_dtype``). ``narrow``:
+        16-bit operands (:func:`narrow_dtype`); the CP prepare's response pass keeps the
+        compute dtype."""
+        nd = narrow_dtype(spec) if narrow else None
+        x, bad = recurrence.forward_operands(chb, chunked.wy_factors(chb, narrow=nd)[0],
+                                             spec.scale, grid.readout_every(spec.n), nd)
         o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride, states_dtype,
-                                              batched)
+                                              batched, walk_dtype(spec) if narrow else None)
         return jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o), final, states
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
         blk, Ls = self._blocking(spec, ch)
-        chb, docb = blk.tree_block(ch), blk.block(doc)
+        nd, wd = narrow_dtype(spec), walk_dtype(spec)
+        # dO in the 16-bit input dtype: exact (o, so its cotangent, has q's dtype)
+        chb = blk.tree_block(_narrow_inputs(ch, nd))
+        docb = blk.block(doc if nd is None else doc.astype(nd))
         f = recurrence.flags(blk, layout)
         stride = spec.checkpoint_stride
         batched = recurrence.is_batched(blk, layout)
@@ -240,19 +267,20 @@ class XlaEngine(Engine):
             if states is None:      # not kept (a direct caller): recompute them
                 stride = 1
                 states = recurrence.forward_segmented(chb, f, h0, spec.N, 1, h0.dtype,
-                                                      spec.scale, Ls, batched)[2]
+                                                      spec.scale, Ls, batched, narrow=nd)[2]
             dchb, first = recurrence.backward_segmented(chb, docb, f, h0, dfinal, states,
                                                         spec.N, stride, spec.scale, Ls,
-                                                        batched)
+                                                        batched, nd, wd)
         else:
-            it, X = chunked.wy_factors(chb)
-            x, _ = recurrence.forward_operands(chb, it, spec.scale, grid.every_of(doc.shape[-2]))
+            it, X = chunked.wy_factors(chb, narrow=nd)
+            x, _ = recurrence.forward_operands(chb, it, spec.scale,
+                                               grid.every_of(doc.shape[-2]), nd)
             if states is None:      # not kept (a direct caller): recompute them
                 stride = 1
                 states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype, batched)[2]
             S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride, batched)
             rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
-            dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched)
+            dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched, wd)
             dchb = chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, spec.scale)
         dh0 = where_has_tokens(layout, first, dfinal)
         return blk.tree_unblock(dchb), dh0
@@ -283,7 +311,7 @@ class XlaEngine(Engine):
         chb = blk.tree_block(ch._replace(v=zero_columns(ch.v, K)))
         o, final, states = self._walk(spec, blk, chb, recurrence.flags(blk, layout), h0x,
                                       spec.checkpoint_stride, spec.cdt,
-                                      recurrence.is_batched(blk, layout))
+                                      recurrence.is_batched(blk, layout), narrow=False)
         o = blk.unblock(o)
         final = where_has_tokens(layout, final, h0x)
         M = final[..., V:]

@@ -139,26 +139,26 @@ def readout_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1):
     return scale * gam[..., None] * q, scale * chunked.causal_scores(q, ch.k, Gam)
 
 
-def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1):
+def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1,
+                     narrow=None):
     """The forward pass's operands with non-finite rows masked (readout operands on the
     Cr = C / every read-out rows), and ``bad`` [.., Cr] (the output rows to set to NaN):
-    :func:`gdp_jax.chunked.mask_nonfinite_rows`."""
+    :func:`gdp_jax.chunked.mask_nonfinite_rows`. ``narrow``: the matrix operands (w, u,
+    Kt, qg, P) in that 16-bit dtype (the scans read them; products accumulate in
+    float32 against the float32 state)."""
     qg, P = readout_operands(ch, it, scale, every)
     (w, u, Kt, qg, P), bad = chunked.mask_nonfinite_rows(it.w, it.u, it.Kt, qg, P)
+    if narrow is not None:
+        w, u, Kt, qg, P = (a.astype(narrow) for a in (w, u, Kt, qg, P))
     return Forward(w, u, Kt, it.G_last, qg, P), bad
 
 
 def _mm(a, b):
-    """a @ b with b cast to a's dtype and accumulated in b's (float32 for two 16-bit
-    operands): 16-bit matrix operands would meet the float32 state as tensor-core
-    products. The engine passes compute-dtype operands: 16-bit ones doubled the error of
-    o (3.3e-3 vs 1.7e-3 at (8, 4096, 16, 2), H200) and their own speed-up was not
-    measured apart from other changes."""
-    if a.dtype == b.dtype:
-        if a.dtype.itemsize >= 4:
-            return a @ b
-        return jnp.matmul(a, b, preferred_element_type=jnp.float32)
-    return jnp.matmul(a, b.astype(a.dtype), preferred_element_type=b.dtype)
+    """a @ b accumulated in float32 at least (:func:`gdp_jax.chunked.mm`): a 16-bit
+    operand (w, Kt, qg, P, dO, a 16-bit checkpoint) against the float32 state is widened,
+    not the state narrowed (16-bit state operands doubled the error of o, 3.3e-3 vs
+    1.7e-3 at (8, 4096, 16, 2), H200); two 16-bit operands stay 16-bit into the product."""
+    return chunked.mm(a, b)
 
 
 def _advance(S, w, u, Kt, G_last):
@@ -204,19 +204,21 @@ def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
 
 
 def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
-            states_dtype=None, batched: bool = False):
+            states_dtype=None, batched: bool = False, walk_dtype=None):
     """The forward pass: (o rows [L, R, HV, C / every, V] (the rows of ``x.qg``), final
     states [N, HV, K, V],
     checkpoints [L / stride, R, HV, K, V] in ``states_dtype`` or None for stride = 0:
     the start state of chunks 0, stride, 2 stride, ... of every block).
 
     ``batched``: one sequence per row on one level (see :func:`is_batched`). Final
-    states of sequences without a chunk are left 0 (the caller's fallback)."""
+    states of sequences without a chunk are left 0 (the caller's fallback).
+    ``walk_dtype``: :func:`forward_walk`."""
     L, R, HV, _, K = x.w.shape
     V = x.u.shape[-1]
     if batched:
         S, fin, o, states = forward_walk(x, f, h0, N, stride, states_dtype,
-                                         _vma.like(h0, x.w), None, batched=True)
+                                         _vma.like(h0, x.w), None, batched=True,
+                                         walk_dtype=walk_dtype)
         return o, S, states
     S_blk = _block_start_states(blk, x, f, h0)
     fin0 = _vma.like(jnp.zeros((N, HV, K, V), h0.dtype), x.w, h0)
@@ -232,7 +234,7 @@ def is_batched(blk: Blocking, layout: ChunkLayout) -> bool:
 
 
 def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S, fin,
-                 batched: bool = False):
+                 batched: bool = False, walk_dtype=None):
     """The forward recursion over the L chunks of ``x`` [L, R, HV, ...] from the start
     states ``S`` [R, HV, K, V], final states collected into ``fin`` [N, HV, K, V]:
     (S after the last chunk, fin, o rows [L, R, HV, C, V], checkpoints or None).
@@ -240,13 +242,17 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
 
     Only the state is sequential: the scan carries S and keeps every chunk's start
     state; the readout, the final states and the checkpoints are read off those
-    afterwards for all chunks at once (a step is two matmuls on the state)."""
+    afterwards for all chunks at once (a step is two matmuls on the state).
+    ``walk_dtype`` (batched only): the kept start states in that dtype (the 16-bit
+    checkpoint dtype: the readout then reads what the backward will, [L, R, HV, K, V] at
+    half the bytes; the carry stays in h0's dtype)."""
 
     def chunk(S, xs):
         w, u, Kt, G_last, reset, sid = xs
         if not batched:
             S = jnp.where(_b(reset, S), h0[sid], S)
-        return _advance(S, w, u, Kt, G_last)[0], S
+        keep = S if walk_dtype is None or not batched else S.astype(walk_dtype)
+        return _advance(S, w, u, Kt, G_last)[0], keep
 
     S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq))
     o = readout(x, S0)
@@ -289,8 +295,10 @@ def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int,
     """Start state of every chunk, [L, R, HV, K, V], from ``forward``'s checkpoints
     [L / stride, R, HV, K, V]: the stride - 1 chunks after each are recomputed by a scan
     of stride - 1 steps over all groups at once (recompute_chunk_num = stride - 1).
-    At stride 1 the checkpoints come back in their own dtype (a float32 copy of bfloat16
-    ones would hold no more information in twice the memory; the matmuls widen them)."""
+    The states come back in the checkpoints' dtype (at stride 1 the checkpoints
+    themselves: a float32 copy of bfloat16 ones would hold no more information in twice
+    the memory; the matmuls widen them); the recomputed ones are rounded to it too (the
+    recomputing carry stays in h0's dtype)."""
     if stride == 1:
         return ckpts
     S0 = ckpts.astype(h0.dtype)
@@ -306,11 +314,11 @@ def states_from_checkpoints(x: Forward, f: Flags, h0, ckpts, stride: int,
 
     def collect(S, xs):
         S, _ = step(S, xs)
-        return S, S
+        return S, S.astype(ckpts.dtype)
 
     xs = (w[:-1], u[:-1], Kt[:-1], G_last[:-1], reset[1:], sid[1:])
     _, rest = lax.scan(collect, _vma.like(S0, xs, h0), xs)
-    S = jnp.concatenate([S0[None], rest], axis=0)          # [stride, L / stride, R, ...]
+    S = jnp.concatenate([ckpts[None], rest], axis=0)       # [stride, L / stride, R, ...]
     return jnp.moveaxis(S, 0, 1).reshape((L,) + S.shape[2:])
 
 
@@ -351,15 +359,17 @@ def _block_end_grads(blk: Blocking, x: Reverse, f: Flags, dfinal):
     return _fold_blocks(blk, Y, V, dfinal, reverse=True)
 
 
-def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int, batched: bool = False):
+def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int, batched: bool = False,
+            walk_dtype=None):
     """The reverse state-gradient pass: (dS_end of every chunk [L, R, HV, K, V], the
     gradient at each sequence's first chunk start [N, HV, K, V]; 0 for sequences
-    without a chunk). ``batched``: :func:`is_batched`."""
+    without a chunk). ``batched``: :func:`is_batched`; ``walk_dtype``:
+    :func:`reverse_walk`."""
     L, R, HV, _, K = x.w.shape
     V = x.do.shape[-1]
     if batched:
         first, _, dS_end = reverse_walk(x, f, dfinal, N, _vma.like(dfinal, x.w), None,
-                                        batched=True)
+                                        batched=True, walk_dtype=walk_dtype)
         return dS_end, first
     dS_blk = _block_end_grads(blk, x, f, dfinal)
     first0 = _vma.like(jnp.zeros((N, HV, K, V), dfinal.dtype), x.w, dfinal)
@@ -367,7 +377,8 @@ def reverse(blk: Blocking, x: Reverse, f: Flags, dfinal, N: int, batched: bool =
     return dS_end, first
 
 
-def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool = False):
+def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool = False,
+                 walk_dtype=None):
     """The reverse recursion over the L chunks of ``x`` [L, R, HV, ...], last chunk first,
     from the gradient ``dS`` [R, HV, K, V] arriving after the last one, first-chunk
     gradients collected into ``first`` [N, HV, K, V]: (the gradient leaving the first
@@ -376,7 +387,9 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
     chunk is the first-chunk gradient (``first`` is not touched).
 
     What the output rows send to Delta (P^T dO) is computed for all chunks before the
-    scan and the first chunks' start gradients after it, from dS_end."""
+    scan and the first chunks' start gradients after it, from dS_end. ``walk_dtype``
+    (batched only): the kept dS_end in that (16-bit) dtype, half the bytes of the
+    [L, R, HV, K, V] the backward's local gradients read; the carry keeps dS's."""
     acc = dS.dtype
     ddo = _mm(_t(x.P), x.do).astype(acc)                      # [L, R, HV, C, V]
 
@@ -384,7 +397,7 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
         w, Kt, G_last, qg, ddo, do, reset, sid, last = xs
         if batched:
             dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS)
-            return dS_start, dS
+            return dS_start, dS if walk_dtype is None else dS.astype(walk_dtype)
         dS_end = dS + jnp.where(_b(last, dS), dfinal[sid], 0)
         dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS_end)
         return jnp.where(_b(reset, dS), 0, dS_start), dS_end
@@ -440,11 +453,13 @@ def _unsegment(tree):
 
 
 def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, states_dtype,
-                      scale, Ls: int, batched: bool = False, every: int = 1):
+                      scale, Ls: int, batched: bool = False, every: int = 1, narrow=None,
+                      walk_dtype=None):
     """The xla engine's forward in segments of Ls chunks (one level, L a multiple of Ls):
     each segment's factors and operands, then its walk from the carried state. Returns
     (o rows [L, R, HV, C / every, V] with non-finite rows NaN, final states, checkpoints
-    or None). ``batched``: :func:`is_batched`; ``every``: :func:`forward_operands`."""
+    or None). ``batched``: :func:`is_batched`; ``every``, ``narrow``:
+    :func:`forward_operands`; ``walk_dtype``: :func:`forward_walk`."""
     L, R, HV, _, K = chb.k.shape
     V = chb.v.shape[-1]
     S0 = _vma.like(h0 if batched else jnp.zeros((R, HV, K, V), h0.dtype), chb.k, h0)
@@ -452,9 +467,10 @@ def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, state
 
     def step(carry, xs):
         c, fs = xs
-        x, bad = forward_operands(c, chunked.intra_chunk(c), scale, every)
+        it = chunked.wy_factors(c, narrow=narrow)[0]
+        x, bad = forward_operands(c, it, scale, every, narrow)
         S, fin, o, states = forward_walk(x, fs, h0, N, stride, states_dtype, *carry,
-                                         batched=batched)
+                                         batched=batched, walk_dtype=walk_dtype)
         o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
         return (S, fin), (o, states)
 
@@ -463,13 +479,15 @@ def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, state
 
 
 def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: int,
-                       stride: int, scale, Ls: int, batched: bool = False):
+                       stride: int, scale, Ls: int, batched: bool = False, narrow=None,
+                       walk_dtype=None):
     """The xla engine's backward in segments of Ls chunks, last segment first: each
     segment's factors, its chunk start states from the checkpoints, its reverse walk from
     the carried gradient and its chunk-local gradients. Returns (the chunk-input
     cotangents on the blocked grid, the first-chunk start-state gradients [N, HV, K, V]).
     ``batched``: :func:`is_batched`. ``docb`` [L, R, HV, C / every, V]: all rows or the
-    read-out rows (the readout terms then run on those only)."""
+    read-out rows (the readout terms then run on those only). ``narrow``,
+    ``walk_dtype``: :func:`forward_segmented`'s, and dS_end kept in ``walk_dtype``."""
     L, R, HV, _, K = chb.k.shape
     V = chb.v.shape[-1]
     every = every_of(docb.shape[-2], chb.k.shape[-2])
@@ -480,11 +498,12 @@ def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: 
 
     def step(carry, xs):
         c, do, fs, st = xs
-        it, X = chunked.wy_factors(c)
-        x, _ = forward_operands(c, it, scale, every)
+        it, X = chunked.wy_factors(c, narrow=narrow)
+        x, _ = forward_operands(c, it, scale, every, narrow)
         S0 = states_from_checkpoints(x, fs, h0, st, stride, batched=batched)
         rev = Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, do)
-        dS, first, dS_end = reverse_walk(rev, fs, dfinal, N, *carry, batched=batched)
+        dS, first, dS_end = reverse_walk(rev, fs, dfinal, N, *carry, batched=batched,
+                                         walk_dtype=walk_dtype)
         dch = chunked.local_grads_direct(c, it, X, S0, do, dS_end, scale)
         return (dS, first), dch
 
