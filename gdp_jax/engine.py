@@ -242,16 +242,19 @@ class XlaEngine(Engine):
         return blk.unblock(o), final, states
 
     @staticmethod
-    def _walk(spec, blk, chb, f, h0, stride, states_dtype, batched=False, narrow=True):
+    def _walk(spec, blk, chb, f, h0, stride, states_dtype, batched=False,
+              narrow_states=True):
         """The one-level forward on the blocked grid: (o rows (the read-out rows) with NaN
-        for ``bad`` rows, final states, checkpoints in ``states_dtype``). ``narrow``:
-        16-bit operands (:func:`narrow_dtype`); the CP prepare's response pass keeps the
-        compute dtype."""
-        nd = narrow_dtype(spec) if narrow else None
+        for ``bad`` rows, final states, checkpoints in ``states_dtype``), on 16-bit
+        operands for 16-bit inputs (:func:`narrow_dtype`; the CP prepare's response pass
+        too: the same rounded operands as one device). ``narrow_states``: the per-chunk
+        states in :func:`walk_dtype`; the CP prepare keeps them in the compute dtype (its
+        response columns are added to them before they are rounded)."""
+        nd = narrow_dtype(spec)
         x, bad = recurrence.forward_operands(chb, chunked.wy_factors(chb, narrow=nd)[0],
                                              spec.scale, grid.readout_every(spec.n), nd)
         o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride, states_dtype,
-                                              batched, walk_dtype(spec) if narrow else None)
+                                              batched, walk_dtype(spec) if narrow_states else None)
         return jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o), final, states
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
@@ -311,7 +314,7 @@ class XlaEngine(Engine):
         chb = blk.tree_block(ch._replace(v=zero_columns(ch.v, K)))
         o, final, states = self._walk(spec, blk, chb, recurrence.flags(blk, layout), h0x,
                                       spec.checkpoint_stride, spec.cdt,
-                                      recurrence.is_batched(blk, layout), narrow=False)
+                                      recurrence.is_batched(blk, layout), narrow_states=False)
         o = blk.unblock(o)
         final = where_has_tokens(layout, final, h0x)
         M = final[..., V:]
@@ -334,10 +337,13 @@ class XlaEngine(Engine):
         if blk is None:
             return self.backward_summaries(spec, ch, layout, doc, dfinal)
         K, V = ch.k.shape[-1], ch.v.shape[-1]
-        chb, f = blk.tree_block(ch), recurrence.flags(blk, layout)
-        it, X = chunked.wy_factors(chb)
-        x, _ = recurrence.forward_operands(chb, it, spec.scale, grid.every_of(doc.shape[-2]))
+        nd = narrow_dtype(spec)
+        chb, f = blk.tree_block(_narrow_inputs(ch, nd)), recurrence.flags(blk, layout)
+        it, X = chunked.wy_factors(chb, narrow=nd)
+        x, _ = recurrence.forward_operands(chb, it, spec.scale, grid.every_of(doc.shape[-2]),
+                                           nd)
         dfx = identity_columns(dfinal, K)
+        doc = doc if nd is None else doc.astype(nd)
         rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P,
                                  blk.block(zero_columns(doc, K)))
         dS_end, first = recurrence.reverse(blk, rev, f, dfx, spec.N,
