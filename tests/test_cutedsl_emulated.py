@@ -544,6 +544,10 @@ def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     monkeypatch.setattr(pipeline, "KERNEL_FACTORS", kernel_backward)
+    # tcp._run's jitted function is shared (lru_cache) across the two cases: without this
+    # the second case hit the first's trace (made with the other KERNEL_FACTORS), so it
+    # counted no calls whatever its setting
+    jax.clear_caches()
     calls = []
     opaque = emulate.chunk_prep_call
     monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
