@@ -157,6 +157,9 @@ def test_op_segmented_matches_reference(monkeypatch, packed):
     run = lambda N_rc: loss_and_grads(gdp_jax.gated_delta_product, inp, w, cu_seqlens=cu,
                                       backend="xla", recompute_chunk_num=N_rc)
     ref = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w, cu_seqlens=cu)
+    # loss_and_grads' jitted function is shared (lru_cache): without this, the unbatched
+    # case hit the trace test_op_blocked_matches_reference made with blocking forced
+    jax.clear_caches()
     plain = run(0)
     monkeypatch.setattr(recurrence, "MAX_PROBLEMS", 0)
     monkeypatch.setattr(recurrence, "SEGMENT_PROBLEMS", 3 if packed else 6)
