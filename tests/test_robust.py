@@ -236,12 +236,23 @@ def _inject(inp, name, t0, value):
     return inp._replace(**{name: jnp.asarray(x)})
 
 
+@functools.lru_cache(maxsize=None)
+def _jit_call(fn, cu, kw):
+    """_call(fn, inp, cu_seqlens=cu, **kw) under jit, one compile per configuration
+    (eagerly each call dispatched op by op: ~2 s per call, 3 per hypothesis example). cu
+    is closed over, so the op sees concrete NumPy offsets as it did eagerly (the reference,
+    which indexes them with traced values, a jax constant of the same values)."""
+    cu = None if cu is None else (jnp if fn is REF else np).asarray(cu, np.int32)
+    return jax.jit(lambda inp: _call(fn, inp, cu_seqlens=cu, **dict(kw)))
+
+
 def _check_causal(inp, name, t0, value, cu=None, **kw):
     bad = _inject(inp, name, t0, value)
-    cu = None if cu is None else np.asarray(cu, np.int32)
-    o_c = np.asarray(_call(OP, inp, cu_seqlens=cu, **kw))
-    o_b = np.asarray(_call(OP, bad, cu_seqlens=cu, **kw))
-    o_r = np.asarray(_call(REF, bad, cu_seqlens=cu))
+    kw = tuple(sorted(kw.items()))
+    cu = None if cu is None else tuple(cu)
+    o_c = np.asarray(_jit_call(OP, cu, kw)(inp))
+    o_b = np.asarray(_jit_call(OP, cu, kw)(bad))
+    o_r = np.asarray(_jit_call(REF, cu, ())(bad))
     # before t0 (and, packed, every other sequence): exactly the clean run, = recurrence
     keep = np.r_[0:t0] if cu is None else np.r_[0:t0, (min(c for c in cu if c > t0)):150]
     assert np.array_equal(o_b[:, keep], o_c[:, keep]), (name, t0)
@@ -362,8 +373,11 @@ def test_float64_numpy_without_x64_then_grad():
 
 def test_recompute_chunk_num_numpy_int():
     inp = make_inputs(14, 1, 12, 1, 1, 1, 4, 4)
-    o = _call(OP, inp, recompute_chunk_num=np.int64(3))
-    assert rel_max(o, _call(OP, inp)) == 0
+    # the two runs under jit (eagerly: op-by-op dispatch, ~30 s); the flag is closed over
+    # as the np.int64 itself
+    run = lambda **kw: jax.jit(lambda inp: _call(OP, inp, **kw))(inp)
+    o = run(recompute_chunk_num=np.int64(3))
+    assert rel_max(o, run()) == 0
     for bad in (np.float64(3.0), True, np.int64(65), -1):
         with pytest.raises(ValueError, match="recompute_chunk_num"):
             _call(OP, inp, recompute_chunk_num=bad)
