@@ -35,6 +35,10 @@ def emulated_kernels():
         yield
 
 
+# grid.chunks_of(spec, layout, q, k, v, g, beta) under jit (eagerly: op by op)
+_chunks = jax.jit(grid.chunks_of, static_argnums=0)
+
+
 def _compare(inp, cu=None, **kw):
     got = loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl", **kw)
     kw.pop("recompute_chunk_num", None)
@@ -78,17 +82,30 @@ def test_recompute_chunk_num_checked():
                recompute_chunk_num=bad)
 
 
-@pytest.mark.parametrize("stride", [1, 2, 3, 5])
-def test_states_from_checkpoints_equals_state_scan(stride):
+@pytest.fixture(scope="module")
+def scan_problem():
+    """The four strides' common problem and its state scan, once, under jit (eagerly it
+    dispatched op by op: ~16 s in the first case)."""
     inp = make_inputs(5, 1, 150, 2, 1, 2, 4, 4, N=4, gate="normal")
     cu = jnp.array([0, 30, 31, 31, 150], jnp.int32)
     layout = grid.make_layout(1, 150, 2, cu)
-    ch = grid.chunk_inputs(layout, *inp[:5], H=1, HV=2, compute_dtype=jnp.float64,
-                              use_qk_l2norm=False)
-    it = chunked.intra_chunk(ch)
-    S0 = chunked.state_scan(it, layout, inp.initial_state)
-    got = chunked.states_from_checkpoints(it, layout, inp.initial_state, S0[:, ::stride],
-                                          stride)
+
+    @jax.jit
+    def scan(layout, q, k, v, g, beta, h0):
+        ch = grid.chunk_inputs(layout, q, k, v, g, beta, H=1, HV=2,
+                               compute_dtype=jnp.float64, use_qk_l2norm=False)
+        it = chunked.intra_chunk(ch)
+        return it, chunked.state_scan(it, layout, h0)
+
+    it, S0 = scan(layout, *inp[:5], inp.initial_state)
+    return inp, layout, it, S0
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3, 5])
+def test_states_from_checkpoints_equals_state_scan(scan_problem, stride):
+    inp, layout, it, S0 = scan_problem
+    got = jax.jit(chunked.states_from_checkpoints, static_argnums=4)(
+        it, layout, inp.initial_state, S0[:, ::stride], stride)
     assert got.shape == S0.shape
     assert rel_max(got, S0) < 1e-13
 
@@ -99,7 +116,9 @@ def test_checkpoints_kept_per_recompute_chunk_num():
     for N, NG in [(0, 10), (1, 5), (2, 4), (9, 1), (64, 1)]:
         f = lambda q: OP(q, inp.k, inp.v, inp.g, inp.beta, backend="cutedsl",
                          recompute_chunk_num=N)
-        _, vjp = jax.vjp(f, inp.q)
+        # the residuals' shapes, traced (as test_bytes_kept_beyond_inputs): the eager
+        # vjp ran the op's forward op by op (~5 s per N) for shapes only
+        vjp = jax.eval_shape(lambda q: jax.vjp(f, q)[1], inp.q)
         shapes = [x.shape for x in jax.tree_util.tree_leaves(vjp)
                   if getattr(x, "ndim", 0) == 5 and x.shape[-2:] == (8, 8)]
         assert shapes == [(1, NG, 2, 8, 8)], (N, shapes)
@@ -213,9 +232,11 @@ def test_cp_saved_context_holds_checkpoints():
     layout_inputs = gcp.GDPInputs(*inp[:5], inp.initial_state, None,
                                   jnp.array([0]), jnp.array([0]), jnp.array(False),
                                   jnp.array(False))
-    _, ctx = be.cp_forward_prepare(layout_inputs)
     none = gcp.SummarySlice(jnp.zeros((1, 1, 2, 8, 16)), jnp.zeros((1,), bool))
-    _, _, saved = be.cp_forward_apply(ctx, none)
+    # prepare and apply under jax.jit (eagerly: op-by-op dispatch, ~18 s); the saved
+    # context is a pytree whose metadata is its static aux data
+    saved = jax.jit(lambda li, none: be.cp_forward_apply(be.cp_forward_prepare(li)[1],
+                                                          none)[2])(layout_inputs, none)
     assert saved.metadata.has_chunk_states and saved.metadata.recompute_chunk_num == 1
     assert saved.chunk_states.shape == (1, 2, 2, 8, 8)
     assert len(jax.tree_util.tree_leaves(saved)) == 11    # 9 tensors + g + checkpoints
@@ -264,12 +285,16 @@ def test_kernel_inverse_wrapper_matches_xla():
     key = jax.random.PRNGKey(3)
     A = jnp.tril(jax.random.uniform(key, (2, 3, 64, 64), jnp.float64, -1.0, 1.0), -1)
     junk = A + jnp.triu(jnp.ones((64, 64)), 0) * 7.0
-    X = chunked.unit_lower_inverse(A)
+    # every transform of the two inverses under jax.jit (eagerly: op-by-op dispatch)
+    xla_inv = jax.jit(chunked.unit_lower_inverse)
+    kernel_inv = jax.jit(wy_inverse.unit_lower_inverse)
+    X = xla_inv(A)
     eye = np.eye(64)
     X_np = np.linalg.inv(eye + np.asarray(A))                 # LAPACK, on the host
     np.testing.assert_allclose(X, X_np, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(wy_inverse.unit_lower_inverse(junk), X_np, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(wy_inverse.unit_lower_inverse(junk), X, rtol=1e-12, atol=1e-12)
+    X_kernel = kernel_inv(junk)
+    np.testing.assert_allclose(X_kernel, X_np, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(X_kernel, X, rtol=1e-12, atol=1e-12)
     W = jax.random.normal(jax.random.PRNGKey(4), A.shape, jnp.float64)
     loss = lambda inv: lambda a: jnp.sum(jnp.sin(inv(a)) * W)
     # d/dA of sum(sin(X) W) with X = (I + A)^-1: -X^T G X^T, G = cos(X) W, kept strictly
@@ -277,15 +302,16 @@ def test_kernel_inverse_wrapper_matches_xla():
     G = np.cos(X_np) * np.asarray(W)
     Xt = np.swapaxes(X_np, -1, -2)
     dA = np.tril(-(Xt @ G @ Xt), -1)
-    grad_kernel = jax.grad(loss(wy_inverse.unit_lower_inverse))(A)
+    grad_kernel = jax.jit(jax.grad(loss(wy_inverse.unit_lower_inverse)))(A)
     np.testing.assert_allclose(np.tril(grad_kernel, -1), dA, rtol=1e-8, atol=1e-8)
-    np.testing.assert_allclose(grad_kernel, jax.grad(loss(chunked.unit_lower_inverse))(A),
+    np.testing.assert_allclose(grad_kernel,
+                               jax.jit(jax.grad(loss(chunked.unit_lower_inverse)))(A),
                                rtol=1e-10, atol=1e-10)
-    vm = jax.vmap(wy_inverse.unit_lower_inverse, in_axes=1, out_axes=1)(A)
+    vm = jax.jit(jax.vmap(wy_inverse.unit_lower_inverse, in_axes=1, out_axes=1))(A)
     np.testing.assert_allclose(vm, X, rtol=1e-12, atol=1e-12)
     # vmap of a function where only another argument is mapped (the inverse is unbatched)
     f = jax.vmap(lambda a, s: wy_inverse.unit_lower_inverse(a) * s, in_axes=(None, 0))
-    np.testing.assert_allclose(f(A[0], jnp.arange(2.0)),
+    np.testing.assert_allclose(jax.jit(f)(A[0], jnp.arange(2.0)),
                                X[0][None] * jnp.arange(2.0)[:, None, None, None], atol=1e-12)
 
 
@@ -321,16 +347,20 @@ def test_kernel_summaries_equal_xla_summaries(packed):
     inp = make_inputs(21, B, T, n, H, HV, K, V, N=N, gate="normal")
     spec = _checks.check_inputs(*inp[:5], scale=0.3, cu_seqlens=cu)
     layout = grid.layout_of(spec, cu)
-    ch = grid.chunks_of(spec, layout, inp.q, inp.k, inp.v, inp.g, inp.beta)
-    for got, want in zip(CUTEDSL.forward_summaries(spec, ch, layout)[0],
-                         XLA.forward_summaries(spec, ch, layout)[0]):
+    # the relayout and each engine's summaries under jax.jit (eagerly: op-by-op dispatch,
+    # ~30-50 s per case)
+    ch = _chunks(spec, layout, inp.q, inp.k, inp.v, inp.g, inp.beta)
+    fwd = lambda eng: jax.jit(lambda ch, layout: eng.forward_summaries(spec, ch, layout)[0])(
+        ch, layout)
+    for got, want in zip(fwd(CUTEDSL), fwd(XLA)):
         assert got.shape == want.shape
         assert rel_max(got, want) < TOL
     rng = np.random.default_rng(3)
     doc = jnp.asarray(rng.standard_normal(ch.v.shape))
     dfinal = jnp.asarray(rng.standard_normal((N, HV, K, V)))
-    for got, want in zip(CUTEDSL.backward_summaries(spec, ch, layout, doc, dfinal)[0],
-                         XLA.backward_summaries(spec, ch, layout, doc, dfinal)[0]):
+    bwd = lambda eng: jax.jit(lambda ch, layout, doc, dfinal: eng.backward_summaries(
+        spec, ch, layout, doc, dfinal)[0])(ch, layout, doc, dfinal)
+    for got, want in zip(bwd(CUTEDSL), bwd(XLA)):
         assert got.shape == want.shape
         assert rel_max(got, want) < TOL
 
@@ -341,7 +371,7 @@ def _bf16_chunks(seed, nonfinite=False):
     inp = make_inputs(seed, 1, 150, 2, 1, 2, 64, 64, jnp.bfloat16, N=5, gate="strong")
     spec = _checks.check_inputs(*inp[:5], cu_seqlens=cu, use_qk_l2norm=True)
     layout = grid.layout_of(spec, cu)
-    ch = grid.chunks_of(spec, layout, inp.q, inp.k, inp.v, inp.g, inp.beta)
+    ch = _chunks(spec, layout, *inp[:5])
     if nonfinite:
         ch = ch._replace(k=ch.k.at[0, 1, 0, 10, 5].set(jnp.nan),
                          v=ch.v.at[0, 2, 1, 30].set(jnp.inf),
@@ -358,19 +388,22 @@ def test_operands_kernel_contract_is_the_xla_pipeline(nonfinite):
     from gdp_jax.kernels.chunk_prep import as_read
     spec, ch = _bf16_chunks(4, nonfinite)
     B = ch.k.shape[0]
-    got = emulate.chunk_prep_call(*ch, jnp.full((B,), spec.scale, jnp.float32),
-                                  ab_dtype=spec.ab_dtype, inverse=True)
-    want, bad = pipeline.causal_operands(pipeline.forward_operands(
-        as_read(ch, spec.ab_dtype), spec.scale, spec.ab_dtype))
+    # each side under jax.jit (eagerly: op-by-op dispatch, ~45 s)
+    prep = lambda inverse: jax.jit(lambda ch: emulate.chunk_prep_call(
+        *ch, jnp.full((B,), spec.scale, jnp.float32), ab_dtype=spec.ab_dtype,
+        inverse=inverse))(ch)
+    got = prep(True)
+    want, bad = jax.jit(lambda ch: pipeline.causal_operands(pipeline.forward_operands(
+        as_read(ch, spec.ab_dtype), spec.scale, spec.ab_dtype)))(ch)
     np.testing.assert_array_equal(got[6] != 0, bad)
     # X = (I + A)^-1, in the chunks without a non-finite input (elsewhere unspecified)
-    X = np.asarray(chunked.wy_factors(as_read(ch, spec.ab_dtype))[1], np.float64)
+    X = np.asarray(jax.jit(lambda ch: chunked.wy_factors(as_read(ch, spec.ab_dtype))[1])(ch),
+                   np.float64)
     clean = np.isfinite(X).all(axis=(-1, -2))
     assert got[7].dtype == jnp.float32 and got[7].shape == X.shape and clean.any()
     np.testing.assert_allclose(np.asarray(got[7], np.float64)[clean], X[clean], rtol=1e-5,
                                atol=1e-6)
-    assert emulate.chunk_prep_call(*ch, jnp.full((B,), spec.scale, jnp.float32),
-                                   ab_dtype=spec.ab_dtype)[7].shape == (1,)
+    assert prep(False)[7].shape == (1,)
     assert np.any(bad) == nonfinite
     for a, b in zip(got[:6], want):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -390,19 +423,24 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
     monkeypatch.setattr(ChunkPrepKernel, "raw_call",
                         staticmethod(lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
     inp = make_inputs(6, 2, 100, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
-    run = lambda: OP(*inp[:5], scale=scale, initial_state=inp.initial_state,
-                     output_final_state=True, use_qk_l2norm=True, backend="cutedsl")
+    # The op and the summaries under jax.jit (eagerly: op-by-op dispatch, ~50 s), a new
+    # jitted function per call, so each traces (where raw_call is counted) anew.
+    run = lambda: jax.jit(lambda *a: OP(*a[:5], scale=scale, initial_state=a[5],
+                                        output_final_state=True, use_qk_l2norm=True,
+                                        backend="cutedsl"))(*inp[:5], inp.initial_state)
     o, s = run()
     assert calls
     spec, ch = _bf16_chunks(7)
     layout = grid.layout_of(spec, jnp.asarray([0, 0, 1, 70, 70, 150], jnp.int32))
-    summ = CUTEDSL.forward_summaries(spec, ch, layout)[0]
+    summaries = lambda: jax.jit(lambda ch, layout: CUTEDSL.forward_summaries(
+        spec, ch, layout)[0])(ch, layout)
+    summ = summaries()
     n = len(calls)
     assert n >= 2
     monkeypatch.setattr(ChunkPrepKernel, "can_implement",
                         staticmethod(lambda **kw: Unsupported("off")))
     o2, s2 = run()
-    summ2 = CUTEDSL.forward_summaries(spec, ch, layout)[0]
+    summ2 = summaries()
     assert len(calls) == n
     np.testing.assert_allclose(np.asarray(o, np.float64), np.asarray(o2, np.float64),
                                rtol=2e-2, atol=2e-2)
@@ -425,11 +463,13 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     loss = lambda *x: OP(*x, use_qk_l2norm=True, backend="cutedsl").astype(
         jnp.float32).sum()
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*inp[:5])
+    # under jax.jit (eagerly: op-by-op dispatch, ~30 s each); a new jitted function per
+    # setting, so each traces (where raw_call is counted) with its own KERNEL_FACTORS
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*inp[:5])
     assert sorted(calls) == [False, True]
     calls.clear()
     monkeypatch.setattr(pipeline, "KERNEL_FACTORS", False)
-    want = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*inp[:5])
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*inp[:5])
     assert not calls
     for a, b in zip(grads, want):
         assert a.shape == b.shape and rel_max(a, b) < 1e-2
@@ -487,9 +527,10 @@ def test_differentiated_forward_shares_its_operands_with_an_xla_backward(monkeyp
     monkeypatch.setattr(ChunkPrepKernel, "raw_call",
                         staticmethod(lambda *a, **kw: calls.append(1) or opaque(*a, **kw)))
     jax.clear_caches()
-    jax.grad(loss)(*inp[:3])
+    # under jax.jit (eagerly: op-by-op dispatch); raw_call is counted as it traces
+    jax.jit(jax.grad(loss))(*inp[:3])
     assert not calls                    # not in the differentiated forward
-    OP(*inp[:5], use_qk_l2norm=True, backend="cutedsl")
+    jax.jit(lambda *a: OP(*a, use_qk_l2norm=True, backend="cutedsl"))(*inp[:5])
     assert calls                        # but in the plain forward
 
 
@@ -503,6 +544,10 @@ def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     monkeypatch.setattr(pipeline, "KERNEL_FACTORS", kernel_backward)
+    # tcp._run's jitted function is shared (lru_cache) across the two cases: without this
+    # the second case hit the first's trace (made with the other KERNEL_FACTORS), so it
+    # counted no calls whatever its setting
+    jax.clear_caches()
     calls = []
     opaque = emulate.chunk_prep_call
     monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
@@ -539,9 +584,11 @@ def test_cp_xla_segmented_ranks_take_the_two_pass_path(monkeypatch):
     monkeypatch.setattr(recurrence, "SEGMENT_PROBLEMS", 2)
     spec = _checks.check_inputs(*inp[:5])
     layout = grid.layout_of(spec, None)
-    ch = grid.chunks_of(spec, layout, *inp[:5])
+    ch = _chunks(spec, layout, *inp[:5])
     h0p = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
-    assert XLA.forward_prepare(spec, ch, layout, h0p)[1] is None       # no one-pass work
+    # traced, not run eagerly op by op: whether there is work is decided at trace time
+    assert jax.eval_shape(lambda ch, layout, h0p: XLA.forward_prepare(
+        spec, ch, layout, h0p)[1], ch, layout, h0p) is None              # no one-pass work
     jax.clear_caches()
     got = tcp._run("cp", args, cu, w, True, n_dev=2, kw=kw)
     assert rel_max(got[0], want[0]) < 1e-13 and rel_max(got[1], want[1]) < 1e-13

@@ -31,8 +31,9 @@ def _problem(packed, seed=0, T=300, n=2):
     cu = np.array([0, 0, 1, 90, 91, T], np.int32) if packed else None
     spec = check_inputs(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
                         cu_seqlens=cu)
-    prob = engine.forward_problem(spec, inp.q, inp.k, inp.v, inp.g, inp.beta,
-                                  None if cu is None else jnp.asarray(cu))
+    # under jit (eagerly the chunk relayout dispatches op by op)
+    prob = jax.jit(engine.forward_problem, static_argnums=0)(
+        spec, inp.q, inp.k, inp.v, inp.g, inp.beta, None if cu is None else jnp.asarray(cu))
     return spec, prob.layout, prob.ch, inp.initial_state
 
 
@@ -69,25 +70,36 @@ def test_blocked_forward_equals_scan(packed, L):
         assert rel_max(S0, S0_want) < TOL, stride
 
 
+@functools.partial(jax.jit, static_argnums=(5,))
+def _scan_reverse(ch, layout, doc, dfinal, scale, N):
+    it = chunked.intra_chunk(ch)
+    dS_end, dS_start = chunked.reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale)
+    return dS_end, chunked.initial_state_grads(layout, dS_start, dfinal)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _blocked_reverse(blk, ch, layout, doc, dfinal, scale, N):
+    chb = blk.tree_block(ch)
+    itb = chunked.intra_chunk(chb)
+    qg, P = recurrence.readout_operands(chb, itb, scale)
+    rev = recurrence.Reverse(itb.w, itb.Kt, itb.G_last, qg, P, blk.block(doc))
+    got, first = recurrence.reverse(blk, rev, recurrence.flags(blk, layout), dfinal, N)
+    dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
+    return blk.unblock(got), dh0
+
+
 @pytest.mark.parametrize("L, packed", [(1, False), (2, True), (4, True)])
 def test_blocked_reverse_equals_scan(packed, L):
+    # Both passes under jax.jit (eagerly they dispatched op by op: ~15-30 s per case).
     spec, layout, ch, h0 = _problem(packed, seed=10 + L)
     B, NC = ch.k.shape[:2]
     rng = np.random.default_rng(L)
     doc = jnp.asarray(rng.standard_normal(ch.v.shape))
     dfinal = jnp.asarray(rng.standard_normal(h0.shape))
-    it = chunked.intra_chunk(ch)
-    dS_end, dS_start = chunked.reverse_state_grad_scan(ch, it, layout, doc, dfinal,
-                                                       spec.scale)
-    dh0_want = chunked.initial_state_grads(layout, dS_start, dfinal)
+    dS_end, dh0_want = _scan_reverse(ch, layout, doc, dfinal, spec.scale, spec.N)
     blk = recurrence.Blocking(B, NC, L)
-    chb = blk.tree_block(ch)
-    itb = chunked.intra_chunk(chb)
-    qg, P = recurrence.readout_operands(chb, itb, spec.scale)
-    rev = recurrence.Reverse(itb.w, itb.Kt, itb.G_last, qg, P, blk.block(doc))
-    got, first = recurrence.reverse(blk, rev, recurrence.flags(blk, layout), dfinal, spec.N)
-    dh0 = jnp.where((layout.seq_len > 0)[:, None, None, None], first, dfinal)
-    assert rel_max(blk.unblock(got), dS_end) < TOL
+    got, dh0 = _blocked_reverse(blk, ch, layout, doc, dfinal, spec.scale, spec.N)
+    assert rel_max(got, dS_end) < TOL
     assert rel_max(dh0, dh0_want) < TOL
 
 
@@ -145,6 +157,9 @@ def test_op_segmented_matches_reference(monkeypatch, packed):
     run = lambda N_rc: loss_and_grads(gdp_jax.gated_delta_product, inp, w, cu_seqlens=cu,
                                       backend="xla", recompute_chunk_num=N_rc)
     ref = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w, cu_seqlens=cu)
+    # loss_and_grads' jitted function is shared (lru_cache): without this, the unbatched
+    # case hit the trace test_op_blocked_matches_reference made with blocking forced
+    jax.clear_caches()
     plain = run(0)
     monkeypatch.setattr(recurrence, "MAX_PROBLEMS", 0)
     monkeypatch.setattr(recurrence, "SEGMENT_PROBLEMS", 3 if packed else 6)
@@ -167,20 +182,29 @@ def test_batched_walks_equal_flagged(stride):
     B, NC = ch.k.shape[:2]
     blk = recurrence.Blocking(B, NC, recurrence.block_len(NC, stride))
     assert recurrence.is_batched(blk, layout)
-    chb = blk.tree_block(ch)
-    f = recurrence.flags(blk, layout)
-    it = chunked.intra_chunk(chb)
-    x, _ = recurrence.forward_operands(chb, it, spec.scale)
+
+    # the setup and each walk under jax.jit (eagerly: op-by-op dispatch, ~20 s per case)
+    @jax.jit
+    def operands(ch, layout):
+        chb = blk.tree_block(ch)
+        it = chunked.intra_chunk(chb)
+        x, _ = recurrence.forward_operands(chb, it, spec.scale)
+        return recurrence.flags(blk, layout), it, x
+
+    f, it, x = operands(ch, layout)
     rng = np.random.default_rng(stride)
-    do = jnp.asarray(rng.standard_normal(chb.v.shape))
+    do = jnp.asarray(rng.standard_normal(blk.block(ch.v).shape))
     dfinal = jnp.asarray(rng.standard_normal(h0.shape))
     rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, do)
-    runs = []
-    for batched in (False, True):
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def walks(batched, x, f, h0, rev, dfinal):
         o, fin, st = recurrence.forward(blk, x, f, h0, spec.N, stride, jnp.float64, batched)
         S0 = recurrence.states_from_checkpoints(x, f, h0, st, stride, batched)
         dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched)
         # padding chunks (after the last real one) are dropped: unblock
-        runs.append((blk.unblock(o), fin, st, blk.unblock(S0), blk.unblock(dS_end), first))
+        return blk.unblock(o), fin, st, blk.unblock(S0), blk.unblock(dS_end), first
+
+    runs = [walks(batched, x, f, h0, rev, dfinal) for batched in (False, True)]
     for got, want in zip(runs[1], runs[0]):
         assert rel_max(got, want) < TOL

@@ -66,6 +66,16 @@ def _cp_grad(check_vma: bool, packed: bool):
     return jax.jit(jax.value_and_grad(loss))
 
 
+@jax.jit
+@jax.value_and_grad
+def _single_grad(a, cu, wo, ws):
+    """The one-device reference, under jit (eagerly its value_and_grad dispatched op by op:
+    ~35 s of the first case); one jitted function for all four cases."""
+    o, s = OP(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"],
+              output_final_state=True, cu_seqlens=cu)
+    return jnp.sum(o * wo) + jnp.sum(s * ws)
+
+
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_cp_gradients_with_and_without_check_vma(check_vma, packed):
@@ -77,12 +87,7 @@ def test_cp_gradients_with_and_without_check_vma(check_vma, packed):
     wo, ws = tcp._weights(1, (B, 32, 2, 8), (N, 2, 8, 8))
     cu = jnp.asarray(CU_CP, jnp.int32) if packed else None
 
-    def single(a):
-        o, s = OP(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"],
-                  output_final_state=True, cu_seqlens=cu)
-        return jnp.sum(o * wo) + jnp.sum(s * ws)
-
-    want_val, want = jax.value_and_grad(single)(args)
+    want_val, want = _single_grad(args, cu, wo, ws)
     val, got = _cp_grad(check_vma, packed)(args, cu, wo, ws)
     assert abs(float(val) - float(want_val)) < 1e-10 * abs(float(want_val))
     for name in args:
@@ -231,12 +236,23 @@ def _inject(inp, name, t0, value):
     return inp._replace(**{name: jnp.asarray(x)})
 
 
+@functools.lru_cache(maxsize=None)
+def _jit_call(fn, cu, kw):
+    """_call(fn, inp, cu_seqlens=cu, **kw) under jit, one compile per configuration
+    (eagerly each call dispatched op by op: ~2 s per call, 3 per hypothesis example). cu
+    is closed over, so the op sees concrete NumPy offsets as it did eagerly (the reference,
+    which indexes them with traced values, a jax constant of the same values)."""
+    cu = None if cu is None else (jnp if fn is REF else np).asarray(cu, np.int32)
+    return jax.jit(lambda inp: _call(fn, inp, cu_seqlens=cu, **dict(kw)))
+
+
 def _check_causal(inp, name, t0, value, cu=None, **kw):
     bad = _inject(inp, name, t0, value)
-    cu = None if cu is None else np.asarray(cu, np.int32)
-    o_c = np.asarray(_call(OP, inp, cu_seqlens=cu, **kw))
-    o_b = np.asarray(_call(OP, bad, cu_seqlens=cu, **kw))
-    o_r = np.asarray(_call(REF, bad, cu_seqlens=cu))
+    kw = tuple(sorted(kw.items()))
+    cu = None if cu is None else tuple(cu)
+    o_c = np.asarray(_jit_call(OP, cu, kw)(inp))
+    o_b = np.asarray(_jit_call(OP, cu, kw)(bad))
+    o_r = np.asarray(_jit_call(REF, cu, ())(bad))
     # before t0 (and, packed, every other sequence): exactly the clean run, = recurrence
     keep = np.r_[0:t0] if cu is None else np.r_[0:t0, (min(c for c in cu if c > t0)):150]
     assert np.array_equal(o_b[:, keep], o_c[:, keep]), (name, t0)
@@ -357,8 +373,11 @@ def test_float64_numpy_without_x64_then_grad():
 
 def test_recompute_chunk_num_numpy_int():
     inp = make_inputs(14, 1, 12, 1, 1, 1, 4, 4)
-    o = _call(OP, inp, recompute_chunk_num=np.int64(3))
-    assert rel_max(o, _call(OP, inp)) == 0
+    # the two runs under jit (eagerly: op-by-op dispatch, ~30 s); the flag is closed over
+    # as the np.int64 itself
+    run = lambda **kw: jax.jit(lambda inp: _call(OP, inp, **kw))(inp)
+    o = run(recompute_chunk_num=np.int64(3))
+    assert rel_max(o, run()) == 0
     for bad in (np.float64(3.0), True, np.int64(65), -1):
         with pytest.raises(ValueError, match="recompute_chunk_num"):
             _call(OP, inp, recompute_chunk_num=bad)
