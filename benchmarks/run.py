@@ -47,6 +47,10 @@ def parse(argv=None):
     cp.add_argument("--fold", choices=("auto", "gather", "scan"), default="auto",
                     help="the CP fold (sets GDP_CP_FOLD before jax traces)")
     cp.add_argument("--backend", default="cutedsl", help="cp: xla or cutedsl")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a gdp_jax module constant before tracing (a Python literal), "
+                        "e.g. recurrence.SCAN_UNROLL={'gpu':4}: A/B runs of a switch; "
+                        "recorded in the run's command")
     cp.add_argument("--devices", type=int, default=0,
                     help="simulate this many CPU devices (XLA_FLAGS), for a CPU run of cp")
     a = p.parse_args(argv)
@@ -70,6 +74,22 @@ def _set_env(a):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
+def apply_settings(settings):
+    """``MODULE.NAME=VALUE`` strings: gdp_jax.MODULE.NAME = the literal VALUE (the
+    attribute must exist: a misspelt switch is an error, not a silent no-op)."""
+    import ast
+    import importlib
+    for item in settings:
+        target, sep, value = item.partition("=")
+        mod_name, _, name = target.rpartition(".")
+        if not sep or not mod_name:
+            raise SystemExit(f"--set {item!r}: expected MODULE.NAME=VALUE")
+        mod = importlib.import_module(f"gdp_jax.{mod_name}")
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set {item!r}: gdp_jax.{mod_name} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse(argv)
@@ -77,6 +97,7 @@ def main(argv=None) -> int:
     import jax
     jax.devices()                   # JAX takes the GPU before torch (FLA) is imported
     from benchmarks import measure, registry, report
+    apply_settings(a.set)
     measure.reset_clock()
     names = [s.strip() for s in a.impl.split(",") if s.strip()]
     impls, fla_version = [], "not requested"

@@ -204,6 +204,40 @@ def _narrow_inputs(ch, dt):
     return ch if dt is None else ch._replace(v=ch.v.astype(dt))
 
 
+# The backward's chunk-local gradients run on blocks of about this many (chunk, row, head)
+# problems at a time (a ``lax.map`` over blocks of consecutive chunks): their float32
+# temporaries ([.., C, K] and [.., C, C] per chunk, a dozen of them) are then the size of
+# one block, not of the whole grid. None: all chunks at once.
+LOCAL_GRAD_PROBLEMS = None
+
+
+def _block_count(L: int, per_chunk: int, problems) -> int:
+    """Blocks of consecutive chunks for L chunks of ``per_chunk`` problems: the fewest
+    that divide L with at most ``problems`` problems each (1: no blocking; blocks that
+    would be under a quarter of ``problems`` are not worth their loop)."""
+    if problems is None or L * per_chunk <= problems:
+        return 1
+    for nb in range(-(-L * per_chunk // problems), L + 1):
+        if L % nb == 0:
+            return nb if (L // nb) * per_chunk * 4 >= problems else 1
+    return 1
+
+
+def local_grads_in_blocks(chb, it, X, S0, docb, dS_end, scale, problems=None):
+    """:func:`gdp_jax.chunked.local_grads_direct` on the blocked grid [L, R, HV, ...], in
+    blocks of consecutive chunks of at most ``problems`` (default
+    :data:`LOCAL_GRAD_PROBLEMS`) problems each: the same values, bounded temporaries."""
+    problems = LOCAL_GRAD_PROBLEMS if problems is None else problems
+    L, R, HV = chb.k.shape[:3]
+    nb = _block_count(L, R * HV, problems)
+    if nb == 1:
+        return chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, scale)
+    split = lambda a: a.reshape((nb, L // nb) + a.shape[1:])
+    args = jax.tree_util.tree_map(split, (chb, it, X, S0, docb, dS_end))
+    out = lax.map(lambda a: chunked.local_grads_direct(*a, scale), args)
+    return jax.tree_util.tree_map(lambda a: a.reshape((L,) + a.shape[2:]), out)
+
+
 class XlaEngine(Engine):
     """Pure JAX: any device and dtype, float64 included. The chunk-local math is
     :mod:`gdp_jax.chunked`, the sequential passes :mod:`gdp_jax.recurrence` (two-level,
@@ -284,7 +318,7 @@ class XlaEngine(Engine):
             S0 = recurrence.states_from_checkpoints(x, f, h0, states, stride, batched)
             rev = recurrence.Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, docb)
             dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched, wd)
-            dchb = chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, spec.scale)
+            dchb = local_grads_in_blocks(chb, it, X, S0, docb, dS_end, spec.scale)
         dh0 = where_has_tokens(layout, first, dfinal)
         return blk.tree_unblock(dchb), dh0
 
