@@ -10,10 +10,10 @@ run() {  # name, timeout, extra args
   local name=$1 t=$2; shift 2
   timeout $t python -m benchmarks.run fwdbwd --impl xla --shapes "$S" --out /tmp/b_$name \
     --deadline $((t - 40)) "$@" > $OUT/$name.log 2>&1
-  echo "== $name"; grep "^| [0-9]" $OUT/$name.log | cut -d'|' -f2-4,5,8,11 ; cp /tmp/b_$name/*.md $OUT/$name.md 2>/dev/null
+  echo "== $name"; grep '^| [0-9]' $OUT/$name.log | cut -c1-150; cp /tmp/b_$name/*.md $OUT/$name.md 2>/dev/null
 }
-run affine 150
-run affine_u8 110 --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
-run affine_u4 110 --no-check --set "recurrence.SCAN_UNROLL={'gpu': 4}"
-run affine_lg 110 --no-check --set engine.LOCAL_GRAD_PROBLEMS=4096
-run base 110 --no-check --set recurrence.AFFINE_STEPS=False
+run affine 130
+run affine_u8 100 --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
+run affine_u4 90 --no-check --set "recurrence.SCAN_UNROLL={'gpu': 4}"
+run affine_lg 100 --no-check --set engine.LOCAL_GRAD_PROBLEMS=4096
+run base 100 --no-check --set recurrence.AFFINE_STEPS=False
