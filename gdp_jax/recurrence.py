@@ -51,7 +51,7 @@ MIN_BLOCKED_CHUNKS = None
 # all chunks at once before the scan (:func:`transitions`), so a step is one product on
 # the state instead of two (three in reverse) and reads fewer, larger operands. On the
 # H200 the steps are bound by their kernels' count and bytes, not by arithmetic.
-AFFINE_STEPS = True
+AFFINE_STEPS = False
 
 # ``unroll`` of the walks' ``lax.scan`` (steps per loop iteration): fewer loop
 # iterations per pass on a GPU; 1 elsewhere (compile time grows with it).
