@@ -217,7 +217,7 @@ def wy_factors(ch: ChunkInputs, inverse=None, narrow=None):
     lower = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam = jnp.where(lower, jnp.exp(segment_sums(ch.g)), 0.0)
-    kk = ch.k @ _t(ch.k)
+    kk = mm(ch.k, _t(ch.k))
     A = jnp.where(strict, ch.beta[..., :, None] * kk * Gam, 0.0)
     gam = jnp.exp(G)
     X = inverse(A)
@@ -246,7 +246,7 @@ def causal_scores(q, k, Gam):
     q [.., Cr, K] and Gam [.., Cr, C] may be the read-out rows only (Cr = C / every,
     :func:`gdp_jax.grid.readout_rows`): then the [.., Cr, C] rows of the same product."""
     lower = readout_lower(q.shape[-2], k.shape[-2])
-    return jnp.where(lower, (q @ _t(k)) * Gam, 0.0)
+    return jnp.where(lower, mm(q, _t(k)) * Gam, 0.0)
 
 
 def advance(S, w, u, Kt, G_last):

@@ -199,9 +199,20 @@ def walk_dtype(spec):
     return dt if dt.itemsize == 2 else None
 
 
+# q and k (L2-normalised, GVA-repeated, interleaved) rounded to the 16-bit input dtype
+# too: half the bytes of the two chunk tensors the most fusions read.
+NARROW_QK = False
+
+
 def _narrow_inputs(ch, dt):
-    """v in the 16-bit input dtype (exact: it came from there); q, k, g, beta as they are."""
-    return ch if dt is None else ch._replace(v=ch.v.astype(dt))
+    """v in the 16-bit input dtype (exact: it came from there), q and k too with
+    :data:`NARROW_QK` (rounded after the L2 norm, as a 16-bit caller's own would be); g and
+    beta as they are."""
+    if dt is None:
+        return ch
+    if NARROW_QK:
+        return ch._replace(q=ch.q.astype(dt), k=ch.k.astype(dt), v=ch.v.astype(dt))
+    return ch._replace(v=ch.v.astype(dt))
 
 
 # The backward's chunk-local gradients run on blocks of about this many (chunk, row, head)
@@ -345,7 +356,8 @@ class XlaEngine(Engine):
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         h0p = h0p.astype(spec.cdt)
         h0x = identity_columns(h0p, K)
-        chb = blk.tree_block(ch._replace(v=zero_columns(ch.v, K)))
+        c = _narrow_inputs(ch, narrow_dtype(spec))
+        chb = blk.tree_block(c._replace(v=zero_columns(c.v, K)))
         o, final, states = self._walk(spec, blk, chb, recurrence.flags(blk, layout), h0x,
                                       spec.checkpoint_stride, spec.cdt,
                                       recurrence.is_batched(blk, layout), narrow_states=False)
@@ -397,8 +409,9 @@ class XlaEngine(Engine):
         dh0 = work.first[..., :V] + mm_exact(work.first[..., V:], ddf)
         S0 = recurrence.states_from_checkpoints(work.x, f, h0, states, spec.checkpoint_stride,
                                                 recurrence.is_batched(blk, layout))
-        dchb = chunked.local_grads_direct(blk.tree_block(ch), work.it, work.X, S0,
-                                          blk.block(doc), dS_end, spec.scale)
+        chb = blk.tree_block(_narrow_inputs(ch, narrow_dtype(spec)))
+        dchb = chunked.local_grads_direct(chb, work.it, work.X, S0, blk.block(doc), dS_end,
+                                          spec.scale)
         dh0 = where_has_tokens(layout, dh0, dfinal)
         return blk.tree_unblock(dchb), dh0
 
