@@ -6,7 +6,7 @@
 source .gpu-deps/install.sh
 export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false
 for m in fwd bwd; do
-  timeout 90 python -m benchmarks.trace --shape 8,4096,16,2 --impl xla --mode $m --top 30 \
+  timeout 75 python -m benchmarks.trace --shape 8,4096,16,2 --impl xla --mode $m --top 30 \
     --out /tmp/t_$m --hlo $OUT/xla_$m.hlo.gz > $OUT/trace_$m.log 2>&1
   python -m benchmarks.hlo_lines $OUT/trace_$m.log $OUT/xla_$m.hlo.gz --by line --top 40 \
     > $OUT/lines_$m.log 2>&1; echo "== $m"; head -3 $OUT/trace_$m.log; tail -42 $OUT/lines_$m.log | cut -c1-200
@@ -19,5 +19,5 @@ run() {  # name, timeout, shapes, extra args
 }
 run base_u8 80 "8,4096,16,1;8,4096,16,2" --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
 run narrowqk 110 "8,4096,16,1;8,4096,16,2" --set engine.NARROW_QK=True
-run long 100 "2,16384,16,2" --no-check
-run long_u8 90 "2,16384,16,2" --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
+run long 80 "2,16384,16,2" --no-check
+run long_u8 80 "2,16384,16,2" --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
