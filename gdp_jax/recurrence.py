@@ -47,14 +47,8 @@ from gdp_jax.grid import ChunkInputs, ChunkLayout, Contiguous, every_of, readout
 # at (8, 4096, 16, 2)); kept for rows of few problems per step, where it is untested.
 MIN_BLOCKED_CHUNKS = None
 
-# The one-level walks step in affine form: each chunk's map on the state is formed for
-# all chunks at once before the scan (:func:`transitions`), so a step is one product on
-# the state instead of two (three in reverse) and reads fewer, larger operands. On the
-# H200 the steps are bound by their kernels' count and bytes, not by arithmetic.
-AFFINE_STEPS = False
-
-# ``unroll`` of the walks' ``lax.scan`` (steps per loop iteration): fewer loop
-# iterations per pass on a GPU; 1 elsewhere (compile time grows with it).
+# ``unroll`` of the one-level walks' ``lax.scan`` (steps per loop iteration) by platform;
+# 1 where not listed (compile time grows with it).
 SCAN_UNROLL = {"gpu": 1}
 
 
@@ -240,19 +234,6 @@ def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
     return o, fin, states
 
 
-def transitions(w, Kt, dtype):
-    """M = -Kt^T w [.., K, K] of every chunk: its map on the start state is
-    S -> exp(G_last) S + M S + Kt^T u (the decay kept apart: exact in the compute dtype,
-    not rounded into a product). A non-finite row (Kt NaN, w zero: the forward
-    operands' masking) makes M NaN, so the end state and all after it are NaN, as the
-    two-product step gives. In ``dtype`` (the carry's)."""
-    return -_mm(_t(Kt), w).astype(dtype)
-
-
-def _decayed(G_last, S):
-    return jnp.exp(G_last)[..., None, None].astype(S.dtype) * S
-
-
 def is_batched(blk: Blocking, layout: ChunkLayout) -> bool:
     """One sequence per row (not packed) walked in one level: a row's only reset is its
     first chunk and its only last chunk is its last real one (the padding after it is
@@ -279,16 +260,10 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
         if not batched:
             S = jnp.where(_b(reset, S), h0[sid], S)
         keep = S if walk_dtype is None or not batched else S.astype(walk_dtype)
-        if AFFINE_STEPS:        # w holds M, u holds E = Kt^T u (:func:`transitions`)
-            return _decayed(G_last, S) + _mm(w, S) + u, keep
         return _advance(S, w, u, Kt, G_last)[0], keep
 
-    if AFFINE_STEPS:
-        ops = (transitions(x.w, x.Kt, S.dtype), _mm(_t(x.Kt), x.u).astype(S.dtype), None,
-               x.G_last)
-    else:
-        ops = (x.w, x.u, x.Kt, x.G_last)
-    S, S0 = lax.scan(chunk, S, (*ops, f.reset, f.seq), unroll=_unroll())
+    S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq),
+                     unroll=_unroll())
     o = readout(x, S0)
     if not batched:
         fin = _collect_final(x, f, S0, fin)
@@ -426,31 +401,22 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
     [L, R, HV, K, V] the backward's local gradients read; the carry keeps dS's."""
     acc = dS.dtype
     ddo = _mm(_t(x.P), x.do).astype(acc)                      # [L, R, HV, C, V]
-    if AFFINE_STEPS:
-        # dS_start = exp(G_last) dS_end + M^T dS_end + b, M = -Kt^T w, b = qg^T dO - w^T P^T dO
-        ops = (transitions(x.w, x.Kt, acc),
-               (_mm(_t(x.qg), x.do) - _mm(_t(x.w), ddo)).astype(acc), x.G_last)
-        start_grad = lambda M, b, G_last, dS_end: (_decayed(G_last, dS_end)
-                                                   + _mm(_t(M), dS_end) + b)
-    else:
-        ops = (x.w, x.Kt, x.G_last, x.qg, ddo, x.do)
-        start_grad = _start_grad
 
     def step(dS, xs):
-        *op, reset, sid, last = xs
+        w, Kt, G_last, qg, ddo, do, reset, sid, last = xs
         if batched:
-            dS_start = start_grad(*op, dS)
+            dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS)
             return dS_start, dS if walk_dtype is None else dS.astype(walk_dtype)
         dS_end = dS + jnp.where(_b(last, dS), dfinal[sid], 0)
-        dS_start = start_grad(*op, dS_end)
+        dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS_end)
         return jnp.where(_b(reset, dS), 0, dS_start), dS_end
 
-    xs = (*ops, f.reset, f.seq, f.last)
+    xs = (x.w, x.Kt, x.G_last, x.qg, ddo, x.do, f.reset, f.seq, f.last)
     dS, dS_end = lax.scan(step, dS, xs, reverse=True, unroll=_unroll())
     if batched:
         return dS, first, dS_end
     idx = _chunk_of_each(f.reset, f.seq, N)
-    at_first = start_grad(*(_pick(idx, a) for a in ops), _pick(idx, dS_end))
+    at_first = _start_grad(*(_pick(idx, a) for a in xs[:6]), _pick(idx, dS_end))
     first = jnp.where(_b(idx >= 0, first), at_first.astype(first.dtype), first)
     return dS, first, dS_end
 
