@@ -2,6 +2,7 @@
 # Twelfth session, device call 2 (issue 22): where the xla engine's time goes, by source
 # line (forward and the engine's backward alone, traced with their optimized HLO), the
 # scan unroll on the two-product walks, q and k in bf16 (engine.NARROW_QK), and the
+# backward's local gradients in blocks ordered by barriers (engine.LOCAL_GRAD_LOOP), and the
 # long-row shape s12-1 ran out of time for.
 source .gpu-deps/install.sh
 export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -17,7 +18,8 @@ run() {  # name, timeout, shapes, extra args
     --deadline $((t - 30)) "$@" > $OUT/$name.log 2>&1
   echo "== $name"; grep '^| [0-9]' $OUT/$name.log | cut -c1-150; cp /tmp/b_$name/*.md $OUT/$name.md 2>/dev/null
 }
-run base_u8 80 "8,4096,16,1;8,4096,16,2" --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
+run base_u8 60 "8,4096,16,2" --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
 run narrowqk 110 "8,4096,16,1;8,4096,16,2" --set engine.NARROW_QK=True
+run lg_unrolled 80 "8,4096,16,1;8,4096,16,2" --no-check --set engine.LOCAL_GRAD_PROBLEMS=4096 --set "engine.LOCAL_GRAD_LOOP='unrolled'"
 run long 80 "2,16384,16,2" --no-check
 run long_u8 80 "2,16384,16,2" --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
