@@ -158,7 +158,7 @@ def with_closed_form_vjp(inverse):
     return f
 
 
-def _blocked_inverse(A):
+def _blocked_inverse(A, matmul=None):
     """(I + A)^-1 for strictly lower-triangular A [..., m, m] (m <= 16 or 16 * 2^j).
 
     Blocked, in batched matmuls (FLA's solve_tril scheme): the 16 x 16 diagonal blocks by
@@ -169,6 +169,9 @@ def _blocked_inverse(A):
     (benchmarks/results/history/2026-11-29/NOTES.md).
     """
     m = A.shape[-1]
+    # causal_mm by default; a plain product where the caller knows the result finite
+    # (:func:`gdp_jax.recurrence.factors_and_operands`)
+    matmul = causal_mm if matmul is None else matmul
     if m <= SUBSTITUTION_BLOCK:
         # X <- I - A X, m - 1 times from X = I: after t steps rows 0..t are final (A is
         # strictly lower), i.e. forward substitution, in m - 1 batched matmuls (unrolled:
@@ -177,17 +180,19 @@ def _blocked_inverse(A):
         eye = jnp.eye(m, dtype=A.dtype)
         X = eye - A
         for _ in range(m - 2):
-            X = eye - causal_mm(A, X, strict=True)
+            X = eye - (matmul(A, X, strict=True) if matmul is causal_mm else matmul(A, X))
         return X
     h = m // 2
-    diag = _blocked_inverse(jnp.stack([A[..., :h, :h], A[..., h:, h:]], axis=0))
+    diag = _blocked_inverse(jnp.stack([A[..., :h, :h], A[..., h:, h:]], axis=0), matmul)
     X11, X22 = diag[0], diag[1]
-    X21 = -causal_mm(X22, A[..., h:, :h] @ X11)   # X11's rows all precede X21's
+    X21 = -matmul(X22, A[..., h:, :h] @ X11)   # X11's rows all precede X21's
     top = jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([X21, X22], axis=-1)], axis=-2)
 
 
 unit_lower_inverse = with_closed_form_vjp(_blocked_inverse)
+plain_unit_lower_inverse = with_closed_form_vjp(lambda A: _blocked_inverse(A, mm))
+"""The same with plain products: exact where the result is finite, not row-causal."""
 """(I + A)^-1 for strictly lower-triangular A [..., m, m] in XLA (blocked, see
 :func:`_blocked_inverse`), closed-form vjp. The cutedsl backend swaps in a kernel
 (``gdp_jax.kernels.inverse``)."""
@@ -202,15 +207,19 @@ def intra_chunk(ch: ChunkInputs, inverse=None) -> Intra:
     return wy_factors(ch, inverse)[0]
 
 
-def wy_factors(ch: ChunkInputs, inverse=None, narrow=None):
+def wy_factors(ch: ChunkInputs, inverse=None, narrow=None, plain=False):
     """(:class:`Intra`, X = (I + A)^-1 [.., C, C]) of every chunk: ``intra_chunk`` with
     the inverse kept (the direct backward :func:`local_grads_direct` reuses it).
 
     ``narrow`` (a 16-bit dtype, the xla engine's for 16-bit inputs): w, u and Kt
     [.., C, K | V] come back in it (products accumulated in float32, then rounded: what
     the scans and the backward read); w and u from two products (no [.., C, K + V]
-    concatenate). None: all in the compute dtype (the cutedsl backend's callers)."""
-    inverse = unit_lower_inverse if inverse is None else inverse
+    concatenate). None: all in the compute dtype (the cutedsl backend's callers).
+    ``plain``: plain products (and :data:`plain_unit_lower_inverse`), not
+    :func:`causal_mm`: the same values wherever they are all finite."""
+    if inverse is None:
+        inverse = plain_unit_lower_inverse if plain else unit_lower_inverse
+    rows_mm = mm if plain else causal_mm
     C = ch.k.shape[-2]
     G = prefix_sum(ch.g, axis=-1)                                # log-decay from chunk start
     G_last = G[..., -1]
@@ -223,11 +232,11 @@ def wy_factors(ch: ChunkInputs, inverse=None, narrow=None):
     X = inverse(A)
     if narrow is not None:
         Rw, Ru = (ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v
-        w, u = causal_mm(X, Rw).astype(narrow), causal_mm(X, Ru).astype(narrow)
+        w, u = rows_mm(X, Rw).astype(narrow), rows_mm(X, Ru).astype(narrow)
         Kt = (jnp.exp(_to_end(ch.g))[..., None] * ch.k).astype(narrow)
         return Intra(G_last, Gam, gam, w, u, Kt), X
     rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
-    wu = causal_mm(X, rhs)
+    wu = rows_mm(X, rhs)
     K = ch.k.shape[-1]
     Kt = jnp.exp(_to_end(ch.g))[..., None] * ch.k
     return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt), X

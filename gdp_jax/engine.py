@@ -314,8 +314,8 @@ class XlaEngine(Engine):
         states in :func:`walk_dtype`; the CP prepare keeps them in the compute dtype (its
         response columns are added to them before they are rounded)."""
         nd = narrow_dtype(spec)
-        x, bad = recurrence.forward_operands(chb, chunked.wy_factors(chb, narrow=nd)[0],
-                                             spec.scale, grid.readout_every(spec.n), nd)
+        _, _, x, bad = recurrence.factors_and_operands(chb, spec.scale,
+                                                       grid.readout_every(spec.n), nd)
         o, final, states = recurrence.forward(blk, x, f, h0, spec.N, stride, states_dtype,
                                               batched, walk_dtype(spec) if narrow_states else None)
         return jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o), final, states
@@ -338,9 +338,8 @@ class XlaEngine(Engine):
                                                         spec.N, stride, spec.scale, Ls,
                                                         batched, nd, wd)
         else:
-            it, X = chunked.wy_factors(chb, narrow=nd)
-            x, _ = recurrence.forward_operands(chb, it, spec.scale,
-                                               grid.every_of(doc.shape[-2]), nd)
+            it, X, x, _ = recurrence.factors_and_operands(chb, spec.scale,
+                                                          grid.every_of(doc.shape[-2]), nd)
             if states is None:      # not kept (a direct caller): recompute them
                 stride = 1
                 states = recurrence.forward(blk, x, f, h0, spec.N, 1, h0.dtype, batched)[2]

@@ -161,6 +161,34 @@ def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1,
     return Forward(w, u, Kt, it.G_last, qg, P), bad
 
 
+# The chunk factors and forward operands computed with plain products first, and again
+# with the row-causal ones (:func:`gdp_jax.chunked.causal_mm`) only when some value of the
+# call is not finite (a ``lax.cond`` on one flag): matmul and add chains never turn a
+# non-finite value finite, so all-finite plain results are the causal ones exactly.
+OPTIMISTIC_FACTORS = True
+
+
+def factors_and_operands(ch: ChunkInputs, scale, every: int = 1, narrow=None):
+    """(:class:`gdp_jax.chunked.Intra`, X = (I + A)^-1, :class:`Forward` operands, ``bad``)
+    of every chunk: :func:`gdp_jax.chunked.wy_factors` and :func:`forward_operands`, with
+    :data:`OPTIMISTIC_FACTORS` the plain-product path where the call is all finite."""
+    def causal():
+        it, X = chunked.wy_factors(ch, narrow=narrow)
+        return (it, X, *forward_operands(ch, it, scale, every, narrow))
+
+    if not OPTIMISTIC_FACTORS:
+        return causal()
+    it, X = chunked.wy_factors(ch, narrow=narrow, plain=True)
+    qg, P = readout_operands(ch, it, scale, every)
+    if narrow is not None:
+        qg, P = qg.astype(narrow), P.astype(narrow)
+    x = Forward(it.w, it.u, it.Kt, it.G_last, qg, P)
+    finite = lambda a: jnp.all(jnp.isfinite(a))
+    ok = finite(X) & finite(x.w) & finite(x.u) & finite(x.Kt) & finite(qg) & finite(P)
+    bad = _vma.like(jnp.zeros(P.shape[:-1], bool), P)
+    return lax.cond(ok, lambda: (it, X, x, bad), causal)
+
+
 def _mm(a, b):
     """a @ b accumulated in float32 at least (:func:`gdp_jax.chunked.mm`): a 16-bit
     operand (w, Kt, qg, P, dO, a 16-bit checkpoint) against the float32 state is widened,
@@ -476,8 +504,7 @@ def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, state
 
     def step(carry, xs):
         c, fs = xs
-        it = chunked.wy_factors(c, narrow=narrow)[0]
-        x, bad = forward_operands(c, it, scale, every, narrow)
+        _, _, x, bad = factors_and_operands(c, scale, every, narrow)
         S, fin, o, states = forward_walk(x, fs, h0, N, stride, states_dtype, *carry,
                                          batched=batched, walk_dtype=walk_dtype)
         o = jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
@@ -507,8 +534,7 @@ def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: 
 
     def step(carry, xs):
         c, do, fs, st = xs
-        it, X = chunked.wy_factors(c, narrow=narrow)
-        x, _ = forward_operands(c, it, scale, every, narrow)
+        it, X, x, _ = factors_and_operands(c, scale, every, narrow)
         S0 = states_from_checkpoints(x, fs, h0, st, stride, batched=batched)
         rev = Reverse(it.w, it.Kt, it.G_last, x.qg, x.P, do)
         dS, first, dS_end = reverse_walk(rev, fs, dfinal, N, *carry, batched=batched,
