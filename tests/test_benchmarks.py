@@ -162,6 +162,16 @@ def test_kernel_ab_configs_parse_and_reject_typos():
         kernel_ab.parse_configs("splt=1,bv=32")
 
 
+def test_set_switches_a_module_constant_and_rejects_typos(monkeypatch):
+    from gdp_jax import recurrence
+    monkeypatch.setattr(recurrence, "SCAN_UNROLL", dict(recurrence.SCAN_UNROLL))
+    run.apply_settings(["recurrence.SCAN_UNROLL={'gpu': 4}"])
+    assert recurrence.SCAN_UNROLL == {"gpu": 4}
+    for bad in ("recurrence.SCAN_UNROL=1", "SCAN_UNROLL=1", "recurrence.SCAN_UNROLL"):
+        with pytest.raises(SystemExit, match="--set"):
+            run.apply_settings([bad])
+
+
 def test_hlo_lines_names_kernels_by_source_line(tmp_path, capsys):
     """hlo_lines joins a trace table with the optimized HLO: each named instruction gets
     its shape, a bandwidth from its bytes, and the gdp_jax line that built it."""

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gdp_jax import chunked, engine
+from gdp_jax import gated_delta_product as gdp_op
 from gdp_jax._checks import check_inputs
 from gdp_jax.testing import make_inputs, rel_max
 
@@ -81,3 +82,43 @@ def test_segment_sums_float32_strong_gates_and_non_finite():
     assert np.all(np.isfinite(seg[1, :20]))      # rows before the NaN gate are untouched
     ok = np.asarray(_direct_segment_sums(g[1:2, :20])[0])
     assert np.max(np.abs(seg[1, :20, :20] - ok)) < 1e-2
+
+
+def _op_grads(inp, **kw):
+    f = lambda *a: jnp.sum(gdp_op(*a, backend="xla", **kw).astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))(
+        inp.q, inp.k, inp.v, inp.g, inp.beta)
+
+
+@pytest.mark.parametrize("loop", ["map", "unrolled"])
+def test_local_grads_in_blocks_equal_all_at_once(monkeypatch, loop):
+    """The backward's local gradients on blocks of chunks (engine.LOCAL_GRAD_PROBLEMS)
+    give the all-at-once values bitwise (float64), GVA and K != V included."""
+    inp = make_inputs(3, 2, 300, 2, 1, 2, 16, 24, jnp.float64)
+    jax.clear_caches()          # the op's jit cache would hide the switch
+    want = _op_grads(inp)
+    monkeypatch.setattr(engine, "LOCAL_GRAD_PROBLEMS", 8)
+    monkeypatch.setattr(engine, "LOCAL_GRAD_LOOP", loop)
+    assert engine._block_count(10, 4, 8) == 5       # 10 chunks of 2 rows x 2 heads: 5 blocks
+    jax.clear_caches()
+    got = _op_grads(inp)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.bfloat16])
+def test_optimistic_factors_equal_causal_ones_when_finite(monkeypatch, dtype):
+    """recurrence.OPTIMISTIC_FACTORS (plain products, the causal ones only for a call
+    with a non-finite value): bitwise the always-causal outputs and gradients on finite
+    inputs (tests/test_robust.py checks the non-finite calls with it on)."""
+    from gdp_jax import recurrence
+    inp = make_inputs(4, 2, 200, 2, 1, 2, 16, 8, dtype)
+    out = {}
+    for flag in (False, True):
+        monkeypatch.setattr(recurrence, "OPTIMISTIC_FACTORS", flag)
+        jax.clear_caches()
+        out[flag] = jax.tree_util.tree_leaves(_op_grads(inp))
+    for a, b in zip(out[True], out[False]):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    jax.clear_caches()
