@@ -3,7 +3,7 @@
 # s11_gpu1_out): the chunk factors on plain products with the causal ones only for a call
 # with a non-finite value (recurrence.OPTIMISTIC_FACTORS, now on) against always causal;
 # the walks' scan unroll; the local gradients in blocks ordered by barriers; q and k in
-# bf16; then where the time goes by source line (engine backward alone, forward).
+# bf16; two-level walks at the long-row shape; then where the time goes by source line (engine backward alone, forward).
 source .gpu-deps/install.sh
 export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false
 run() {  # name, timeout, shapes, extra args
@@ -17,6 +17,7 @@ run opt 110 "$M"
 run causal 75 "$M" --no-check --set recurrence.OPTIMISTIC_FACTORS=False
 run opt_u8 90 "8,4096,16,2;2,16384,16,2" --no-check --set "recurrence.SCAN_UNROLL={'gpu': 8}"
 run opt_long 55 "2,16384,16,2" --no-check
+run blocked_long 60 "2,16384,16,2" --no-check --set recurrence.MIN_BLOCKED_CHUNKS=64
 run lg_unrolled 55 "8,4096,16,2" --no-check --set engine.LOCAL_GRAD_PROBLEMS=4096 --set "engine.LOCAL_GRAD_LOOP='unrolled'"
 run narrowqk 60 "8,4096,16,2" --set engine.NARROW_QK=True
 for m in bwd fwd; do
