@@ -201,7 +201,7 @@ def walk_dtype(spec):
 
 # q and k (L2-normalised, GVA-repeated, interleaved) rounded to the 16-bit input dtype
 # too: half the bytes of the two chunk tensors the most fusions read.
-NARROW_QK = False
+NARROW_QK = True
 
 
 def _narrow_inputs(ch, dt):

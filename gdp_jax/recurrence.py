@@ -47,13 +47,18 @@ from gdp_jax.grid import ChunkInputs, ChunkLayout, Contiguous, every_of, readout
 # at (8, 4096, 16, 2)); kept for rows of few problems per step, where it is untested.
 MIN_BLOCKED_CHUNKS = None
 
-# ``unroll`` of the one-level walks' ``lax.scan`` (steps per loop iteration) by platform;
-# 1 where not listed (compile time grows with it).
-SCAN_UNROLL = {"gpu": 1}
+# ``unroll`` of the one-level walks' ``lax.scan`` (steps per loop iteration) by platform,
+# for walks of fewer than UNROLL_BELOW problems (rows x heads) per step, whose steps are
+# too small to hide the loop's own cost; 1 otherwise (compile time grows with it). H200,
+# s12-2 (benchmarks/results/history/2026-12-03): unroll 8 took (2, 16384, 16, 2), 32
+# problems per step, from 38.13 to 34.19 ms fwd+bwd but (8, 4096, 16, 2), 128 per step,
+# from 26.46 to 28.81.
+SCAN_UNROLL = {"gpu": 8}
+UNROLL_BELOW = 64
 
 
-def _unroll() -> int:
-    return SCAN_UNROLL.get(jax.default_backend(), 1)
+def _unroll(problems: int) -> int:
+    return SCAN_UNROLL.get(jax.default_backend(), 1) if problems < UNROLL_BELOW else 1
 
 
 def block_len(NC: int, stride: int = 1) -> int:
@@ -291,7 +296,7 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
         return _advance(S, w, u, Kt, G_last)[0], keep
 
     S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq),
-                     unroll=_unroll())
+                     unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
     o = readout(x, S0)
     if not batched:
         fin = _collect_final(x, f, S0, fin)
@@ -440,7 +445,8 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
         return jnp.where(_b(reset, dS), 0, dS_start), dS_end
 
     xs = (x.w, x.Kt, x.G_last, x.qg, ddo, x.do, f.reset, f.seq, f.last)
-    dS, dS_end = lax.scan(step, dS, xs, reverse=True, unroll=_unroll())
+    dS, dS_end = lax.scan(step, dS, xs, reverse=True,
+                          unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
     if batched:
         return dS, first, dS_end
     idx = _chunk_of_each(f.reset, f.seq, N)
