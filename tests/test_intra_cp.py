@@ -56,8 +56,9 @@ def test_packed_sequences_cross_segments():
 def test_no_gate_no_initial_state():
     inp = make_inputs(2, 1, 192, 1, 2, 2, 8, 8, jnp.float64, gate="none")
     inp = inp._replace(initial_state=None)
-    o1 = OP(*inp[:5], intra_cp=3)
-    o2 = REF(*inp[:5])
+    # under jax.jit (eagerly: op-by-op dispatch)
+    o1 = jax.jit(lambda *a: OP(*a, intra_cp=3))(*inp[:5])
+    o2 = jax.jit(REF)(*inp[:5])
     assert rel_max(o1, o2) < 1e-10
 
 
@@ -71,17 +72,20 @@ def test_emulated_cutedsl_split_matches_xla(packed):
                       N=5 if packed else None)
     kw = dict(initial_state=inp.initial_state, output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True)
+    # under jax.jit (eagerly: op-by-op dispatch, most of the ~45 s), traced inside the
+    # emulation; a fresh function per call, so neither reuses the other's trace
     with emulated_kernels():
-        o, s = OP(*inp[:5], backend="cutedsl", intra_cp=4, **kw)
-    o2, s2 = OP(*inp[:5], backend="xla", **kw)
+        o, s = jax.jit(lambda *a: OP(*a, backend="cutedsl", intra_cp=4, **kw))(*inp[:5])
+    o2, s2 = jax.jit(lambda *a: OP(*a, backend="xla", **kw))(*inp[:5])
     assert rel_max(o, o2) < 2e-2 and rel_max(s, s2) < 2e-2
 
 
 def test_under_vmap():
     inp = make_inputs(4, 2, 128, 1, 1, 1, 8, 8, jnp.float64)
-    vm = jax.vmap(lambda q, k, v, g, b: OP(q[None], k[None], v[None], g[None], b[None],
-                                          intra_cp=2)[0])(*inp[:5])
-    assert rel_max(vm, OP(*inp[:5])) < 1e-12
+    # under jax.jit (eagerly: op-by-op dispatch of the batched op)
+    vm = jax.jit(jax.vmap(lambda q, k, v, g, b: OP(q[None], k[None], v[None], g[None],
+                                                   b[None], intra_cp=2)[0]))(*inp[:5])
+    assert rel_max(vm, jax.jit(OP)(*inp[:5])) < 1e-12
 
 
 def _spec(B, T, HV):

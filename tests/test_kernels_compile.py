@@ -37,6 +37,27 @@ def _compile_here(monkeypatch, tmp_path):
     aot._stores.clear()
 
 
+@pytest.fixture
+def prebuilt(every_kernel_variant, monkeypatch):
+    """The op-level lowerings below check the XLA glue around the kernels: they lower on
+    the shape-generic objects of the session's full build (tests/conftest.py; checked by
+    test_aot.py::test_build_every_variant) instead of compiling every kernel again per
+    shape (each of these tests compiled 3-6 kernels, 20-40 s). The per-shape ("static")
+    compile of every kernel stays covered by the kernel-level tests above and by
+    test_cutedsl_op_forward_and_grad_lower[static]. Variants the build does not list
+    (checkpoints of recompute_chunk_num = 1) compile here, shape-generic."""
+    from gdp_jax.kernels import aot
+    out, r = every_kernel_variant
+    assert r["returncode"] == 0, r["stdout"][-3000:] + r["stderr"][-3000:]
+    monkeypatch.setenv(aot.ENV_DIR, str(out))
+    monkeypatch.setenv("GDP_JAX_KERNEL_SHAPES", "generic")
+    aot._stores.clear()
+    jax.clear_caches()              # no trace of the other mode may stand in
+    yield out
+    aot._stores.clear()
+    jax.clear_caches()
+
+
 def _lower(fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=CUDA).as_text()
 
@@ -101,8 +122,10 @@ def test_inverse_kernel_compiles(shape):
     assert "CuteDSLRT_NvJaxCutlassCall" in txt
     grad = lambda A: jax.grad(lambda a: jnp.sum(wy_inverse.unit_lower_inverse(a) ** 2))(A)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(grad, S(shape, jnp.float32))
-    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(jax.vmap(wy_inverse.unit_lower_inverse),
-                                                  S((4,) + shape, jnp.float32))
+    # the vmap over the leading axis: the kernel sees the same matrices (so the per-shape
+    # compile of the plain call serves it; another count would only compile it again)
+    vm = _lower(jax.vmap(wy_inverse.unit_lower_inverse), S(shape, jnp.float32))
+    assert "CuteDSLRT_NvJaxCutlassCall" in vm
 
 
 def _chunk_avals(B, NC, HV, K, V, dtype=jnp.float32):
@@ -170,10 +193,18 @@ def _op_avals(B, T, n, H, HV, K, V, dtype):
             S((B, T, HV), jnp.float32), S((B, T, n, HV), dtype), S((B, HV, K, V), jnp.float32))
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_cutedsl_op_forward_and_grad_lower(n):
+@pytest.mark.parametrize("n,shapes", [(1, "static"), (3, "generic")])
+def test_cutedsl_op_forward_and_grad_lower(n, shapes, request):
     """The whole cutedsl op (XLA parts + kernels) and its backward lower for cuda: the
-    backward holds the forward kernel (with checkpoints) and the reverse dS kernel."""
+    backward holds the forward kernel (with checkpoints) and the reverse dS kernel. Once
+    with every kernel compiled for the shape (the default without prebuilt kernels), once
+    on the prebuilt shape-generic objects."""
+    if shapes == "generic":
+        request.getfixturevalue("prebuilt")
+    else:
+        jax.clear_caches()
+        from gdp_jax.kernels import binding
+        assert binding.kernel_shapes() == "static"
     B, T, H, HV, K, V = 1, 100, 1, 2, 64, 64
     dtype = jnp.bfloat16
     avals = _op_avals(B, T, n, H, HV, K, V, dtype)
@@ -195,7 +226,7 @@ def test_cutedsl_op_forward_and_grad_lower(n):
     assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2
 
 
-def test_cutedsl_op_packed_lowers():
+def test_cutedsl_op_packed_lowers(prebuilt):
     B, T, n, H, HV, K, V = 1, 200, 2, 2, 4, 128, 128
     avals = _op_avals(B, T, n, H, HV, K, V, jnp.bfloat16)[:5] + (
         S((3, HV, K, V), jnp.float32), S((4,), jnp.int32))
@@ -207,7 +238,7 @@ def test_cutedsl_op_packed_lowers():
 
 
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (128, 64)])
-def test_cp_summary_kernels_lower(K, V):
+def test_cp_summary_kernels_lower(K, V, prebuilt):
     """The CP summaries run the forward / reverse kernels on V + K state columns."""
     B, T, n, HV = 1, 200, 2, 2
     layout = grid.make_layout(B, T, n, None)
@@ -230,7 +261,7 @@ def test_cp_summary_kernels_lower(K, V):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_cp_rank_runs_one_kernel_pass_per_direction(packed):
+def test_cp_rank_runs_one_kernel_pass_per_direction(packed, prebuilt):
     """One CP rank (the four protocol functions, lowered for cuda): the forward holds ONE
     forward chunk kernel and fwd+bwd ONE reverse kernel beside it, both on V + K state
     columns (apply resumes from their outputs instead of walking the chunks again)."""
@@ -304,7 +335,7 @@ def test_can_implement():
         T=64, input_dtype="float32"))
 
 
-def test_cutedsl_op_vmap_and_grad_lower():
+def test_cutedsl_op_vmap_and_grad_lower(prebuilt):
     """jax.vmap of the cutedsl op and of its gradient lowers (the kernels' batching rule
     folds the mapped axis into the batch rows; cutlass_call has no rule of its own)."""
     B, T, n, H, HV, K, V = 1, 100, 2, 1, 2, 64, 64
@@ -394,6 +425,10 @@ def test_local_grad_kernel_compiles(dtype, K, V):
     assert [o.shape for o in out] == [(B, NC, HV, C, K)] * 2 + [(B, NC, HV, C, V)] + [
         (B, NC, HV, C)] * 2
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(call, *avals)
+    # vmap over 2 problems of B / 2 rows: the folded call has the unbatched shapes, so the
+    # per-shape compile above serves it (the rule is what is under test, not another shape)
     batched = jax.vmap(call)
-    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(batched, *(S((2,) + a.shape, a.dtype)
-                                                             for a in avals))
+    out_b = jax.eval_shape(batched, *(S((2, B // 2) + a.shape[1:], a.dtype) for a in avals))
+    assert [o.shape for o in out_b] == [(2, B // 2) + o.shape[1:] for o in out]
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(batched, *(S((2, B // 2) + a.shape[1:],
+                                                               a.dtype) for a in avals))

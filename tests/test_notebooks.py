@@ -16,6 +16,10 @@ nbclient = pytest.importorskip("nbclient", reason="install the 'notebooks' extra
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 PLOTS = re.compile(r"\bplt\.")
 MAX_BYTES = 300_000
+# CI time: notebook 03 trains two S3 models for 400 steps each (most of its ~220 s run on a
+# 2-core CPU). The test runs every cell with fewer steps: what it checks (no error, every
+# plot drawn) does not depend on the step count; users and the committed outputs keep 400.
+SHORTER = {"03_s3_state_tracking": ("STEPS, SEQ_LEN = 400, 16", "STEPS, SEQ_LEN = 40, 16")}
 
 
 def _code_cells(nb):
@@ -59,6 +63,11 @@ def test_notebook_executes(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     for c in _code_cells(nb):
         c.outputs = []                                   # judge this run, not stored ones
+    if path.stem in SHORTER:
+        line, short = SHORTER[path.stem]
+        cells = [c for c in _code_cells(nb) if line in c.source]
+        assert len(cells) == 1, f"{path.name}: expected one cell with {line!r}"
+        cells[0].source = cells[0].source.replace(line, short)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()
