@@ -190,7 +190,7 @@ def _blocked_inverse(A, matmul=None):
     return jnp.concatenate([top, jnp.concatenate([X21, X22], axis=-1)], axis=-2)
 
 
-unit_lower_inverse = with_closed_form_vjp(_blocked_inverse)
+unit_lower_inverse = with_closed_form_vjp(lambda A: _blocked_inverse(A))
 plain_unit_lower_inverse = with_closed_form_vjp(lambda A: _blocked_inverse(A, mm))
 """The same with plain products: exact where the result is finite, not row-causal."""
 """(I + A)^-1 for strictly lower-triangular A [..., m, m] in XLA (blocked, see
