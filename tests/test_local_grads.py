@@ -111,14 +111,34 @@ def test_local_grads_in_blocks_equal_all_at_once(monkeypatch, loop):
 def test_optimistic_factors_equal_causal_ones_when_finite(monkeypatch, dtype):
     """recurrence.OPTIMISTIC_FACTORS (plain products, the causal ones only for a call
     with a non-finite value): bitwise the always-causal outputs and gradients on finite
-    inputs (tests/test_robust.py checks the non-finite calls with it on)."""
+    inputs (the non-finite fallback: the test below)."""
     from gdp_jax import recurrence
     inp = make_inputs(4, 2, 200, 2, 1, 2, 16, 8, dtype)
     out = {}
     for flag in (False, True):
-        monkeypatch.setattr(recurrence, "OPTIMISTIC_FACTORS", flag)
+        monkeypatch.setattr(recurrence, "OPTIMISTIC_FACTORS", {jax.default_backend(): flag})
         jax.clear_caches()
         out[flag] = jax.tree_util.tree_leaves(_op_grads(inp))
     for a, b in zip(out[True], out[False]):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name,t0", [("k", 70), ("v", 5), ("beta", 130)])
+def test_optimistic_factors_fall_back_to_causal_ones(monkeypatch, name, t0):
+    """A non-finite input: the optimistic path takes its causal branch, so the outputs are
+    bitwise the always-causal ones (NaN where those are NaN, exact before t0)."""
+    from gdp_jax import recurrence
+    inp = make_inputs(5, 1, 150, 2, 1, 2, 8, 8, jnp.float64)
+    x = np.array(getattr(inp, name))
+    x[0, t0] = np.inf
+    inp = inp._replace(**{name: jnp.asarray(x)})
+    out = {}
+    for flag in (False, True):
+        monkeypatch.setattr(recurrence, "OPTIMISTIC_FACTORS", {jax.default_backend(): flag})
+        jax.clear_caches()
+        out[flag] = np.asarray(jax.jit(lambda *a: gdp_op(*a, backend="xla"))(
+            inp.q, inp.k, inp.v, inp.g, inp.beta))
+    assert np.array_equal(out[True], out[False], equal_nan=True)
+    assert np.isfinite(out[True][:, :t0]).all() and not np.isfinite(out[True]).all()
     jax.clear_caches()
