@@ -158,7 +158,7 @@ def with_closed_form_vjp(inverse):
     return f
 
 
-def _blocked_inverse(A, matmul=None):
+def _blocked_inverse(A, plain=False):
     """(I + A)^-1 for strictly lower-triangular A [..., m, m] (m <= 16 or 16 * 2^j).
 
     Blocked, in batched matmuls (FLA's solve_tril scheme): the 16 x 16 diagonal blocks by
@@ -169,9 +169,8 @@ def _blocked_inverse(A, matmul=None):
     (benchmarks/results/history/2026-11-29/NOTES.md).
     """
     m = A.shape[-1]
-    # causal_mm by default; a plain product where the caller knows the result finite
-    # (:func:`gdp_jax.recurrence.factors_and_operands`)
-    matmul = causal_mm if matmul is None else matmul
+    # ``plain``: plain products where the caller checks the result finite
+    # (:func:`gdp_jax.recurrence.factors_and_operands`), else row-causal ones
     if m <= SUBSTITUTION_BLOCK:
         # X <- I - A X, m - 1 times from X = I: after t steps rows 0..t are final (A is
         # strictly lower), i.e. forward substitution, in m - 1 batched matmuls (unrolled:
@@ -180,22 +179,23 @@ def _blocked_inverse(A, matmul=None):
         eye = jnp.eye(m, dtype=A.dtype)
         X = eye - A
         for _ in range(m - 2):
-            X = eye - (matmul(A, X, strict=True) if matmul is causal_mm else matmul(A, X))
+            X = eye - (mm(A, X) if plain else causal_mm(A, X, strict=True))
         return X
     h = m // 2
-    diag = _blocked_inverse(jnp.stack([A[..., :h, :h], A[..., h:, h:]], axis=0), matmul)
+    diag = _blocked_inverse(jnp.stack([A[..., :h, :h], A[..., h:, h:]], axis=0), plain)
     X11, X22 = diag[0], diag[1]
-    X21 = -matmul(X22, A[..., h:, :h] @ X11)   # X11's rows all precede X21's
+    X21 = -(mm if plain else causal_mm)(X22, A[..., h:, :h] @ X11)   # X11's rows precede X21's
     top = jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([X21, X22], axis=-1)], axis=-2)
 
 
 unit_lower_inverse = with_closed_form_vjp(lambda A: _blocked_inverse(A))
-plain_unit_lower_inverse = with_closed_form_vjp(lambda A: _blocked_inverse(A, mm))
-"""The same with plain products: exact where the result is finite, not row-causal."""
 """(I + A)^-1 for strictly lower-triangular A [..., m, m] in XLA (blocked, see
 :func:`_blocked_inverse`), closed-form vjp. The cutedsl backend swaps in a kernel
 (``gdp_jax.kernels.inverse``)."""
+
+plain_unit_lower_inverse = with_closed_form_vjp(lambda A: _blocked_inverse(A, plain=True))
+"""The same with plain products: exact where the result is finite, not row-causal."""
 
 
 def intra_chunk(ch: ChunkInputs, inverse=None) -> Intra:

@@ -246,28 +246,10 @@ def local_grads_in_blocks(chb, it, X, S0, docb, dS_end, scale, problems=None):
     nb = _block_count(L, R * HV, problems)
     if nb == 1:
         return chunked.local_grads_direct(chb, it, X, S0, docb, dS_end, scale)
-    args = (chb, it, X, S0, docb, dS_end)
-    if LOCAL_GRAD_LOOP == "map":
-        split = lambda a: a.reshape((nb, L // nb) + a.shape[1:])
-        out = lax.map(lambda a: chunked.local_grads_direct(*a, scale),
-                      jax.tree_util.tree_map(split, args))
-        return jax.tree_util.tree_map(lambda a: a.reshape((L,) + a.shape[2:]), out)
-    # unrolled: static slices (fused into their readers), blocks chained through
-    # optimization barriers so XLA runs them one after another
-    Lb, outs, prev = L // nb, [], None
-    for i in range(nb):
-        part = jax.tree_util.tree_map(lambda a: a[i * Lb:(i + 1) * Lb], args)
-        if prev is not None:
-            prev, part = lax.optimization_barrier((prev, part))
-            outs[-1] = prev
-        prev = chunked.local_grads_direct(*part, scale)
-        outs.append(prev)
-    return jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0), *outs)
-
-
-# How the blocks of :func:`local_grads_in_blocks` run: "map" (a ``lax.map``) or
-# "unrolled" (one program, blocks ordered by optimization barriers).
-LOCAL_GRAD_LOOP = "map"
+    split = lambda a: a.reshape((nb, L // nb) + a.shape[1:])
+    out = lax.map(lambda a: chunked.local_grads_direct(*a, scale),
+                  jax.tree_util.tree_map(split, (chb, it, X, S0, docb, dS_end)))
+    return jax.tree_util.tree_map(lambda a: a.reshape((L,) + a.shape[2:]), out)
 
 
 class XlaEngine(Engine):

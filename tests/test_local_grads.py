@@ -90,15 +90,13 @@ def _op_grads(inp, **kw):
         inp.q, inp.k, inp.v, inp.g, inp.beta)
 
 
-@pytest.mark.parametrize("loop", ["map", "unrolled"])
-def test_local_grads_in_blocks_equal_all_at_once(monkeypatch, loop):
+def test_local_grads_in_blocks_equal_all_at_once(monkeypatch):
     """The backward's local gradients on blocks of chunks (engine.LOCAL_GRAD_PROBLEMS)
     give the all-at-once values bitwise (float64), GVA and K != V included."""
     inp = make_inputs(3, 2, 300, 2, 1, 2, 16, 24, jnp.float64)
     jax.clear_caches()          # the op's jit cache would hide the switch
     want = _op_grads(inp)
     monkeypatch.setattr(engine, "LOCAL_GRAD_PROBLEMS", 8)
-    monkeypatch.setattr(engine, "LOCAL_GRAD_LOOP", loop)
     assert engine._block_count(10, 4, 8) == 5       # 10 chunks of 2 rows x 2 heads: 5 blocks
     jax.clear_caches()
     got = _op_grads(inp)
