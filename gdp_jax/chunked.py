@@ -232,7 +232,11 @@ def wy_factors(ch: ChunkInputs, inverse=None, narrow=None, plain=False):
     X = inverse(A)
     if narrow is not None:
         Rw, Ru = (ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v
-        w, u = rows_mm(X, Rw).astype(narrow), rows_mm(X, Ru).astype(narrow)
+        if NARROW_WY:
+            X16, Rw, Ru = X.astype(narrow), Rw.astype(narrow), Ru.astype(narrow)
+        else:
+            X16 = X
+        w, u = rows_mm(X16, Rw).astype(narrow), rows_mm(X16, Ru).astype(narrow)
         Kt = (jnp.exp(_to_end(ch.g))[..., None] * ch.k).astype(narrow)
         return Intra(G_last, Gam, gam, w, u, Kt), X
     rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
@@ -240,6 +244,11 @@ def wy_factors(ch: ChunkInputs, inverse=None, narrow=None, plain=False):
     K = ch.k.shape[-1]
     Kt = jnp.exp(_to_end(ch.g))[..., None] * ch.k
     return Intra(G_last, Gam, gam, wu[..., :K], wu[..., K:], Kt), X
+
+
+# ``narrow``: the products w = X Rw, u = X Ru on 16-bit X and Rw, Ru (FLA's choice) instead
+# of float32 ones. Off (an A/B switch).
+NARROW_WY = False
 
 
 def _to_end(g):
@@ -455,13 +464,16 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     """
     q, k, v, g, beta = ch
     acc = jnp.promote_types(g.dtype, jnp.float32)   # 16-bit operands (w, S0, ..) meet it
+    # :data:`NARROW_GRADS`: the operands that only feed further products in w's 16-bit dtype
+    nd = it.w.dtype if NARROW_GRADS and it.w.dtype.itemsize == 2 else None
+    r = (lambda a: a) if nd is None else (lambda a: a.astype(nd))
     C = k.shape[-2]
     every = every_of(doc.shape[-2], C)
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam, gam = it.Gam, it.gam
     Rw = (beta * gam)[..., None] * k
     Ru = beta[..., None] * v
-    delta = it.u - mm(it.w, S0)
+    delta = r(it.u - mm(it.w, S0))
     et = jnp.exp(_to_end(g))
     # the read-out rows of q, gam, Gam and of the causal mask ([.., Cr, X], Cr = C / every)
     lower_r = readout_lower(doc.shape[-2], C)
@@ -470,13 +482,13 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     qk_r = jnp.where(lower_r, mm(q_r, _t(k)), 0.0)
     P_r = qk_r * Gam_r
 
-    ddelta = scale * mm(_t(P_r), doc) + mm(it.Kt, dS_end)                # [.., C, V]
+    ddelta = r(scale * mm(_t(P_r), doc) + mm(it.Kt, dS_end))             # [.., C, V]
     dP_r = jnp.where(lower_r, scale * mm(doc, _t(delta)), 0.0)       # [.., Cr, C]
     dKt = mm(delta, _t(dS_end))                                         # [.., C, K]
-    dW = -mm(ddelta, _t(S0))
-    dX = mm(dW, _t(Rw)) + mm(ddelta, _t(Ru))
-    Xt = _t(X)
-    dA = jnp.where(strict, -mm(mm(Xt, dX), Xt), 0.0)
+    dW = r(-mm(ddelta, _t(S0)))
+    dX = r(mm(dW, _t(r(Rw))) + mm(ddelta, _t(r(Ru))))
+    Xt = r(_t(X))
+    dA = jnp.where(strict, -mm(r(mm(Xt, dX)), Xt), 0.0)
     dRw = mm(Xt, dW)
     dRu = mm(Xt, ddelta)
 
@@ -520,6 +532,12 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     # Under shard_map an input replicated over a mesh axis (the zero gate of an ungated
     # call) needs a cotangent that is too.
     return _vma.cotangent_like(ChunkInputs(dq, dk, dv, dg, dbeta), ch)
+
+
+# 16-bit inputs: the chunk-local backward's intermediates that feed only further products
+# (Delta, dDelta, dW, dX, X^T dX, and the operands X, Rw, Ru they meet) are rounded to the
+# 16-bit dtype of w, as FLA keeps its own; every product still accumulates in float32.
+NARROW_GRADS = True
 
 
 # The [.., C] row sums of dg and dbeta end their fusions here: on the H200 XLA fused the

@@ -311,10 +311,21 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
     return S, fin, o, states
 
 
+# The readout qg S0 + P (u - w S0) as (qg - P w) S0 + P u: S0 [.., K, V] is then read by
+# one product of Cr rows instead of two of C + Cr (w S0 and qg S0), and no [.., C, V]
+# Delta is written; P w and P u meet only masked operands (w, u are zero on non-finite
+# rows, :func:`forward_operands`, or all finite on the optimistic path).
+FOLDED_READOUT = True
+
+
 def readout(x: Forward, S0):
-    """Output rows [.., C, V] of every chunk from its start state S0 [.., K, V]:
-    qg S0 + P Delta, Delta = u - w S0 (P's zeros never meet a later non-finite row:
-    :func:`gdp_jax.chunked.causal_mm`)."""
+    """Output rows [.., Cr, V] of every chunk from its start state S0 [.., K, V]:
+    qg S0 + P Delta, Delta = u - w S0. :data:`FOLDED_READOUT`: as (qg - P w) S0 + P u,
+    the folded [.., Cr, K] operand in qg's dtype; else with Delta (P's zeros never meet a
+    later non-finite row: :func:`gdp_jax.chunked.causal_mm`)."""
+    if FOLDED_READOUT:
+        qf = (x.qg.astype(jnp.promote_types(x.qg.dtype, jnp.float32)) - _mm(x.P, x.w))
+        return _mm(qf.astype(x.qg.dtype), S0) + _mm(x.P, x.u)
     delta = x.u - _mm(x.w, S0)
     return _mm(x.qg, S0) + chunked.causal_mm(x.P, delta)
 
