@@ -208,8 +208,10 @@ def factors_and_operands(ch: ChunkInputs, scale, every: int = 1, narrow=None):
     if narrow is not None:
         qg, P = qg.astype(narrow), P.astype(narrow)
     x = Forward(it.w, it.u, it.Kt, it.G_last, qg, P)
+    # X is not read: a non-finite entry of X makes its whole row of w = X Rw non-finite
+    # (inf times a finite value is inf or NaN)
     finite = lambda a: jnp.all(jnp.isfinite(a))
-    ok = finite(X) & finite(x.w) & finite(x.u) & finite(x.Kt) & finite(qg) & finite(P)
+    ok = finite(x.w) & finite(x.u) & finite(x.Kt) & finite(qg) & finite(P)
     bad = _vma.like(jnp.zeros(P.shape[:-1], bool), P)
     return lax.cond(ok, lambda: (it, X, x, bad), causal)
 
