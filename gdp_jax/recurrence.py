@@ -61,19 +61,6 @@ def _unroll(problems: int) -> int:
     return SCAN_UNROLL.get(jax.default_backend(), 1) if problems < UNROLL_BELOW else 1
 
 
-# Chunks per step of the one-sequence-per-row walks (a power of 2) by platform, for walks of
-# fewer than UNROLL_BELOW problems per step: such steps cost a near-fixed time whatever
-# their size, so p consecutive chunks are composed into one map of p C rows first (in
-# parallel, :func:`group_maps`), the walk takes L / p steps of the same two products, and
-# the states (gradients) inside each group are recomputed afterwards by p - 1 steps on all
-# groups at once. 1: a step per chunk.
-GROUP_WALK = {"gpu": 1}
-
-
-def _group(problems: int) -> int:
-    return GROUP_WALK.get(jax.default_backend(), 1) if problems < UNROLL_BELOW else 1
-
-
 def block_len(NC: int, stride: int = 1) -> int:
     """Chunks per block: NC (one level) unless NC > MIN_BLOCKED_CHUNKS, then
     ~sqrt(NC / 2) (minimises 2 L + NC / L); a multiple of the checkpoint stride
@@ -317,70 +304,13 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
         keep = S if walk_dtype is None or not batched else S.astype(walk_dtype)
         return _advance(S, w, u, Kt, G_last)[0], keep
 
-    p = _group(x.w.shape[1] * x.w.shape[2]) if batched else 1
-    if p > 1:
-        S, S0 = _walk_grouped(x, S, p, S.dtype if walk_dtype is None else walk_dtype)
-    else:
-        S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq),
-                         unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
+    S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq),
+                     unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
     o = readout(x, S0)
     if not batched:
         fin = _collect_final(x, f, S0, fin)
     states = S0[::stride].astype(states_dtype) if stride else None
     return S, fin, o, states
-
-
-def _pad_chunks(a, p: int):
-    """[L, ...] padded with identity chunks (zeros) to a multiple of p."""
-    pad = -a.shape[0] % p
-    return a if not pad else jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
-
-
-def _pair(w, u, Kt, G_last):
-    """The maps of chunk pairs (a, b) = (2i, 2i + 1) as one chunk of 2 C rows, [L / 2, ...]:
-    Delta = [Delta_a; Delta_b] = U - W S and S_end = exp(G_a + G_b) S + Kt^T Delta with
-    W = [w_a; e^G_a w_b - (w_b Kt_a^T) w_a], U = [u_a; u_b - (w_b Kt_a^T) u_a],
-    Kt = [e^G_b Kt_a; Kt_b] (``u`` None: the reverse pass, which needs no U). In w's dtype."""
-    ev, od = (lambda a: a[0::2]), (lambda a: a[1::2])
-    ga, gb = jnp.exp(ev(G_last))[..., None, None], jnp.exp(od(G_last))[..., None, None]
-    T = _mm(od(w), _t(ev(Kt)))                                          # [.., C, C]
-    cat = lambda a, b, dt: jnp.concatenate([a.astype(dt), b.astype(dt)], axis=-2)
-    W = cat(ev(w), ga * od(w) - _mm(T, ev(w)), w.dtype)
-    U = None if u is None else cat(ev(u), od(u) - _mm(T, ev(u)), u.dtype)
-    return W, U, cat(gb * ev(Kt), od(Kt), Kt.dtype), ev(G_last) + od(G_last)
-
-
-def group_maps(w, u, Kt, G_last, p: int):
-    """The maps of p consecutive chunks as one of p C rows (:func:`_pair` log2 p times),
-    [ceil(L / p), ...]; the last group padded with identity chunks."""
-    w, u, Kt, G_last = (None if a is None else _pad_chunks(a, p) for a in (w, u, Kt, G_last))
-    while p > 1:
-        w, u, Kt, G_last = _pair(w, u, Kt, G_last)
-        p //= 2
-    return w, u, Kt, G_last
-
-
-def _walk_grouped(x: Forward, S, p: int, keep_dtype):
-    """The batched forward walk p chunks per step: (S after the last chunk, the start
-    state of every chunk [L, R, HV, K, V] in ``keep_dtype``)."""
-    L = x.w.shape[0]
-    W, U, Kt, G = group_maps(x.w, x.u, x.Kt, x.G_last, p)
-
-    def step(S, xs):
-        return _advance(S, *xs)[0], S
-
-    S_end, starts = lax.scan(step, S, (W, U, Kt, G), unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
-    # the p - 1 states after each group start, all groups at once
-    grp = lambda a: jnp.moveaxis(_pad_chunks(a, p).reshape((-1, p) + a.shape[1:]), 1, 0)
-    xs = tuple(grp(a)[:-1] for a in (x.w, x.u, x.Kt, x.G_last))
-
-    def inner(S, xs):
-        S = _advance(S, *xs)[0]
-        return S, S.astype(keep_dtype)
-
-    _, rest = lax.scan(inner, starts, xs)
-    S0 = jnp.concatenate([starts.astype(keep_dtype)[None], rest], axis=0)  # [p, L / p, ...]
-    return S_end, jnp.moveaxis(S0, 0, 1).reshape((-1,) + S0.shape[2:])[:L]
 
 
 # The readout qg S0 + P (u - w S0) as (qg - P w) S0 + P u: S0 [.., K, V] is then read by
@@ -535,10 +465,6 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
         return jnp.where(_b(reset, dS), 0, dS_start), dS_end
 
     xs = (x.w, x.Kt, x.G_last, x.qg, ddo, x.do, f.reset, f.seq, f.last)
-    p = _group(x.w.shape[1] * x.w.shape[2]) if batched else 1
-    if p > 1:
-        dS, dS_end = _reverse_grouped(x, ddo, dS, p, acc if walk_dtype is None else walk_dtype)
-        return dS, first, dS_end
     dS, dS_end = lax.scan(step, dS, xs, reverse=True,
                           unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
     if batched:
@@ -547,47 +473,6 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
     at_first = _start_grad(*(_pick(idx, a) for a in xs[:6]), _pick(idx, dS_end))
     first = jnp.where(_b(idx >= 0, first), at_first.astype(first.dtype), first)
     return dS, first, dS_end
-
-
-def _transposed_map(w, Kt, G_last, X):
-    """A chunk's (or group's) map on gradients without its own readout terms:
-    exp(G_last) X - w^T (Kt X), X [.., K, V]."""
-    return jnp.exp(G_last)[..., None, None] * X - _mm(_t(w), _mm(Kt, X))
-
-
-def _reverse_grouped(x: Reverse, ddo, dS, p: int, keep_dtype):
-    """The batched reverse walk p chunks per step (:data:`GROUP_WALK`): (the gradient
-    leaving the first chunk's start, dS_end of every chunk [L, R, HV, K, V] in
-    ``keep_dtype``). A group's own terms b (what its output rows send to its start) are
-    composed like its maps: b_pair = b_a + M_a^T b_b, b_chunk = qg^T dO - w^T P^T dO."""
-    L, acc = x.w.shape[0], dS.dtype
-    pad = lambda a: _pad_chunks(a, p)
-    w, Kt, G = pad(x.w), pad(x.Kt), pad(x.G_last)
-    b = pad(_mm(_t(x.qg), x.do).astype(acc) - _mm(_t(x.w), ddo))       # [L, .., K, V]
-    q = p
-    while q > 1:
-        b = b[0::2] + _transposed_map(w[0::2], Kt[0::2], G[0::2], b[1::2])
-        w, _, Kt, G = _pair(w, None, Kt, G)
-        q //= 2
-
-    def step(dS, xs):
-        w, Kt, G, b = xs
-        return b + _transposed_map(w, Kt, G, dS), dS
-
-    dS_first, ends = lax.scan(step, dS, (w, Kt, G, b), reverse=True,
-                              unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
-    # dS_end of the p - 1 chunks before each group's last, all groups at once: chunk j - 1's
-    # is chunk j's start gradient
-    grp = lambda a: jnp.moveaxis(pad(a).reshape((-1, p) + a.shape[1:]), 1, 0)[1:]
-    xs = tuple(grp(a) for a in (x.w, x.Kt, x.G_last, x.qg, ddo, x.do))
-
-    def inner(dS, xs):
-        dS = _start_grad(*xs, dS)
-        return dS, dS.astype(keep_dtype)
-
-    _, rest = lax.scan(inner, ends, xs, reverse=True)              # [p - 1, L / p, ...]
-    dS_end = jnp.concatenate([rest, ends.astype(keep_dtype)[None]], axis=0)
-    return dS_first, jnp.moveaxis(dS_end, 0, 1).reshape((-1,) + dS_end.shape[2:])[:L]
 
 
 def _start_grad(w, Kt, G_last, qg, ddo, do, dS_end):

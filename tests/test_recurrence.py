@@ -209,26 +209,3 @@ def test_batched_walks_equal_flagged(stride):
     for got, want in zip(runs[1], runs[0]):
         assert rel_max(got, want) < TOL
 
-
-@pytest.mark.parametrize("p", [2, 4])
-def test_op_grouped_walks_match_reference(monkeypatch, p):
-    """Walks of p chunks per step (recurrence.GROUP_WALK) on one-sequence rows whose chunk
-    count is not a multiple of p (NC = 10 and 5 with recompute_chunk_num 1): outputs, final
-    states and every gradient equal the token recurrence and the one-chunk-per-step op."""
-    T, n = 300, 2
-    inp = make_inputs(6, 2, T, n, 1, 2, 8, 6, jnp.float64)    # (strong gates: exact anyway)
-    w = default_weights(inp, None, None)
-    run = lambda N_rc: loss_and_grads(gdp_jax.gated_delta_product, inp, w, backend="xla",
-                                      recompute_chunk_num=N_rc)
-    ref = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w)
-    jax.clear_caches()
-    plain = run(0)
-    monkeypatch.setattr(recurrence, "GROUP_WALK", {jax.default_backend(): p})
-    for N_rc in (0, 1):
-        jax.clear_caches()
-        got = run(N_rc)
-        for a, b, c in ((got[0], ref[0], plain[0]), (got[1], ref[1], plain[1])):
-            assert rel_max(a, b) < 1e-10 and 0 < rel_max(a, c) < 1e-12
-        for name in got[3]:
-            assert rel_max(got[3][name], ref[3][name]) < 1e-10, (name, N_rc)
-            assert rel_max(got[3][name], plain[3][name]) < 1e-12, (name, N_rc)
