@@ -316,8 +316,16 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
 # The readout qg S0 + P (u - w S0) as (qg - P w) S0 + P u: S0 [.., K, V] is then read by
 # one product of Cr rows instead of two of C + Cr (w S0 and qg S0), and no [.., C, V]
 # Delta is written; P w and P u meet only masked operands (w, u are zero on non-finite
-# rows, :func:`forward_operands`, or all finite on the optimistic path).
+# rows, :func:`forward_operands`, or all finite on the optimistic path). The reverse pass
+# then reads (qg - P w)^T dO: one product per step and no [.., C, V] P^T dO for all chunks.
 FOLDED_READOUT = True
+
+
+def folded_query(qg, P, w):
+    """qg - P w [.., Cr, K], in qg's dtype (accumulated in float32): what each output row
+    reads of its chunk's start state, o = (qg - P w) S0 + P u; and transposed, what the
+    output-row cotangents send to it, (qg - P w)^T dO."""
+    return (qg.astype(jnp.promote_types(qg.dtype, jnp.float32)) - _mm(P, w)).astype(qg.dtype)
 
 
 def readout(x: Forward, S0):
@@ -326,8 +334,7 @@ def readout(x: Forward, S0):
     the folded [.., Cr, K] operand in qg's dtype; else with Delta (P's zeros never meet a
     later non-finite row: :func:`gdp_jax.chunked.causal_mm`)."""
     if FOLDED_READOUT:
-        qf = (x.qg.astype(jnp.promote_types(x.qg.dtype, jnp.float32)) - _mm(x.P, x.w))
-        return _mm(qf.astype(x.qg.dtype), S0) + _mm(x.P, x.u)
+        return _mm(folded_query(x.qg, x.P, x.w), S0) + _mm(x.P, x.u)
     delta = x.u - _mm(x.w, S0)
     return _mm(x.qg, S0) + chunked.causal_mm(x.P, delta)
 
@@ -448,39 +455,47 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
     (:func:`is_batched`): ``dS`` holds dfinal, no flags; the gradient leaving the first
     chunk is the first-chunk gradient (``first`` is not touched).
 
-    What the output rows send to Delta (P^T dO) is computed for all chunks before the
-    scan and the first chunks' start gradients after it, from dS_end. ``walk_dtype``
+    What the output rows send to the chunk start, (qg - P w)^T dO with
+    :data:`FOLDED_READOUT` (else qg^T dO - w^T P^T dO with P^T dO computed for all chunks
+    before the scan), is a product inside each step; the first chunks' start gradients
+    are computed after the scan, from dS_end. ``walk_dtype``
     (batched only): the kept dS_end in that (16-bit) dtype, half the bytes of the
     [L, R, HV, K, V] the backward's local gradients read; the carry keeps dS's."""
     acc = dS.dtype
-    ddo = _mm(_t(x.P), x.do).astype(acc)                      # [L, R, HV, C, V]
+    if FOLDED_READOUT:      # (qf, None): no [L, R, HV, C, V] P^T dO
+        qo, ddo = folded_query(x.qg, x.P, x.w), None
+    else:
+        qo, ddo = x.qg, _mm(_t(x.P), x.do).astype(acc)           # [L, R, HV, C, V]
 
     def step(dS, xs):
-        w, Kt, G_last, qg, ddo, do, reset, sid, last = xs
+        w, Kt, G_last, qo, ddo, do, reset, sid, last = xs
         if batched:
-            dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS)
+            dS_start = _start_grad(w, Kt, G_last, qo, ddo, do, dS)
             return dS_start, dS if walk_dtype is None else dS.astype(walk_dtype)
         dS_end = dS + jnp.where(_b(last, dS), dfinal[sid], 0)
-        dS_start = _start_grad(w, Kt, G_last, qg, ddo, do, dS_end)
+        dS_start = _start_grad(w, Kt, G_last, qo, ddo, do, dS_end)
         return jnp.where(_b(reset, dS), 0, dS_start), dS_end
 
-    xs = (x.w, x.Kt, x.G_last, x.qg, ddo, x.do, f.reset, f.seq, f.last)
+    xs = (x.w, x.Kt, x.G_last, qo, ddo, x.do, f.reset, f.seq, f.last)
     dS, dS_end = lax.scan(step, dS, xs, reverse=True,
                           unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
     if batched:
         return dS, first, dS_end
     idx = _chunk_of_each(f.reset, f.seq, N)
-    at_first = _start_grad(*(_pick(idx, a) for a in xs[:6]), _pick(idx, dS_end))
+    pick = lambda a: None if a is None else _pick(idx, a)
+    at_first = _start_grad(*(pick(a) for a in xs[:6]), _pick(idx, dS_end))
     first = jnp.where(_b(idx >= 0, first), at_first.astype(first.dtype), first)
     return dS, first, dS_end
 
 
-def _start_grad(w, Kt, G_last, qg, ddo, do, dS_end):
+def _start_grad(w, Kt, G_last, qo, ddo, do, dS_end):
     """A chunk's start-state gradient from its end-state gradient dS_end [.., K, V]:
-    qg^T dO + exp(G_last) dS_end - w^T (P^T dO + Kt dS_end)."""
+    qg^T dO + exp(G_last) dS_end - w^T (P^T dO + Kt dS_end). ``ddo`` None: ``qo`` is the
+    folded query qg - P w (:func:`folded_query`), and the step is
+    qo^T dO + exp(G_last) dS_end - w^T Kt dS_end; else qo = qg and ddo = P^T dO."""
     acc = dS_end.dtype
-    dD = ddo + _mm(Kt, dS_end)
-    return (_mm(_t(qg), do).astype(acc) + jnp.exp(G_last)[..., None, None] * dS_end
+    dD = _mm(Kt, dS_end) if ddo is None else ddo + _mm(Kt, dS_end)
+    return (_mm(_t(qo), do).astype(acc) + jnp.exp(G_last)[..., None, None] * dS_end
             - _mm(_t(w), dD))
 
 
