@@ -247,7 +247,9 @@ def wy_factors(ch: ChunkInputs, inverse=None, narrow=None, plain=False):
 
 
 # ``narrow``: the products w = X Rw, u = X Ru on 16-bit X and Rw, Ru (FLA's choice) instead
-# of float32 ones. Off (an A/B switch).
+# of float32 ones. Off: on the H200 (s13-2, benchmarks/results/history/2026-12-03) fwd+bwd
+# -0.3..-0.8 ms at the benchmark shapes, but peak memory +0.13 GB at (8, 4096, 16, 1) and
+# +0.38 GB at n = 3, and the error vs float64 3.6-4.2e-3 -> 3.9-4.5e-3.
 NARROW_WY = False
 
 
