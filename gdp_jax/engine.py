@@ -408,6 +408,8 @@ class XlaEngine(Engine):
         f = recurrence.flags(blk, layout)
         ddf = dfinal - work.dfinal                       # 0 outside ``seqs``
         dS_end = _add_response_time_major(work.dS_end, V, f.seq, seqs, ddf)
+        wd = walk_dtype(spec)   # the local gradients read what one device's would
+        dS_end = dS_end if wd is None else dS_end.astype(wd)
         dh0 = work.first[..., :V] + mm_exact(work.first[..., V:], ddf)
         S0 = recurrence.states_from_checkpoints(work.x, f, h0, states, spec.checkpoint_stride,
                                                 recurrence.is_batched(blk, layout))
