@@ -1,4 +1,6 @@
 """The Flax NNX GatedDeltaProduct layer: shapes, packing, GVA, gradients, CP == one device."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,11 +30,23 @@ def rand_x(B, T, seed=1):
     return jax.random.normal(jax.random.key(seed), (B, T, D), F64)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, state, x, cu):
+    return nnx.merge(graphdef, state)(x, cu)
+
+
 def fwd(layer, x, cu=None):
-    """layer(x, cu) under jit (eager layers dispatch op by op: slow)."""
+    """layer(x, cu) under jit (eager layers dispatch op by op: slow). One jitted function
+    with the graphdef static: calls of equal layers (equal graphdefs: the same structure
+    and static attributes) at equal shapes share one compile; the parameters are traced."""
     graphdef, state = nnx.split(layer)
-    f = jax.jit(lambda state, x, cu: nnx.merge(graphdef, state)(x, cu))
-    return f(state, x, cu)
+    return _apply(graphdef, state, x, cu)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _project(graphdef, state, x):
+    """layer.project(x) under jit (eagerly: op-by-op dispatch)."""
+    return nnx.merge(graphdef, state).project(x)
 
 
 rel = rel_max      # max |a - b| / max |b|
@@ -47,7 +61,7 @@ def test_shapes_and_projection(kw):
     y = fwd(layer, x)
     assert y.shape == x.shape and y.dtype == x.dtype
     n = layer.num_householder
-    p = layer.project(x)
+    p = _project(*nnx.split(layer), x)
     assert p["q"].shape == (2, 23, 2, 8)
     assert p["k"].shape == (2, 23, n, 2, 8)
     assert p["v"].shape == (2, 23, n, 4, 8)
@@ -73,11 +87,18 @@ def test_matches_the_reference_pipeline_with_gva():
     from gdp_jax.nn import gated_rms_norm
     layer = make(num_heads=2, num_v_heads=4)
     x = rand_x(2, 19)
-    p = layer.project(x)
-    o = gdp_jax.gated_delta_product_reference(p["q"], p["k"], p["v"], p["g"], p["beta"],
-                                              use_qk_l2norm=True)
-    o = gated_rms_norm(o, p["z"], layer.norm_weight[...], layer.norm_eps)
-    want = layer.out_proj(o.reshape(2, 19, -1))
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit                    # the reference pipeline (eagerly: op-by-op dispatch)
+    def pipeline(state, x):
+        layer = nnx.merge(graphdef, state)
+        p = layer.project(x)
+        o = gdp_jax.gated_delta_product_reference(p["q"], p["k"], p["v"], p["g"], p["beta"],
+                                                  use_qk_l2norm=True)
+        o = gated_rms_norm(o, p["z"], layer.norm_weight[...], layer.norm_eps)
+        return layer.out_proj(o.reshape(2, 19, -1))
+
+    want = pipeline(state, x)
     assert rel(fwd(layer, x), want) < 1e-10
 
 

@@ -57,7 +57,12 @@ def test_notebook_executes(path, monkeypatch):
     # kernel's inline backend must turn every figure into an image/png output.
     monkeypatch.setenv("PJRT_NPROC", "32")
     monkeypatch.delenv("MPLBACKEND", raising=False)
-    monkeypatch.delenv("XLA_FLAGS", raising=False)   # the notebooks set their device count
+    # The notebooks set their device count (8: jax_num_cpu_devices, or 03's setdefault of
+    # XLA_FLAGS, given here as it would set it). LLVM -O0, as tests/conftest.py sets for the
+    # suite: XLA's CPU compiles (the eager cells compile every op) run faster, with no HLO
+    # pass and no floating-point semantics changed.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                    "--xla_backend_optimization_level=0")
     root = str(path.parents[1])
     monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(path, as_version=4)

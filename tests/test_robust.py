@@ -306,7 +306,9 @@ def test_masked_loss_over_inf_padding_is_finite():
     x[0, 60:] = np.inf
     bad = inp._replace(v=jnp.asarray(x))
     mask = (jnp.arange(90) < 60)[None, :, None, None]
-    loss = lambda fn: float(jnp.sum(jnp.where(mask, _call(fn, bad), 0.0)))
+    # each loss under jax.jit (eagerly: op-by-op dispatch)
+    loss = lambda fn: float(jax.jit(lambda b: jnp.sum(jnp.where(mask, _call(fn, b), 0.0)))(
+        bad))
     got, want = loss(OP), loss(REF)
     assert np.isfinite(got) and abs(got - want) < 1e-10 * abs(want)
 
@@ -316,7 +318,8 @@ def test_unnormalised_keys_stay_finite_as_long_as_the_recurrence():
     tokens; the op stays finite and right up to the same token (it was NaN everywhere)."""
     inp = make_inputs(0, 1, 128, 2, 1, 2, 32, 32, dtype=jnp.float32)
     inp = inp._replace(k=inp.k * 10)
-    o, r = np.asarray(_call(OP, inp)), np.asarray(_call(REF, inp))
+    # each side under jax.jit (eagerly: op-by-op dispatch)
+    o, r = (np.asarray(jax.jit(lambda x: _call(fn, x))(inp)) for fn in (OP, REF))
     fo, fr = np.isfinite(o).all(axis=(0, 2, 3)), np.isfinite(r).all(axis=(0, 2, 3))
     n_r = int(np.argmin(fr))
     assert 5 < n_r < 128 and fo[:n_r].all()
@@ -330,8 +333,10 @@ def test_l2norm_of_huge_keys(fn):
     """|k| ~ 1e30: the sum of squares overflows float32 (it returned all zeros)."""
     inp = make_inputs(11, 1, 40, 2, 1, 2, 8, 8, dtype=jnp.float32)
     big = inp._replace(k=inp.k * 1e30, q=inp.q * 1e25)
-    o_big = np.asarray(_call(fn, big, use_qk_l2norm=True))
-    o = np.asarray(_call(fn, inp, use_qk_l2norm=True))
+    # one jitted function for both calls (eagerly: op-by-op dispatch, twice)
+    run = jax.jit(lambda x: _call(fn, x, use_qk_l2norm=True))
+    o_big = np.asarray(run(big))
+    o = np.asarray(run(inp))
     assert np.isfinite(o_big).all() and np.abs(o_big).max() > 0
     assert rel_max(o_big, o) < 1e-4
 
@@ -366,8 +371,11 @@ def test_float64_numpy_without_x64_then_grad():
     as_np = {n: np.asarray(getattr(inp, n), np.float64) for n in FIELDS + ("initial_state",)}
     with jax.enable_x64(False), warnings.catch_warnings():
         warnings.simplefilter("ignore")     # jax's "float64 requested, float32 given"
-        dq = jax.grad(lambda q: jnp.sum(OP(q, *(as_np[n] for n in FIELDS[1:]),
-                                           initial_state=as_np["initial_state"])))(as_np["q"])
+        # under jax.jit (eagerly the grad dispatched op by op); the other inputs stay NumPy
+        # float64 arrays closed over, q the float32 argument that jax.grad traces
+        dq = jax.jit(jax.grad(lambda q: jnp.sum(OP(q, *(as_np[n] for n in FIELDS[1:]),
+                                                   initial_state=as_np["initial_state"]))))(
+            as_np["q"])
         assert dq.dtype == jnp.float32 and np.isfinite(np.asarray(dq)).all()
 
 
