@@ -232,11 +232,10 @@ def wy_factors(ch: ChunkInputs, inverse=None, narrow=None, plain=False):
     X = inverse(A)
     if narrow is not None:
         Rw, Ru = (ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v
+        Xw = X                       # the inverse as the products w, u read it
         if NARROW_WY:
-            X16, Rw, Ru = X.astype(narrow), Rw.astype(narrow), Ru.astype(narrow)
-        else:
-            X16 = X
-        w, u = rows_mm(X16, Rw).astype(narrow), rows_mm(X16, Ru).astype(narrow)
+            Xw, Rw, Ru = X.astype(narrow), Rw.astype(narrow), Ru.astype(narrow)
+        w, u = rows_mm(Xw, Rw).astype(narrow), rows_mm(Xw, Ru).astype(narrow)
         Kt = (jnp.exp(_to_end(ch.g))[..., None] * ch.k).astype(narrow)
         return Intra(G_last, Gam, gam, w, u, Kt), X
     rhs = jnp.concatenate([(ch.beta * gam)[..., None] * ch.k, ch.beta[..., None] * ch.v], -1)
@@ -473,8 +472,8 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     every = every_of(doc.shape[-2], C)
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     Gam, gam = it.Gam, it.gam
-    Rw = (beta * gam)[..., None] * k
-    Ru = beta[..., None] * v
+    Rw = r((beta * gam)[..., None] * k)          # both only meet dW, dDelta in dX
+    Ru = r(beta[..., None] * v)
     delta = r(it.u - mm(it.w, S0))
     et = jnp.exp(_to_end(g))
     # the read-out rows of q, gam, Gam and of the causal mask ([.., Cr, X], Cr = C / every)
@@ -488,7 +487,7 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     dP_r = jnp.where(lower_r, scale * mm(doc, _t(delta)), 0.0)       # [.., Cr, C]
     dKt = mm(delta, _t(dS_end))                                         # [.., C, K]
     dW = r(-mm(ddelta, _t(S0)))
-    dX = r(mm(dW, _t(r(Rw))) + mm(ddelta, _t(r(Ru))))
+    dX = r(mm(dW, _t(Rw)) + mm(ddelta, _t(Ru)))
     Xt = r(_t(X))
     dA = jnp.where(strict, -mm(r(mm(Xt, dX)), Xt), 0.0)
     dRw = mm(Xt, dW)
