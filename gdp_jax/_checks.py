@@ -43,17 +43,20 @@ def as_arrays(*xs):
 
 
 def check_sizes(B, T, n, N, cp_size: int = 1, C: int = 64):
-    """Reject sizes whose step offsets would overflow the int32 layout arithmetic.
+    """Reject sizes whose row offsets would overflow the int32 layout arithmetic.
 
-    The chunk grid of one row has n * T_global steps plus up to C - 1 padding steps per
-    sequence; its row indices (and T itself, a per-sequence int32 length) must fit int32.
+    The chunk grid of one row has n * T_global steps in chunks of S = n (C // n) steps
+    (C for n > C; ``grid.steps_per_chunk``, which this layer-0 module cannot import), each
+    C rows, plus up to one partial chunk per sequence; its row indices (and T itself, a
+    per-sequence int32 length) must fit int32.
     """
     T_global = T * cp_size
-    steps = n * T_global + N * (C - 1)
-    if steps > MAX_INT32 or B * T_global > MAX_INT32:
+    S = n * (C // n) if n <= C else C
+    rows = (n * T_global + N * (S - 1)) // S * C
+    if rows > MAX_INT32 or B * T_global > MAX_INT32:
         raise ValueError(f"B={B}, T={T_global} (global), n={n}, N={N} sequences: the chunk "
-                         f"grid needs {steps} steps per row and {B * T_global} tokens; "
-                         f"expected both <= 2**31 - 1 (32-bit offsets)")
+                         f"grid needs {rows} rows per row of the batch and {B * T_global} "
+                         f"tokens; expected both <= 2**31 - 1 (32-bit offsets)")
 # The xla backend has no tile limits; this bound only keeps the [K, V] state and the
 # per-chunk K x K transition of context parallelism a sensible size. The kernels' own
 # limits are their ``can_implement`` (gdp_jax.kernels), applied by backend selection.

@@ -84,7 +84,7 @@ def mask_nonfinite_rows(w, u, Kt, qg, P):
     """The forward recursion's operands (chunk tensors [.., C, X]) made safe for plain
     matmuls, and ``bad`` [.., Cr]: the output rows to set to NaN. The readout operands qg
     [.., Cr, K] and P [.., Cr, C] hold all Cr = C rows or only the read-out ones
-    (Cr = C / every, :func:`gdp_jax.grid.readout_rows`); ``bad`` has their rows.
+    (Cr = C // every, :func:`gdp_jax.grid.readout_rows`); ``bad`` has their rows.
 
     ``P @ Delta`` multiplies P's zeros above the diagonal by later rows of Delta = u - w S,
     so a non-finite row there would reach earlier output rows. A row with a non-finite w
@@ -262,7 +262,7 @@ def causal_scores(q, k, Gam):
     """tril(q k^T * Gam) [.., C, C], masked with ``where``: q_i . k_j for a later j may be
     inf, and inf * 0 (Gam's zeros) would be NaN in an earlier row.
 
-    q [.., Cr, K] and Gam [.., Cr, C] may be the read-out rows only (Cr = C / every,
+    q [.., Cr, K] and Gam [.., Cr, C] may be the read-out rows only (Cr = C // every,
     :func:`gdp_jax.grid.readout_rows`): then the [.., Cr, C] rows of the same product."""
     lower = readout_lower(q.shape[-2], k.shape[-2])
     return jnp.where(lower, mm(q, _t(k)) * Gam, 0.0)
@@ -356,7 +356,7 @@ def final_states(it, layout, S0, h0):
 def _readout_grads(ch, it, doc, scale):
     """What the output rows' cotangents doc [.., Cr, V] send to Delta [.., C, V] and to the
     chunk start state [.., K, V] (o = scale (gam Q S0 + tril(Q K^T Gam) Delta)); doc
-    holds all Cr = C rows or the read-out ones (Cr = C / every: only those rows of Q)."""
+    holds all Cr = C rows or the read-out ones (Cr = C // every: only those rows of Q)."""
     every = every_of(doc.shape[-2], ch.k.shape[-2])
     q, gam, Gam = (readout_rows(ch.q, every), readout_rows(it.gam, every, axis=-1),
                    readout_rows(it.Gam, every))
@@ -369,7 +369,7 @@ def _readout_grads(ch, it, doc, scale):
 def reverse_state_grad_scan(ch, it, layout, doc, dfinal, scale):
     """Gradient w.r.t. each chunk's END state, [B, NC, HV, K, V] (reverse recursion).
 
-    doc: [B, NC, HV, C or C / every, V] output-row cotangents; dfinal: [N, HV, K, V] final-state
+    doc: [B, NC, HV, C or C // every, V] output-row cotangents; dfinal: [N, HV, K, V] final-state
     cotangents. Per chunk (reverse order), dS_end = (dS_start of the next chunk unless it
     resets) + (dfinal if the chunk ends its sequence), and
         dDelta   = scale * tril(Q K^T * Gam)^T dO + Kt dS_end
@@ -458,7 +458,7 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     reverse / forward cumulative sums and a rectangle sum). Inputs are finite here (the
     forward's non-finite rows give NaN gradients for their chunk).
 
-    ``doc`` may hold only the read-out rows, [.., C / every, V] (row r is chunk row
+    ``doc`` may hold only the read-out rows, [.., C // every, V] (row r is chunk row
     every r + every - 1, :func:`gdp_jax.grid.readout_rows`; q is zero on the others):
     then the q-side terms (P, dP, dq, q S0) are computed on those rows alone, suffix
     ``_r`` below, and dq comes back on all C rows (zeros elsewhere).
@@ -476,7 +476,7 @@ def local_grads_direct(ch: ChunkInputs, it: Intra, X, S0, doc, dS_end, scale) ->
     Ru = r(beta[..., None] * v)
     delta = r(it.u - mm(it.w, S0))
     et = jnp.exp(_to_end(g))
-    # the read-out rows of q, gam, Gam and of the causal mask ([.., Cr, X], Cr = C / every)
+    # the read-out rows of q, gam, Gam and of the causal mask ([.., Cr, X], Cr = C // every)
     lower_r = readout_lower(doc.shape[-2], C)
     q_r, gam_r = readout_rows(q, every), readout_rows(gam, every, axis=-1)
     Gam_r = readout_rows(Gam, every)

@@ -19,7 +19,7 @@ and the CP rank's pair around them (defaults: the summaries, then the plain pass
                                                            -> (cotangents, dh0)
 
 Output rows and their cotangents ``doc`` are [B, NC, HV, Cr, V]: all Cr = C rows of every
-chunk, or only its read-out rows (Cr = C / every, every = ``grid.readout_every(n)``,
+chunk, or only its read-out rows (Cr = C // every, every = ``grid.readout_every(n)``,
 :func:`gdp_jax.grid.readout_rows`). :func:`backward_problem` gives read-out rows; an
 engine's forward may return either (:func:`outputs` takes both) and its backward must take
 either (the stride is ``grid.every_of(doc.shape[-2])``).
@@ -273,7 +273,7 @@ class XlaEngine(Engine):
         return recurrence.Blocking(B, NC, recurrence.block_len(NC, stride)), None
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
-        """Output rows on the read-out rows only ([.., C / every, V])."""
+        """Output rows on the read-out rows only ([.., C // every, V])."""
         blk, Ls = self._blocking(spec, ch)
         nd = narrow_dtype(spec)
         chb, f = blk.tree_block(_narrow_inputs(ch, nd)), recurrence.flags(blk, layout)
@@ -434,7 +434,7 @@ class BackwardProblem(NamedTuple):
     layout: grid.ChunkLayout
     ch: grid.ChunkInputs
     pull_inputs: object          # chunk-input cotangents -> (dq, dk, dv, dg, dbeta)
-    doc: jax.Array               # [B, NC, HV, C / every, V] read-out-row cotangents
+    doc: jax.Array               # [B, NC, HV, C // every, V] read-out-row cotangents
     dfinal: jax.Array            # [N, HV, K, V] final-state cotangents (compute dtype)
 
 
@@ -453,7 +453,7 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal):
 
 
 def outputs(layout, oc, dtype):
-    """Output rows [B, NC, HV, C or C / every, V] -> o [B, T, HV, V] in ``dtype``."""
+    """Output rows [B, NC, HV, C or C // every, V] -> o [B, T, HV, V] in ``dtype``."""
     return grid.from_chunks(layout, oc).astype(dtype)
 
 

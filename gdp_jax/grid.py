@@ -4,13 +4,16 @@ GDP with n Householder steps is the gated delta rule on the interleaved sequence
 L = n*T steps (docs/ALGORITHMS.md 1): step r = t*n + j carries key k[t, j], value v[t, j],
 step size beta[t, j]; the gate g[t] sits on sub-step j = 0 and the query q[t] on j = n-1.
 
-That sequence is cut into chunks of C = 64 steps on a static grid. Packed sequences are
-laid out so that every chunk belongs to ONE sequence (each sequence starts a new chunk and
-its tail chunk is padded with identity steps k = v = beta = g = 0); a chunk flagged
-``reset`` starts from its sequence's initial state instead of the previous chunk's end
-state. Every engine (XLA, CuTe DSL) works on this grid; this module owns the layout, the
-interleave, the relayouts in both directions, the readout's cotangent and which chunk rows
-are read out (:func:`readout_every`).
+That sequence is cut into chunks of C = 64 rows on a static grid. A chunk holds whole
+tokens: the S = n (C // n) steps of C // n tokens (:func:`steps_per_chunk`; S = C when n
+divides C), then C - S identity rows (k = v = beta = g = 0), so token t's readout is row
+n (t mod C // n) + n - 1 of its chunk, at the same stride in every chunk. Packed sequences
+are laid out so that every chunk belongs to ONE sequence (each sequence starts a new chunk
+and its tail chunk is padded with identity steps); a chunk flagged ``reset`` starts from
+its sequence's initial state instead of the previous chunk's end state. Every engine (XLA,
+CuTe DSL) works on this grid; this module owns the layout, the interleave, the relayouts in
+both directions, the readout's cotangent and which chunk rows are read out
+(:func:`readout_every`).
 """
 from __future__ import annotations
 
@@ -32,8 +35,9 @@ CHUNK = 64
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Contiguous:
-    """``src`` / ``out_slot`` of a batched (not packed) layout: row r of the chunk grid is
-    interleaved step r (n T of them, then padding), token t reads out at step n t + n - 1.
+    """``src`` / ``out_slot`` of a batched (not packed) layout: row i of chunk c holds
+    interleaved step c S + i for i < S = :func:`steps_per_chunk` (n T steps, then
+    padding), token t reads out at row n (t mod C // n) + n - 1 of chunk t // (C // n).
     A static marker, so relayouts are pad/reshape/slice (no gather, and no scatter in the
     backward, which XLA runs far slower on the GPU)."""
     n: int
@@ -73,18 +77,27 @@ class ChunkInputs(NamedTuple):
     beta: jax.Array
 
 
-def num_chunks(L: int, N: int, packed: bool, C: int = CHUNK) -> int:
-    """Static chunk count: ceil(L/C) per row, plus at most one partial chunk per sequence."""
+def steps_per_chunk(n: int, C: int = CHUNK) -> int:
+    """Interleaved steps per chunk: n (C // n), the steps of the C // n whole tokens a chunk
+    holds (C when n divides C; the last C - n (C // n) rows are identity steps), or C for
+    n > C, where a token's steps run across chunks."""
+    return n * (C // n) if n <= C else C
+
+
+def num_chunks(T: int, n: int, N: int, packed: bool, C: int = CHUNK) -> int:
+    """Static chunk count of T tokens of n steps: ceil(n T / S) per row (S =
+    :func:`steps_per_chunk`), plus at most one partial chunk per packed sequence."""
+    S = steps_per_chunk(n, C)
     if not packed:
-        return -(-L // C)
-    return (L + N * (C - 1)) // C
+        return -(-n * T // S)
+    return (n * T + N * (S - 1)) // S
 
 
 def make_layout(B, T, n, cu_seqlens: Optional[jax.Array], C: int = CHUNK) -> ChunkLayout:
     """Chunk grid for B rows of T tokens (or one row of packed sequences at ``cu_seqlens``)."""
-    L = n * T
+    S = steps_per_chunk(n, C)
     if cu_seqlens is None:
-        NC = num_chunks(L, B, False, C)
+        NC = num_chunks(T, n, B, False, C)
         c = jnp.arange(NC)
         reset = jnp.broadcast_to(c == 0, (B, NC))
         seq_of_chunk = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC))
@@ -96,10 +109,10 @@ def make_layout(B, T, n, cu_seqlens: Optional[jax.Array], C: int = CHUNK) -> Chu
 
     cu = cu_seqlens.astype(jnp.int32)
     N = cu.shape[0] - 1
-    NC = num_chunks(L, N, True, C)
+    NC = num_chunks(T, n, N, True, C)
     seq_len = cu[1:] - cu[:-1]                                   # [N] tokens
     steps = n * seq_len                                          # [N] interleaved steps
-    nchunks = (steps + C - 1) // C
+    nchunks = (steps + S - 1) // S
     chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), prefix_sum(nchunks)[:-1]])
     c = jnp.arange(NC, dtype=jnp.int32)
     # Ties (zero-length sequences share a start) resolve to the later, non-empty one.
@@ -107,12 +120,13 @@ def make_layout(B, T, n, cu_seqlens: Optional[jax.Array], C: int = CHUNK) -> Chu
     reset = (c == chunk_start[s]) & (steps[s] > 0)
     is_last = (c == chunk_start[s] + nchunks[s] - 1) & (steps[s] > 0)
     rows = jnp.arange(NC * C, dtype=jnp.int32)
-    rs = s[rows // C]
-    pos = (rows // C - chunk_start[rs]) * C + rows % C           # step within the sequence
-    src = jnp.where(pos < steps[rs], n * cu[rs] + pos, -1)
+    rs, i = s[rows // C], rows % C
+    pos = (rows // C - chunk_start[rs]) * S + i                  # step within the sequence
+    src = jnp.where((i < S) & (pos < steps[rs]), n * cu[rs] + pos, -1)
     t = jnp.arange(T, dtype=jnp.int32)
     ts = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, N - 1)
-    out_slot = chunk_start[ts] * C + n * (t - cu[ts]) + n - 1
+    step = n * (t - cu[ts]) + n - 1                              # readout step in the sequence
+    out_slot = (chunk_start[ts] + step // S) * C + step % S
     last_chunk = jnp.maximum(chunk_start + nchunks - 1, 0)
     return ChunkLayout(src[None], reset[None], s[None], is_last[None], chunk_start,
                        last_chunk, seq_len, out_slot[None])
@@ -123,9 +137,11 @@ def to_chunks(layout: ChunkLayout, x: jax.Array, C: int = CHUNK) -> jax.Array:
     B = x.shape[0]
     src = layout.src
     if isinstance(src, Contiguous):
-        NC = layout.reset.shape[1]
-        pad = [(0, 0), (0, NC * C - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-        y = jnp.pad(x, pad).reshape((B, NC, C) + x.shape[2:])
+        NC, S = layout.reset.shape[1], steps_per_chunk(src.n, C)
+        pad = [(0, 0), (0, NC * S - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+        y = jnp.pad(x, pad).reshape((B, NC, S) + x.shape[2:])
+        if S < C:                                                 # identity rows
+            y = jnp.pad(y, [(0, 0), (0, 0), (0, C - S)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(y, 2, 3)
     idx = jnp.clip(src, 0, x.shape[1] - 1)
     y = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -136,36 +152,43 @@ def to_chunks(layout: ChunkLayout, x: jax.Array, C: int = CHUNK) -> jax.Array:
 
 
 def readout_every(n: int, C: int = CHUNK) -> int:
-    """The row stride of the read-out rows of every chunk: n when n divides C, else 1.
+    """The row stride of the read-out rows of every chunk: n where C // n read-out rows
+    name n back (:func:`every_of`; n = 1..10, 12, 16, 21, 32, 64 for C = 64), else 1 (all
+    rows are treated as read out).
 
-    Token t's steps are rows n t .. n t + n - 1 of its sequence, and every sequence starts
-    a chunk (both layouts of :func:`make_layout`; also every CP rank's and intra-CP
-    segment's local layout, built by the same function), so with n | C the rows read out
-    (sub-step n - 1) are exactly rows n - 1, 2n - 1, .., C - 1 of every chunk; the other
-    rows of q are zeros and their readout terms can be skipped. Otherwise (n = 3: a token
-    may cross a chunk boundary) 1: every row is treated as read out."""
-    return n if C % n == 0 else 1
+    Every chunk holds whole tokens from its first row on (:func:`steps_per_chunk`; also
+    every CP rank's and intra-CP segment's local layout, built by the same function), so
+    the rows read out (sub-step n - 1) are exactly rows n - 1, 2n - 1, .., n (C // n) - 1 of
+    every chunk: C // n rows; the other rows of q are zeros and their readout terms can be
+    skipped."""
+    if n > C or C // (C // n) != n:
+        return 1
+    return n
 
 
 def every_of(rows: int, C: int = CHUNK) -> int:
-    """The readout stride of a chunk tensor with ``rows`` rows per chunk (C or C / every)."""
-    if rows < 1 or C % rows:
+    """The readout stride of a chunk tensor with ``rows`` rows per chunk (C, or C // every
+    read-out rows)."""
+    if rows == C:
+        return 1
+    every = C // rows if 1 <= rows < C else 0
+    if every < 2 or C // every != rows:
         raise ValueError(f"{rows} rows per chunk are not the readout rows of {C}")
-    return C // rows
+    return every
 
 
 def readout_rows(x: jax.Array, every: int, axis: int = -2) -> jax.Array:
     """Rows every - 1, 2 every - 1, .. of ``axis`` (the C chunk rows): [.., C, X] ->
-    [.., C / every, X] (``axis=-1`` for [.., C] vectors). Row r of the result is chunk row
-    every r + every - 1. ``every = 1``: x itself."""
+    [.., C // every, X] (``axis=-1`` for [.., C] vectors). Row r of the result is chunk
+    row every r + every - 1. ``every = 1``: x itself."""
     if every == 1:
         return x
     return lax.slice_in_dim(x, every - 1, x.shape[axis], every, axis=axis % x.ndim)
 
 
-def from_readout_rows(x: jax.Array, every: int, axis: int = -2) -> jax.Array:
-    """Transpose of :func:`readout_rows`: [.., C / every, X] -> [.., C, X] with zeros in
-    the rows that are not read out (a pad and a reshape, no scatter)."""
+def from_readout_rows(x: jax.Array, every: int, axis: int = -2, C: int = CHUNK) -> jax.Array:
+    """Transpose of :func:`readout_rows`: [.., C // every, X] -> [.., C, X] with zeros in
+    the rows that are not read out (pads and a reshape, no scatter)."""
     if every == 1:
         return x
     axis = axis % x.ndim
@@ -173,7 +196,10 @@ def from_readout_rows(x: jax.Array, every: int, axis: int = -2) -> jax.Array:
     pad = [(0, 0)] * y.ndim
     pad[axis + 1] = (every - 1, 0)
     y = jnp.pad(y, pad)
-    return y.reshape(x.shape[:axis] + (x.shape[axis] * every,) + x.shape[axis + 1:])
+    y = y.reshape(x.shape[:axis] + (x.shape[axis] * every,) + x.shape[axis + 1:])
+    tail = [(0, 0)] * y.ndim
+    tail[axis] = (0, C - y.shape[axis])             # C % every rows after the last token
+    return jnp.pad(y, tail)
 
 
 def readout_lower(rows: int, C: int = CHUNK, strict: bool = False) -> jax.Array:
@@ -189,18 +215,27 @@ def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
     """Readout rows: [B, NC, HV, C, V] -> [B, T, HV, V] at each token's last sub-step.
 
     ``y`` may hold all C rows of every chunk or only its read-out rows
-    ([B, NC, HV, C / every, V], :func:`readout_rows` with every = :func:`readout_every`)."""
+    ([B, NC, HV, C // every, V], :func:`readout_rows` with every = :func:`readout_every`)."""
     B, NC, HV, Cr, V = y.shape
     every = every_of(Cr)
-    flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * Cr, HV, V)
     if isinstance(layout.out_slot, Contiguous):
         n, T = layout.out_slot.n, layout.out_slot.T
-        if every == 1:
+        if n > CHUNK:                   # tokens run across chunks; all rows
+            flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * Cr, HV, V)
             return flat[:, :n * T].reshape(B, T, n, HV, V)[:, :, n - 1]
-        assert every == n, (every, n)
+        if every == 1:                  # all rows: each token's last sub-step
+            S = steps_per_chunk(n)
+            y = y[:, :, :, :S].reshape(B, NC, HV, S // n, n, V)[..., n - 1, :]
+        else:
+            assert every == n, (every, n)
+        flat = jnp.moveaxis(y, 3, 2).reshape(B, -1, HV, V)
         return flat[:, :T]              # token t is read-out row t of its row
-    # out_slot = c C + i with i = every - 1 (mod every): readout row c (C / every) + i // every
-    return jnp.take_along_axis(flat, (layout.out_slot // every)[:, :, None, None], axis=1)
+    flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * Cr, HV, V)
+    # out_slot = c C + i with i = every - 1 (mod every): read-out row c Cr + i // every
+    slot = layout.out_slot
+    if every > 1:
+        slot = slot // CHUNK * Cr + slot % CHUNK // every
+    return jnp.take_along_axis(flat, slot[:, :, None, None], axis=1)
 
 
 def interleave(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
@@ -250,7 +285,7 @@ def chunks_of(spec: CallSpec, layout: ChunkLayout, q, k, v, g, beta) -> ChunkInp
 
 
 def readout_cotangent(layout: ChunkLayout, do, every: int = 1) -> jax.Array:
-    """Transpose of :func:`from_chunks`: [B, T, HV, V] -> [B, NC, HV, C / every, V] (the
+    """Transpose of :func:`from_chunks`: [B, T, HV, V] -> [B, NC, HV, C // every, V] (the
     read-out rows only for ``every`` = :func:`readout_every` > 1)."""
     B, NC = layout.reset.shape
     zeros = _vma.like(jnp.zeros((B, NC, do.shape[2], CHUNK // every, do.shape[3]), do.dtype),

@@ -25,7 +25,7 @@ o = qg S + P Delta, S_end = exp(G_last) S + Kt^T Delta, with qg = scale gam q an
 P = scale tril(q k^T Gam); in reverse dS_end = dS_next + dfinal (last chunk),
 dDelta = P^T dO + Kt dS_end, dS_start = qg^T dO + exp(G_last) dS_end - w^T dDelta.
 The readout side (qg, P, o, dO) has Cr rows per chunk: all C, or with n Householder steps
-(n | C) only the Cr = C / n rows that are read out (``every`` = n,
+only the Cr = C // n rows that are read out (``every`` = n,
 :func:`gdp_jax.grid.readout_every`): the other rows of q are zeros.
 """
 from __future__ import annotations
@@ -140,13 +140,13 @@ class Forward(NamedTuple):
     u: jax.Array          # [C, V]
     Kt: jax.Array         # [C, K]
     G_last: jax.Array     # []
-    qg: jax.Array         # [Cr, K] scale * gam * q   (Cr = C / every read-out rows)
+    qg: jax.Array         # [Cr, K] scale * gam * q   (Cr = C // every read-out rows)
     P: jax.Array          # [Cr, C] scale * tril(q k^T Gam)
 
 
 def readout_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1):
     """(qg, P) of every chunk on its read-out rows (:func:`gdp_jax.grid.readout_rows`,
-    Cr = C / every): scale gam q [.., Cr, K], scale tril(q k^T Gam) [.., Cr, C]."""
+    Cr = C // every): scale gam q [.., Cr, K], scale tril(q k^T Gam) [.., Cr, C]."""
     q = readout_rows(ch.q, every)
     gam, Gam = readout_rows(it.gam, every, axis=-1), readout_rows(it.Gam, every)
     return scale * gam[..., None] * q, scale * chunked.causal_scores(q, ch.k, Gam)
@@ -155,7 +155,7 @@ def readout_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1):
 def forward_operands(ch: ChunkInputs, it: chunked.Intra, scale, every: int = 1,
                      narrow=None):
     """The forward pass's operands with non-finite rows masked (readout operands on the
-    Cr = C / every read-out rows), and ``bad`` [.., Cr] (the output rows to set to NaN):
+    Cr = C // every read-out rows), and ``bad`` [.., Cr] (the output rows to set to NaN):
     :func:`gdp_jax.chunked.mask_nonfinite_rows`. ``narrow``: the matrix operands (w, u,
     Kt, qg, P) in that 16-bit dtype (the scans read them; products accumulate in
     float32 against the float32 state)."""
@@ -255,7 +255,7 @@ def _block_start_states(blk: Blocking, x: Forward, f: Flags, h0):
 
 def forward(blk: Blocking, x: Forward, f: Flags, h0, N: int, stride: int = 0,
             states_dtype=None, batched: bool = False, walk_dtype=None):
-    """The forward pass: (o rows [L, R, HV, C / every, V] (the rows of ``x.qg``), final
+    """The forward pass: (o rows [L, R, HV, C // every, V] (the rows of ``x.qg``), final
     states [N, HV, K, V],
     checkpoints [L / stride, R, HV, K, V] in ``states_dtype`` or None for stride = 0:
     the start state of chunks 0, stride, 2 stride, ... of every block).
@@ -398,7 +398,7 @@ class Reverse(NamedTuple):
     w: jax.Array          # [C, K]
     Kt: jax.Array         # [C, K]
     G_last: jax.Array     # []
-    qg: jax.Array         # [Cr, K] (Cr = C / every read-out rows, as in Forward)
+    qg: jax.Array         # [Cr, K] (Cr = C // every read-out rows, as in Forward)
     P: jax.Array          # [Cr, C]
     do: jax.Array         # [Cr, V] output-row cotangents
 
@@ -535,7 +535,7 @@ def forward_segmented(chb: ChunkInputs, f: Flags, h0, N: int, stride: int, state
                       walk_dtype=None):
     """The xla engine's forward in segments of Ls chunks (one level, L a multiple of Ls):
     each segment's factors and operands, then its walk from the carried state. Returns
-    (o rows [L, R, HV, C / every, V] with non-finite rows NaN, final states, checkpoints
+    (o rows [L, R, HV, C // every, V] with non-finite rows NaN, final states, checkpoints
     or None). ``batched``: :func:`is_batched`; ``every``, ``narrow``:
     :func:`forward_operands`; ``walk_dtype``: :func:`forward_walk`."""
     L, R, HV, _, K = chb.k.shape
@@ -562,7 +562,7 @@ def backward_segmented(chb: ChunkInputs, docb, f: Flags, h0, dfinal, states, N: 
     segment's factors, its chunk start states from the checkpoints, its reverse walk from
     the carried gradient and its chunk-local gradients. Returns (the chunk-input
     cotangents on the blocked grid, the first-chunk start-state gradients [N, HV, K, V]).
-    ``batched``: :func:`is_batched`. ``docb`` [L, R, HV, C / every, V]: all rows or the
+    ``batched``: :func:`is_batched`. ``docb`` [L, R, HV, C // every, V]: all rows or the
     read-out rows (the readout terms then run on those only). ``narrow``,
     ``walk_dtype``: :func:`forward_segmented`'s, and dS_end kept in ``walk_dtype``."""
     L, R, HV, _, K = chb.k.shape

@@ -302,20 +302,25 @@ def test_no_nan_extreme_finite_gate():
     _assert_lowp(errs, jnp.dtype(jnp.float32))
 
 
-@pytest.mark.parametrize("T,n", [(1, 1), (31, 2), (32, 2), (100, 3)])
+@pytest.mark.parametrize("T,n", [(1, 1), (31, 2), (32, 2), (100, 3), (30, 5), (3, 65)])
 def test_contiguous_relayout_equals_gather(T, n):
     """Batched layouts relayout by pad/reshape/slice (grid.Contiguous); the general
     gather with explicit row indices must give the same chunk grid and readout, incl. a
-    partial last chunk and its zero padding rows, and the same transposes (gradients)."""
+    partial last chunk, the identity rows after each chunk's whole tokens (n = 3, 5) and
+    tokens across chunks (n > 64), and the same transposes (gradients)."""
     from gdp_jax import grid
     B, HV, X = 2, 3, 5
+    C, S = grid.CHUNK, grid.steps_per_chunk(n)
     lay = grid.make_layout(B, T, n, None)
     assert isinstance(lay.src, grid.Contiguous)
     NC = lay.reset.shape[1]
-    rows = jnp.arange(NC * grid.CHUNK, dtype=jnp.int32)
+    rows = jnp.arange(NC * C, dtype=jnp.int32)
+    step = rows // C * S + rows % C
+    last = n * jnp.arange(T, dtype=jnp.int32) + n - 1
     explicit = lay._replace(
-        src=jnp.broadcast_to(jnp.where(rows < n * T, rows, -1), (B, NC * grid.CHUNK)),
-        out_slot=jnp.broadcast_to(n * jnp.arange(T, dtype=jnp.int32) + n - 1, (B, T)))
+        src=jnp.broadcast_to(jnp.where((rows % C < S) & (step < n * T), step, -1),
+                             (B, NC * C)),
+        out_slot=jnp.broadcast_to(last // S * C + last % S, (B, T)))
     x = jnp.asarray(np.random.default_rng(T).standard_normal((B, n * T, HV, X)))
     y_fast, pull_fast = jax.vjp(lambda a: grid.to_chunks(lay, a), x)
     y_gather, pull_gather = jax.vjp(lambda a: grid.to_chunks(explicit, a), x)

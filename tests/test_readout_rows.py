@@ -1,15 +1,16 @@
 """Readout terms on the read-out rows only (issue 22).
 
-With n Householder steps per token and n | 64, only rows n - 1, 2n - 1, .. of every chunk
-are read out (grid.readout_every); the readout side (qg, P, o, dO, dq, the dP terms) runs
-on those C / n rows. float64, random inputs (no zero rows among the read-out ones):
+Every chunk holds whole tokens (grid.steps_per_chunk: 21 tokens and one identity row for
+n = 3), so only rows n - 1, 2n - 1, .. of every chunk are read out (grid.readout_every); the
+readout side (qg, P, o, dO, dq, the dP terms) runs on those C // n rows. float64, random inputs (no zero rows among the read-out ones):
 1. the layouts put every read-out row at a stride position and q is zero elsewhere, for
    batched and packed rows (empty and one-token sequences, T not a multiple of 64, T = 1);
-2. every stride-aware function equals its all-rows form on the read-out rows, n = 1, 2, 4
-   (n = 3 keeps every row: readout_every(3) == 1);
+2. every stride-aware function equals its all-rows form on the read-out rows, n = 1..4;
 3. the op's outputs and all gradients equal those of the all-rows path (readout_every
-   forced to 1, main's code path) for n = 2, 4: xla (one level and segmented), emulated
-   cutedsl, and CP on the xla engine.
+   forced to 1) for n = 2, 3, 4: xla (one level and segmented), emulated cutedsl, and CP
+   on the xla engine;
+4. n with identity rows or all-rows readout (5, 11) and tokens across chunks (65) equal
+   the float64 token recurrence.
 """
 from __future__ import annotations
 
@@ -48,10 +49,17 @@ def _rand(rng, shape):
 
 
 def test_readout_every():
-    assert [grid.readout_every(n) for n in (1, 2, 3, 4, 5, 8, 64)] == [1, 2, 1, 4, 1, 8, 64]
-    assert grid.every_of(C) == 1 and grid.every_of(C // 4) == 4
-    with pytest.raises(ValueError):
-        grid.every_of(3)
+    ns = (1, 2, 3, 4, 5, 8, 11, 12, 21, 22, 64, 65)
+    assert [grid.readout_every(n) for n in ns] == [1, 2, 3, 4, 5, 8, 1, 12, 21, 1, 64, 1]
+    assert [grid.steps_per_chunk(n) for n in ns] == [64, 64, 63, 64, 60, 64, 55, 60, 63,
+                                                     44, 64, 64]
+    assert grid.every_of(C) == 1 and grid.every_of(C // 4) == 4 and grid.every_of(21) == 3
+    for n in range(1, 70):               # the stride is read back off the row count
+        every = grid.readout_every(n)
+        assert grid.every_of(C // every) == every
+    for rows in (0, 11, 65):
+        with pytest.raises(ValueError):
+            grid.every_of(rows)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -60,10 +68,14 @@ def test_layout_reads_out_on_the_stride(n, T, cu):
     """Every token's readout row is a stride row of its chunk, and the chunked q is zero
     on all the other rows: skipping them drops zeros only."""
     spec, layout, ch, _ = _problem(n, T, cu)
-    every = grid.readout_every(n)
-    rows = np.arange(T) * n + n - 1 if cu is None else np.asarray(layout.out_slot)[0]
-    if every > 1:
-        assert np.all(rows % C % every == every - 1)
+    every, S = grid.readout_every(n), grid.steps_per_chunk(n)
+    assert every == n
+    last = np.arange(T) * n + n - 1
+    rows = last // S * C + last % S if cu is None else np.asarray(layout.out_slot)[0]
+    assert np.all(rows % C % every == every - 1) and np.all(rows % C < S)
+    # the rows after the whole tokens are identity steps
+    for a in (ch.k, ch.v, ch.g[..., None], ch.beta[..., None]):
+        assert np.all(np.asarray(a)[..., S:, :] == 0)
     q = np.asarray(ch.q)
     q_off = q.copy()
     q_off[..., every - 1::every, :] = 0
@@ -71,7 +83,7 @@ def test_layout_reads_out_on_the_stride(n, T, cu):
     assert np.any(np.asarray(grid.readout_rows(ch.q, every)) != 0)
 
 
-@pytest.mark.parametrize("every", [1, 2, 4])
+@pytest.mark.parametrize("every", [1, 2, 3, 4, 5])
 def test_rows_and_their_transpose(every):
     rng = np.random.default_rng(every)
     x = _rand(rng, (2, 3, C, 5))
@@ -94,7 +106,7 @@ def test_rows_and_their_transpose(every):
                                       full[every - 1::every])
 
 
-@pytest.mark.parametrize("every", [1, 2, 4])
+@pytest.mark.parametrize("every", [1, 2, 3, 4])
 def test_causal_products_on_readout_rows(every):
     """causal_mm / causal_scores on the read-out rows = those rows of the all-rows forms,
     non-finite rows of the right operand included (NaN from the first such row on)."""
@@ -117,14 +129,14 @@ def test_causal_products_on_readout_rows(every):
     assert rel_max(got, rows(chunked.causal_scores(q, k, Gam))) < TOL
 
 
-@pytest.mark.parametrize("every", [1, 2, 4])
+@pytest.mark.parametrize("every", [1, 2, 3, 4])
 def test_mask_nonfinite_rows_on_readout_rows(every):
     rng = np.random.default_rng(20 + every)
     rows = lambda x, axis=-2: grid.readout_rows(x, every, axis)
     w, u, Kt = (np.array(_rand(rng, (3, C, d))) for d in (8, 6, 8))
     qg, P = np.array(_rand(rng, (3, C, 8))), np.array(_rand(rng, (3, C, C)))
     w[1, 30, 0] = np.inf                       # a state row: NaN from row 30 on
-    qg[2, 4 * 7 + 3, 1] = np.nan               # a read-out row for every stride
+    qg[2, 47, 1] = np.nan                      # a read-out row for every stride 1..4
     P[0, 63, 5] = -np.inf
     ops = [jnp.asarray(a) for a in (w, u, Kt, qg, P)]
     (fw, fu, fK, fqg, fP), fbad = chunked.mask_nonfinite_rows(*ops)
@@ -234,7 +246,7 @@ def _assert_same(runs):
         assert rel_max(g[name], g1[name]) < TOL, name
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("T, cu", [(150, None), (150, [0, 0, 1, 70, 70, 150])])
 @pytest.mark.parametrize("segmented", [False, True])
 def test_op_equals_all_rows_path_xla(monkeypatch, n, T, cu, segmented):
@@ -252,7 +264,7 @@ def test_op_equals_all_rows_path_xla(monkeypatch, n, T, cu, segmented):
     _assert_same(runs)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_op_equals_all_rows_path_cutedsl_emulated(monkeypatch, n):
     inp = make_inputs(50 + n, 1, 150, n, 1, 2, 8, 6, jnp.float64, N=5)
     cu = np.asarray([0, 0, 1, 70, 70, 150], np.int32)
@@ -262,7 +274,7 @@ def test_op_equals_all_rows_path_cutedsl_emulated(monkeypatch, n):
     _assert_same(runs)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_cp_equals_all_rows_path_xla(monkeypatch, n):
     """CP on 2 simulated devices (xla engine: its one-pass ranks), packed sequences
     crossing the rank boundary: outputs, final states and every gradient."""
@@ -297,3 +309,23 @@ def test_cp_equals_all_rows_path_xla(monkeypatch, n):
     monkeypatch.undo()
     jax.clear_caches()
     _assert_same(runs)
+
+
+@pytest.mark.parametrize("n, T, cu", [(5, 30, None), (5, 30, [0, 0, 1, 13, 30]),
+                                      (11, 7, [0, 6, 6, 7]), (65, 3, None)])
+def test_uncommon_n_equals_the_token_recurrence(n, T, cu):
+    """Chunks with identity rows after their whole tokens (n = 5: 12 tokens + 4 rows;
+    n = 11: 5 tokens + 9 rows, read out on all rows) and tokens across chunks (n = 65):
+    outputs, final states and every gradient equal the float64 token recurrence."""
+    ref, tol = gdp_jax.gated_delta_product_reference, 1e-10     # test_op's bound
+    N = 2 if cu is None else len(cu) - 1
+    inp = make_inputs(70 + n, 2 if cu is None else 1, T, n, 1, 2, 4, 3, jnp.float64, N=N,
+                      gate="strong")
+    cu = None if cu is None else np.asarray(cu, np.int32)
+    got = loss_and_grads(gdp_jax.gated_delta_product, inp, cu_seqlens=cu, backend="xla")
+    want = loss_and_grads(ref, inp, cu_seqlens=cu)
+    (o, s, _, g), (o1, s1, _, g1) = got, want
+    assert rel_max(o, o1) < tol and rel_max(s, s1) < tol
+    assert set(g) == set(g1)
+    for name in g:
+        assert rel_max(g[name], g1[name]) < tol, name

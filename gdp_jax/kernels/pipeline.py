@@ -107,7 +107,7 @@ class BackwardWork:
     the local-gradient kernel; else from XLA (``chunked.wy_factors``), with every field of
     ``it`` for the written-out backward :func:`gdp_jax.chunked.local_grads_direct`.
 
-    ``doc`` [.., Cr, V]: all C rows or only the read-out ones (Cr = C / every,
+    ``doc`` [.., Cr, V]: all C rows or only the read-out ones (Cr = C // every,
     :func:`gdp_jax.grid.readout_rows`); ddo is then computed from those rows of P alone,
     and the kernels get do on all C rows (zeros elsewhere)."""
 
@@ -177,7 +177,7 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end)
     """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
     dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
-    only the read-out rows ([.., C / every, V]); the kernel takes all C rows: ``work``'s
+    only the read-out rows ([.., C // every, V]); the kernel takes all C rows: ``work``'s
     ``do``, the copy the reverse kernel reads."""
     if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
@@ -209,7 +209,7 @@ class CuTeDSLEngine(Engine):
     def can_implement(spec) -> Optional[str]:
         """The kernels' limits for this call (the forward, reverse and inverse kernels
         share them; the CP summaries' K extra state columns included)."""
-        NC = grid.num_chunks(spec.n * spec.T, spec.N, spec.packed)
+        NC = grid.num_chunks(spec.T, spec.n, spec.N, spec.packed)
         kw = dict(dtype=spec.ab_dtype, K=spec.K, V=spec.V, rows=spec.B, NC=NC, HV=spec.HV)
         return (ChunkForwardKernel.can_implement(**kw)
                 or StateGradKernel.can_implement(**kw, extra_columns=spec.K))
