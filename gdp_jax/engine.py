@@ -199,23 +199,23 @@ def walk_dtype(spec):
     return dt if dt.itemsize == 2 else None
 
 
-# q and k (L2-normalised, GVA-repeated, interleaved) rounded to the 16-bit input dtype
-# too: half the bytes of the two chunk tensors the most fusions read. Off: on the H200
-# (s12-2, (8, 4096, 16, 2)) it took fwd+bwd 26.46 -> 25.50 ms and peak 7.72 -> 6.51 GB,
-# but the bf16 error rose 3.3e-3 -> 4.1e-3 there and to 5.0e-3 on the CLI check's n = 3
-# case, past its 5e-3 bound (tests/test_cli.py).
-NARROW_QK = False
+# The chunk inputs the xla engine reads in the 16-bit input dtype (for 16-bit inputs): v
+# always (exact: it came from there); q and / or k (L2-normalised, GVA-repeated,
+# interleaved) rounded after the L2 norm, as a 16-bit caller's own would be - half the
+# bytes of the chunk tensors the most fusions read. k is off: on the H200 (s12-2,
+# (8, 4096, 16, 2)) q and k took fwd+bwd 26.46 -> 25.50 ms and peak 7.72 -> 6.51 GB, but
+# the bf16 error rose 3.3e-3 -> 4.1e-3 there and to 5.0e-3 on the CLI check's n = 3 case,
+# past its 5e-3 bound (tests/test_cli.py); k alone gives that case 5.03e-3, q alone
+# 4.67e-3 (4.64e-3 with neither; CPU, 2026-12-03).
+NARROW_INPUTS = ("v",)
 
 
 def _narrow_inputs(ch, dt):
-    """v in the 16-bit input dtype (exact: it came from there), q and k too with
-    :data:`NARROW_QK` (rounded after the L2 norm, as a 16-bit caller's own would be); g and
-    beta as they are."""
+    """The fields of :data:`NARROW_INPUTS` in the 16-bit dtype ``dt`` (None: unchanged);
+    g and beta as they are."""
     if dt is None:
         return ch
-    if NARROW_QK:
-        return ch._replace(q=ch.q.astype(dt), k=ch.k.astype(dt), v=ch.v.astype(dt))
-    return ch._replace(v=ch.v.astype(dt))
+    return ch._replace(**{f: getattr(ch, f).astype(dt) for f in NARROW_INPUTS})
 
 
 # The backward's chunk-local gradients run on blocks of about this many (chunk, row, head)
