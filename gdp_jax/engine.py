@@ -202,12 +202,13 @@ def walk_dtype(spec):
 # The chunk inputs the xla engine reads in the 16-bit input dtype (for 16-bit inputs): v
 # always (exact: it came from there); q and / or k (L2-normalised, GVA-repeated,
 # interleaved) rounded after the L2 norm, as a 16-bit caller's own would be - half the
-# bytes of the chunk tensors the most fusions read. k is off: on the H200 (s12-2,
-# (8, 4096, 16, 2)) q and k took fwd+bwd 26.46 -> 25.50 ms and peak 7.72 -> 6.51 GB, but
-# the bf16 error rose 3.3e-3 -> 4.1e-3 there and to 5.0e-3 on the CLI check's n = 3 case,
-# past its 5e-3 bound (tests/test_cli.py); k alone gives that case 5.03e-3, q alone
-# 4.67e-3 (4.64e-3 with neither; CPU, 2026-12-03).
-NARROW_INPUTS = ("v",)
+# bytes of the chunk tensors the most fusions read. q is on: on the H200 (s14-2) it took
+# fwd+bwd 13.65 -> 13.44 ms at (8, 4096, 16, 1), 24.82 -> 24.21 at n = 2, 35.78 -> 35.38
+# at n = 3, 30.91 -> 30.34 at (2, 16384, 16, 2), peak -0.2 to -0.4 GB, the check vs
+# float64 3.6-4.2e-3 -> 4.0-4.5e-3 (FLA 5.3-5.9e-3). k is off: it moves the CLI check's
+# n = 3 case (bf16, CPU) to 5.03e-3, past its 5e-3 bound (tests/test_cli.py); q alone
+# gives 4.67e-3 there, neither 4.64e-3.
+NARROW_INPUTS = ("v", "q")
 
 
 def _narrow_inputs(ch, dt):
