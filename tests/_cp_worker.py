@@ -2,7 +2,8 @@
 
 Usage: python _cp_worker.py PROCESS_ID NUM_PROCESSES PORT
 
-The parent sets JAX_PLATFORMS=cpu, XLA_FLAGS (4 devices, LLVM -O0) and
+The parent sets JAX_PLATFORMS=cpu, XLA_FLAGS (4 devices, the suite's compile flags:
+_compile_flags.py) and
 PJRT_NPROC. Every process builds the same global inputs (same seed, numpy), shards them
 over the global mesh of all processes' devices, runs the CP op forward + gradient under
 jit, and compares ITS addressable shards with the plain single-device op on the full

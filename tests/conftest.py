@@ -5,11 +5,12 @@ import os
 # 8 simulated devices block pool threads while the other devices wait for one: deadlock
 # (seen here). PJRT_NPROC sets the pool size.
 os.environ.setdefault("PJRT_NPROC", "32")
-# The suite is dominated by XLA compiles of small programs: LLVM at -O0 compiles them ~1.5x
-# faster (test_properties: 67 -> 43 s) and changes no HLO pass and no floating-point
-# semantics (XLA's CPU codegen does not reassociate without fast-math). Set your own
-# --xla_backend_optimization_level to test optimised code.
-_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
+# The suite is dominated by XLA compiles of small programs: LLVM at -O0 and XLA's elemental
+# fusion emitter compile them faster (tests/_compile_flags.py says what each changes). Set
+# either flag yourself to test XLA's default CPU code generation.
+from _compile_flags import FLAGS as _COMPILE_FLAGS  # noqa: E402
+
+_FLAGS = ("--xla_force_host_platform_device_count=8",) + _COMPILE_FLAGS
 _xla_flags = os.environ.get("XLA_FLAGS", "")
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in _xla_flags:

@@ -10,6 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)          # benchmarks/ is not installed with the package
 
+from _compile_flags import TEXT as COMPILE_FLAGS  # noqa: E402
 from benchmarks import registry, run  # noqa: E402
 
 
@@ -75,9 +76,10 @@ def test_unknown_impl_and_bad_shapes_name_the_argument():
 def test_cp_tiny_simulated_devices(tmp_path):
     """The cp subcommand on 2 simulated CPU devices (its own process: XLA_FLAGS)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    # no device flag (the run adds its own: --devices); LLVM -O0 as tests/conftest.py sets
-    # for the suite (CI time; a 1-iteration timing on CPU is not a measurement anyway)
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    # no device flag (the run adds its own: --devices); the compile settings that
+    # tests/conftest.py sets for the suite (tests/_compile_flags.py; CI time; a 1-iteration
+    # timing on CPU is not a measurement anyway)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     r = subprocess.run([sys.executable, "-m", "benchmarks.run", "cp", "--backend", "xla",
                         "--shapes", "1,128,2,2,16,16", "--devices", "2", "--P", "2",
                         "--iters", "1", "--out", str(tmp_path)],

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from _compile_flags import TEXT as COMPILE_FLAGS
 from gdp_jax import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -21,10 +22,10 @@ def run_cli(*args, timeout=600):
     # The parent's test settings must not leak in: the CLI sets its own.
     for var in ("XLA_FLAGS", "PJRT_NPROC", "JAX_ENABLE_X64", "MPLBACKEND"):
         env.pop(var, None)
-    # CI time: LLVM at -O0, as tests/conftest.py sets for the suite (XLA compiles ~1.5x
-    # faster; no HLO pass or floating-point semantics change). No device flag: the CLI
+    # CI time: the suite's compile settings (tests/_compile_flags.py says what they change;
+    # as tests/conftest.py sets them). No device flag: the CLI
     # configures its devices itself.
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     return subprocess.run([sys.executable, "-m", "gdp_jax", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 

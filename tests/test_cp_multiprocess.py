@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _compile_flags import TEXT as COMPILE_FLAGS
 
 WORKER = Path(__file__).with_name("_cp_worker.py")
 NUM_PROCESSES = 2
@@ -33,10 +34,10 @@ def _free_port() -> int:
 def _env() -> dict:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    # -O0: LLVM's backend level only, as tests/conftest.py sets for the suite (compiles
-    # ~1.5x faster, no HLO pass and no floating-point semantics changed)
+    # the compile settings that tests/conftest.py sets for the suite (faster compiles;
+    # tests/_compile_flags.py says what they change)
     env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={LOCAL_DEVICES} "
-                        "--xla_backend_optimization_level=0")
+                        + COMPILE_FLAGS)
     # XLA's CPU thread pool is sized by the core count; collectives of several simulated
     # devices deadlock it unless PJRT_NPROC >= 2 x the device count (see conftest.py).
     env["PJRT_NPROC"] = str(4 * LOCAL_DEVICES)

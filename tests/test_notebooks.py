@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import pytest
+from _compile_flags import TEXT as COMPILE_FLAGS
 
 nbformat = pytest.importorskip("nbformat", reason="install the 'notebooks' extra")
 nbclient = pytest.importorskip("nbclient", reason="install the 'notebooks' extra")
@@ -58,11 +59,11 @@ def test_notebook_executes(path, monkeypatch):
     monkeypatch.setenv("PJRT_NPROC", "32")
     monkeypatch.delenv("MPLBACKEND", raising=False)
     # The notebooks set their device count (8: jax_num_cpu_devices, or 03's setdefault of
-    # XLA_FLAGS, given here as it would set it). LLVM -O0, as tests/conftest.py sets for the
-    # suite: XLA's CPU compiles (the eager cells compile every op) run faster, with no HLO
-    # pass and no floating-point semantics changed.
+    # XLA_FLAGS, given here as it would set it). The compile settings that tests/conftest.py
+    # sets for the suite: XLA's CPU compiles (the eager cells compile every op) run faster
+    # (tests/_compile_flags.py says what they change).
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                    "--xla_backend_optimization_level=0")
+                                    + COMPILE_FLAGS)
     root = str(path.parents[1])
     monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(path, as_version=4)
