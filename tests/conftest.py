@@ -23,6 +23,11 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+# Start the backends now, with the 8 devices above: an in-process CLI call
+# (cli.setup_cpu_devices, e.g. test_cli's `check`) would otherwise set
+# jax_num_cpu_devices for the whole worker when it ran first there (seen: test_cp's P4 and
+# P8 cases then found 2 devices).
+jax.devices()
 
 
 @pytest.fixture(autouse=True, scope="module")
