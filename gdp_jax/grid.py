@@ -223,12 +223,10 @@ def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
         if n > CHUNK:                   # tokens run across chunks; all rows
             flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * Cr, HV, V)
             return flat[:, :n * T].reshape(B, T, n, HV, V)[:, :, n - 1]
-        if every == 1 and readout_every(n) > 1:   # all rows: a strided slice, no copy
-            y, every = readout_rows(y, n), n
-        elif every == 1:                # all rows, C // n not naming n: each token's last
-            S = steps_per_chunk(n)
-            y = y[:, :, :, :S].reshape(B, NC, HV, S // n, n, V)[..., n - 1, :]
-        assert every in (1, n), (every, n)
+        if every == 1:                  # all rows: each token's last sub-step is a row
+            y = readout_rows(y, n)      # n - 1 (mod n) of the first n (C // n): a slice
+        else:
+            assert every == n, (every, n)
         flat = jnp.moveaxis(y, 3, 2).reshape(B, -1, HV, V)
         return flat[:, :T]              # token t is read-out row t of its row
     flat = jnp.moveaxis(y, 3, 2).reshape(B, NC * Cr, HV, V)

@@ -302,11 +302,12 @@ def test_no_nan_extreme_finite_gate():
     _assert_lowp(errs, jnp.dtype(jnp.float32))
 
 
-@pytest.mark.parametrize("T,n", [(1, 1), (31, 2), (32, 2), (100, 3), (30, 5), (3, 65)])
+@pytest.mark.parametrize("T,n", [(1, 1), (31, 2), (32, 2), (100, 3), (30, 5), (12, 11),
+                                 (3, 65)])
 def test_contiguous_relayout_equals_gather(T, n):
     """Batched layouts relayout by pad/reshape/slice (grid.Contiguous); the general
     gather with explicit row indices must give the same chunk grid and readout, incl. a
-    partial last chunk, the identity rows after each chunk's whole tokens (n = 3, 5) and
+    partial last chunk, the identity rows after each chunk's whole tokens (n = 3, 5, 11) and
     tokens across chunks (n > 64), and the same transposes (gradients)."""
     from gdp_jax import grid
     B, HV, X = 2, 3, 5
