@@ -7,6 +7,9 @@ per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax
 
     forward(spec, ch, layout, h0, keep_states, work)       -> (o rows, final states, states)
     backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (chunk-input cotangents, dh0)
+
+(cotangents in any float dtype: the relayout back to tokens moves them in it, and
+``input_dtypes(spec)``: the fields it reads narrower than the compute dtype)
     forward_summaries(spec, ch, layout)                    -> ((E, M), work)
     backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
 
@@ -59,6 +62,12 @@ class Engine:
     def can_implement(spec: CallSpec) -> Optional[str]:
         """None if this engine runs the call, else a sentence saying why not."""
         return None
+
+    def input_dtypes(self, spec) -> dict:
+        """{ChunkInputs field: dtype} of the chunk inputs this engine reads narrower than
+        the compute dtype: :func:`forward_problem` casts them before the relayout to the
+        grid (fewer bytes moved; the same values as a cast after it)."""
+        return {}
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
         raise NotImplementedError
@@ -219,6 +228,29 @@ def _narrow_inputs(ch, dt):
     return ch._replace(**{f: getattr(ch, f).astype(dt) for f in NARROW_INPUTS})
 
 
+# The xla engine's q, k, v chunk-input cotangents in bfloat16 for bfloat16 inputs (the
+# API's dq, dk, dv are bfloat16 too): the relayout back to tokens moves half the bytes,
+# but the L2 norm's backward reads a rounded dk. Off: on the H200 (s15-1,
+# benchmarks/results/history/2026-12-04) fwd+bwd at (8, 4096, 16, 1) was 13.09 ms with it,
+# 13.10 without, and dq's error vs float64 3.8e-3 against 3.4e-3.
+NARROW_COTANGENTS = False
+
+
+def cotangent_dtype(spec):
+    """The dtype the xla engine returns its q, k, v chunk-input cotangents in
+    (:data:`NARROW_COTANGENTS`), or None: the compute dtype (float16's range is too
+    small for the gradients of unnormalised keys)."""
+    bf16 = NARROW_COTANGENTS and spec.ab_dtype == jnp.bfloat16
+    return spec.ab_dtype if bf16 else None
+
+
+def _narrow_cotangents(dch, dt):
+    """dq, dk, dv of chunk-input cotangents in ``dt`` (None: unchanged)."""
+    if dt is None:
+        return dch
+    return dch._replace(q=dch.q.astype(dt), k=dch.k.astype(dt), v=dch.v.astype(dt))
+
+
 # The backward's chunk-local gradients run on blocks of about this many (chunk, row, head)
 # problems at a time (a ``lax.map`` over blocks of consecutive chunks): their float32
 # temporaries ([.., C, K] and [.., C, C] per chunk, a dozen of them) are then the size of
@@ -261,6 +293,10 @@ class XlaEngine(Engine):
     the per-chunk affine maps in parallel (no sequential pass)."""
 
     name = "xla"
+
+    def input_dtypes(self, spec):
+        nd = narrow_dtype(spec)
+        return {} if nd is None else dict.fromkeys(NARROW_INPUTS, nd)
 
     @staticmethod
     def _blocking(spec, ch):
@@ -334,7 +370,7 @@ class XlaEngine(Engine):
             dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched, wd)
             dchb = local_grads_in_blocks(chb, it, X, S0, docb, dS_end, spec.scale)
         dh0 = where_has_tokens(layout, first, dfinal)
-        return blk.tree_unblock(dchb), dh0
+        return blk.tree_unblock(_narrow_cotangents(dchb, cotangent_dtype(spec))), dh0
 
     def forward_summaries(self, spec, ch, layout):
         return chunked.forward_summaries(ch, layout), None
@@ -418,7 +454,7 @@ class XlaEngine(Engine):
         dchb = chunked.local_grads_direct(chb, work.it, work.X, S0, blk.block(doc), dS_end,
                                           spec.scale)
         dh0 = where_has_tokens(layout, dh0, dfinal)
-        return blk.tree_unblock(dchb), dh0
+        return blk.tree_unblock(_narrow_cotangents(dchb, cotangent_dtype(spec))), dh0
 
 
 XLA = XlaEngine()
@@ -434,23 +470,47 @@ class ForwardProblem(NamedTuple):
 class BackwardProblem(NamedTuple):
     layout: grid.ChunkLayout
     ch: grid.ChunkInputs
-    pull_inputs: object          # chunk-input cotangents -> (dq, dk, dv, dg, dbeta)
+    pull_inputs: object          # chunk-input cotangents (any float dtype) -> (dq, dk, dv, dg, dbeta)
     doc: jax.Array               # [B, NC, HV, C // every, V] read-out-row cotangents
     dfinal: jax.Array            # [N, HV, K, V] final-state cotangents (compute dtype)
 
 
-def forward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens) -> ForwardProblem:
-    layout = grid.layout_of(spec, cu_seqlens)
-    return ForwardProblem(layout, grid.chunks_of(spec, layout, q, k, v, g, beta))
+def _cast_fields(tok, dtypes):
+    """Per-token operands (:func:`gdp_jax.grid.tokens_of`) with the fields named in
+    ``dtypes`` ({ChunkInputs field: dtype}) cast."""
+    return tuple(x.astype(dtypes[f]) if f in dtypes else x
+                 for f, x in zip(grid.ChunkInputs._fields, tok))
 
 
-def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal):
-    """The chunk inputs with their vjp, and the cotangents on the grid (``doc`` on the
-    read-out rows of every chunk only, :func:`gdp_jax.grid.readout_every`)."""
+def forward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens,
+                    dtypes=None) -> ForwardProblem:
+    """The layout and chunk inputs of one call; ``dtypes``: an engine's
+    :meth:`Engine.input_dtypes` (its narrow fields come in those dtypes)."""
     layout = grid.layout_of(spec, cu_seqlens)
-    ch, pull = jax.vjp(lambda *a: grid.chunks_of(spec, layout, *a), q, k, v, g, beta)
+    tok = _cast_fields(grid.tokens_of(spec, q, k, v, g, beta), dtypes or {})
+    return ForwardProblem(layout, grid.steps_to_chunks(layout, *tok))
+
+
+def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
+                     dtypes=None):
+    """The chunk inputs (``dtypes``: :func:`forward_problem`) with their vjp, and the
+    cotangents on the grid (``doc`` on the read-out rows of every chunk only,
+    :func:`gdp_jax.grid.readout_every`)."""
+    layout = grid.layout_of(spec, cu_seqlens)
+    tok, pull_tokens = jax.vjp(lambda *a: grid.tokens_of(spec, *a), q, k, v, g, beta)
+    ch = grid.steps_to_chunks(layout, *_cast_fields(tok, dtypes or {}))
+
+    def pull_inputs(dch):
+        # The relayout back to tokens moves each cotangent in the dtype the engine gave
+        # it (16-bit: half the bytes); the L2 norm's and GVA's backward run in the
+        # compute dtype.
+        narrow = tuple(t.astype(d.dtype) for t, d in zip(tok, dch))
+        _, pull_steps = jax.vjp(lambda *t: grid.steps_to_chunks(layout, *t), *narrow)
+        dtok = pull_steps(grid.ChunkInputs(*dch))
+        return pull_tokens(tuple(d.astype(t.dtype) for d, t in zip(dtok, tok)))
+
     doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))
-    return BackwardProblem(layout, ch, pull, doc, dfinal.astype(spec.cdt))
+    return BackwardProblem(layout, ch, pull_inputs, doc, dfinal.astype(spec.cdt))
 
 
 def outputs(layout, oc, dtype):

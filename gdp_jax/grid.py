@@ -69,7 +69,8 @@ class ChunkLayout(NamedTuple):
 
 
 class ChunkInputs(NamedTuple):
-    """Per-chunk operands in the compute dtype, [B, NC, HV, C, X]; g and beta [B, NC, HV, C]."""
+    """Per-chunk operands, [B, NC, HV, C, X]; g and beta [B, NC, HV, C]. In the compute
+    dtype, but for the fields an engine reads narrower (``Engine.input_dtypes``)."""
     q: jax.Array
     k: jax.Array
     v: jax.Array
@@ -237,14 +238,16 @@ def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
     return jnp.take_along_axis(flat, slot[:, :, None, None], axis=1)
 
 
-def interleave(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
-    """API tensors -> interleaved step tensors [B, L, HV, ...] in the compute dtype.
+def token_inputs(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
+    """API tensors -> per-token operands in the compute dtype: the op's only nonlinear
+    input map (the L2 norm) and the GVA repeat; :func:`steps_to_chunks` then only moves
+    them.
 
-    q: [B, T, H, K] (placed on sub-step n-1, zero elsewhere); k: [B, T, n, H, K];
-    v: [B, T, n, HV, V]; g: [B, T, HV] or None (placed on sub-step 0); beta: [B, T, n, HV].
-    Key heads are repeated to the HV value heads (GVA); autodiff sums them back.
+    Returns q [B, T, HV, K], k [B, T, n, HV, K], v [B, T, n, HV, V], g [B, T, HV] (zeros
+    for None), beta [B, T, n, HV]. Key heads are repeated to the HV value heads (GVA);
+    autodiff sums them back.
     """
-    B, T, n = k.shape[:3]
+    B, T = k.shape[:2]
     cdt = compute_dtype
     qf, kf = q.astype(cdt), k.astype(cdt)
     if use_qk_l2norm:
@@ -252,24 +255,29 @@ def interleave(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
     group = HV // H
     qf = jnp.repeat(qf, group, axis=2)
     kf = jnp.repeat(kf, group, axis=3)
-    zeros_q = jnp.zeros((B, T, n - 1) + qf.shape[2:], cdt)
-    q_il = jnp.concatenate([zeros_q, qf[:, :, None]], axis=2)
     gf = jnp.zeros((B, T, HV), cdt) if g is None else g.astype(cdt)
-    zeros_g = jnp.zeros((B, T, n - 1, HV), cdt)
-    g_il = jnp.concatenate([gf[:, :, None], zeros_g], axis=2)
-    L = n * T
-    flat = lambda x: x.reshape((B, L) + x.shape[3:])
-    return (flat(q_il), flat(kf), flat(v.astype(cdt)), flat(g_il), flat(beta.astype(cdt)))
+    return qf, kf, v.astype(cdt), gf, beta.astype(cdt)
+
+
+def steps_to_chunks(layout: ChunkLayout, q, k, v, g, beta) -> ChunkInputs:
+    """:func:`token_inputs`' per-token operands -> :class:`ChunkInputs` on the layout's
+    grid, in their own dtypes: the interleave (docs/ALGORITHMS.md 1: q on sub-step n - 1,
+    g on sub-step 0, zeros on the others) and :func:`to_chunks`. Linear: its vjp only
+    moves cotangents (in whatever dtype they come)."""
+    B, T, n = k.shape[:3]
+    q_il = jnp.concatenate([jnp.zeros((B, T, n - 1) + q.shape[2:], q.dtype), q[:, :, None]],
+                           axis=2)
+    g_il = jnp.concatenate([g[:, :, None], jnp.zeros((B, T, n - 1) + g.shape[2:], g.dtype)],
+                           axis=2)
+    tc = lambda x: to_chunks(layout, x.reshape((B, n * T) + x.shape[3:]))
+    return ChunkInputs(tc(q_il), tc(k), tc(v), tc(g_il[..., None])[..., 0],
+                       tc(beta[..., None])[..., 0])
 
 
 def chunk_inputs(layout, q, k, v, g, beta, **kw) -> ChunkInputs:
-    """API tensors -> :class:`ChunkInputs` on the layout's chunk grid."""
-    q_il, k_il, v_il, g_il, b_il = interleave(q, k, v, g, beta, **kw)
-    tc = lambda x: to_chunks(layout, x)
-    return ChunkInputs(tc(q_il), tc(k_il), tc(v_il), tc(g_il[..., None])[..., 0],
-                       tc(b_il[..., None])[..., 0])
-
-
+    """API tensors -> :class:`ChunkInputs` on the layout's chunk grid (``kw``: those of
+    :func:`token_inputs`)."""
+    return steps_to_chunks(layout, *token_inputs(q, k, v, g, beta, **kw))
 
 
 def layout_of(spec: CallSpec, cu_seqlens) -> ChunkLayout:
@@ -277,10 +285,15 @@ def layout_of(spec: CallSpec, cu_seqlens) -> ChunkLayout:
     return make_layout(spec.B, spec.T, spec.n, cu_seqlens)
 
 
+def tokens_of(spec: CallSpec, q, k, v, g, beta):
+    """API tensors -> :func:`token_inputs` in the spec's compute dtype."""
+    return token_inputs(q, k, v, g, beta, H=spec.H, HV=spec.HV, compute_dtype=spec.cdt,
+                        use_qk_l2norm=spec.use_qk_l2norm)
+
+
 def chunks_of(spec: CallSpec, layout: ChunkLayout, q, k, v, g, beta) -> ChunkInputs:
     """API tensors -> :class:`ChunkInputs` in the spec's compute dtype."""
-    return chunk_inputs(layout, q, k, v, g, beta, H=spec.H, HV=spec.HV,
-                        compute_dtype=spec.cdt, use_qk_l2norm=spec.use_qk_l2norm)
+    return steps_to_chunks(layout, *tokens_of(spec, q, k, v, g, beta))
 
 
 def readout_cotangent(layout: ChunkLayout, do, every: int = 1) -> jax.Array:

@@ -18,7 +18,8 @@ from gdp_jax.cp import split
 
 def _forward(eng, spec, inputs, keep_states):
     q, k, v, g, beta, h0, cu_seqlens = inputs
-    layout, ch = engine.forward_problem(spec, q, k, v, g, beta, cu_seqlens)
+    layout, ch = engine.forward_problem(spec, q, k, v, g, beta, cu_seqlens,
+                                        eng.input_dtypes(spec))
     oc, final, states = eng.forward(spec, ch, layout, engine.start_states(spec, h0),
                                     keep_states=keep_states)
     return (engine.outputs(layout, oc, q.dtype), final.astype(spec.cdt)), states
@@ -37,7 +38,8 @@ def _op_fwd(eng, spec, *inputs):
 def _op_bwd(eng, spec, res, cts):
     inputs, states = res
     q, k, v, g, beta, h0, cu_seqlens = inputs
-    p = engine.backward_problem(spec, q, k, v, g, beta, cu_seqlens, *cts)
+    p = engine.backward_problem(spec, q, k, v, g, beta, cu_seqlens, *cts,
+                                eng.input_dtypes(spec))
     dch, dh0 = eng.backward(spec, p.ch, p.layout, engine.start_states(spec, h0), p.doc,
                             p.dfinal, states)
     dq, dk, dv, dg, dbeta = p.pull_inputs(dch)

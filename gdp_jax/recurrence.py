@@ -298,13 +298,19 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
     half the bytes; the carry stays in h0's dtype)."""
 
     def chunk(S, xs):
-        w, u, Kt, G_last, reset, sid = xs
+        *maps, reset, sid = xs
         if not batched:
             S = jnp.where(_b(reset, S), h0[sid], S)
         keep = S if walk_dtype is None or not batched else S.astype(walk_dtype)
-        return _advance(S, w, u, Kt, G_last)[0], keep
+        if TRANSITION_WALK:
+            ktw, ktu, G_last = maps
+            return (jnp.exp(G_last)[..., None, None] * S - _mm(ktw, S)
+                    + ktu.astype(S.dtype)), keep
+        return _advance(S, *maps)[0], keep
 
-    S, S0 = lax.scan(chunk, S, (x.w, x.u, x.Kt, x.G_last, f.reset, f.seq),
+    maps = ((*transitions(x), x.G_last) if TRANSITION_WALK
+            else (x.w, x.u, x.Kt, x.G_last))
+    S, S0 = lax.scan(chunk, S, (*maps, f.reset, f.seq),
                      unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
     o = readout(x, S0)
     if not batched:
@@ -313,12 +319,47 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
     return S, fin, o, states
 
 
+# The walks on each chunk's affine map, S_end = exp(G_last) S - Kt^T w S + Kt^T u, with
+# Kt^T w [K, K] and Kt^T u [K, V] built for all chunks before the scan (batched products,
+# in w's dtype; the identity part stays exact): a forward step is one product on the
+# state instead of two dependent ones with an elementwise pass between (Delta = u - w S),
+# and a reverse step exp(G_last) dS_end + [qf; -Kt^T w]^T [dO; dS_end], one product.
+TRANSITION_WALK = True
+# ... with Kt^T w and Kt^T u kept in float32 (else w's 16-bit dtype for 16-bit inputs).
+WIDE_TRANSITIONS = True
+
+
+def _transition_dtype(w):
+    return jnp.promote_types(w.dtype, jnp.float32) if WIDE_TRANSITIONS else w.dtype
+
+
+def transition(w, Kt):
+    """Kt^T w [.., K, K] of every chunk (accumulated in float32, :func:`_transition_dtype`)."""
+    return _mm(_t(Kt), w).astype(_transition_dtype(w))
+
+
+def transitions(x: "Forward"):
+    """(Kt^T w [.., K, K], Kt^T u [.., K, V]) of every chunk (accumulated in float32, in
+    :func:`_transition_dtype`): its map on its start state is
+    S_end = exp(G_last) S - (Kt^T w) S + Kt^T u. A non-finite row (Kt NaN there,
+    :func:`forward_operands`) makes both NaN, as it makes the stepped S_end."""
+    return transition(x.w, x.Kt), _mm(_t(x.Kt), x.u).astype(_transition_dtype(x.w))
+
+
 # The readout qg S0 + P (u - w S0) as (qg - P w) S0 + P u: S0 [.., K, V] is then read by
 # one product of Cr rows instead of two of C + Cr (w S0 and qg S0), and no [.., C, V]
 # Delta is written; P w and P u meet only masked operands (w, u are zero on non-finite
 # rows, :func:`forward_operands`, or all finite on the optimistic path). The reverse pass
 # then reads (qg - P w)^T dO: one product per step and no [.., C, V] P^T dO for all chunks.
 FOLDED_READOUT = True
+
+
+# The reverse step's two products with the chunk's operands, qf^T dO - w^T dD, as one:
+# [qf; -w]^T [dO; dD] with [qf; -w] stacked for all chunks before the scan - per step one
+# product and one sliced operand fewer (the step's dO and dD are stacked instead).
+MERGED_REVERSE_STEP = True
+# ... with [dO; dD] in dO's 16-bit dtype (dD rounded), a 16-bit product.
+NARROW_REVERSE_RHS = True
 
 
 def folded_query(qg, P, w):
@@ -462,8 +503,15 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
     (batched only): the kept dS_end in that (16-bit) dtype, half the bytes of the
     [L, R, HV, K, V] the backward's local gradients read; the carry keeps dS's."""
     acc = dS.dtype
+    w, Kt = x.w, x.Kt
     if FOLDED_READOUT:      # (qf, None): no [L, R, HV, C, V] P^T dO
         qo, ddo = folded_query(x.qg, x.P, x.w), None
+        if TRANSITION_WALK:         # [qf; -Kt^T w] [.., Cr + K, K]
+            ktw = transition(x.w, x.Kt)
+            qo = jnp.concatenate([qo.astype(ktw.dtype), -ktw], axis=-2)
+            w, Kt = None, None
+        elif MERGED_REVERSE_STEP:   # [qf; -w] [.., Cr + C, K]: one operand, one product
+            qo, w = jnp.concatenate([qo, -x.w], axis=-2), None
     else:
         qo, ddo = x.qg, _mm(_t(x.P), x.do).astype(acc)           # [L, R, HV, C, V]
 
@@ -476,7 +524,7 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
         dS_start = _start_grad(w, Kt, G_last, qo, ddo, do, dS_end)
         return jnp.where(_b(reset, dS), 0, dS_start), dS_end
 
-    xs = (x.w, x.Kt, x.G_last, qo, ddo, x.do, f.reset, f.seq, f.last)
+    xs = (w, Kt, x.G_last, qo, ddo, x.do, f.reset, f.seq, f.last)
     dS, dS_end = lax.scan(step, dS, xs, reverse=True,
                           unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
     if batched:
@@ -492,9 +540,21 @@ def _start_grad(w, Kt, G_last, qo, ddo, do, dS_end):
     """A chunk's start-state gradient from its end-state gradient dS_end [.., K, V]:
     qg^T dO + exp(G_last) dS_end - w^T (P^T dO + Kt dS_end). ``ddo`` None: ``qo`` is the
     folded query qg - P w (:func:`folded_query`), and the step is
-    qo^T dO + exp(G_last) dS_end - w^T Kt dS_end; else qo = qg and ddo = P^T dO."""
+    qo^T dO + exp(G_last) dS_end - w^T Kt dS_end; else qo = qg and ddo = P^T dO.
+    ``w`` None (:data:`MERGED_REVERSE_STEP`): ``qo`` is [qf; -w] [.., Cr + C, K] and the
+    last two terms one product, [qf; -w]^T [dO; Kt dS_end]; ``Kt`` None too
+    (:data:`TRANSITION_WALK`): ``qo`` is [qf; -Kt^T w] [.., Cr + K, K] and the step
+    exp(G_last) dS_end + [qf; -Kt^T w]^T [dO; dS_end]."""
     acc = dS_end.dtype
+    if Kt is None:          # qo = [qf; -Kt^T w]
+        rhs = jnp.concatenate([do.astype(acc), dS_end], axis=-2)
+        return jnp.exp(G_last)[..., None, None] * dS_end + _mm(_t(qo), rhs)
     dD = _mm(Kt, dS_end) if ddo is None else ddo + _mm(Kt, dS_end)
+    if w is None:
+        narrow = NARROW_REVERSE_RHS and do.dtype.itemsize == 2
+        rhs = (jnp.concatenate([do, dD.astype(do.dtype)], axis=-2) if narrow
+               else jnp.concatenate([do.astype(acc), dD], axis=-2))
+        return jnp.exp(G_last)[..., None, None] * dS_end + _mm(_t(qo), rhs)
     return (_mm(_t(qo), do).astype(acc) + jnp.exp(G_last)[..., None, None] * dS_end
             - _mm(_t(w), dD))
 

@@ -305,7 +305,8 @@ class XlaGatedDeltaProductCPBackend:
         """Trailing-fragment summary [E | M] (zero incoming state) and the local context."""
         spec = self.config
         layout, ch = forward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g,
-                                     inputs.beta, inputs.cu_seqlens)
+                                     inputs.beta, inputs.cu_seqlens,
+                                     self.engine.input_dtypes(spec))
         (E, M), work = self.engine.forward_prepare(spec, ch, layout,
                                                    provisional_start_states(spec, inputs),
                                                    differentiated=self.differentiated)
@@ -338,7 +339,7 @@ class XlaGatedDeltaProductCPBackend:
         spec = md.spec(inputs)
         do, dfinal = output_grad
         p = backward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
-                             inputs.cu_seqlens, do, dfinal)
+                             inputs.cu_seqlens, do, dfinal, self.engine.input_dtypes(spec))
         (gamma, Mt), work = self.engine.backward_prepare(spec, p.ch, p.layout, p.doc,
                                                          p.dfinal)
         gamma, Mt = gamma[inputs.first_seq], Mt[inputs.first_seq]
