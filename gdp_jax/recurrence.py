@@ -302,16 +302,16 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
         if not batched:
             S = jnp.where(_b(reset, S), h0[sid], S)
         keep = S if walk_dtype is None or not batched else S.astype(walk_dtype)
-        if TRANSITION_WALK:
+        if by_maps:
             ktw, ktu, G_last = maps
             return (jnp.exp(G_last)[..., None, None] * S - _mm(ktw, S)
                     + ktu.astype(S.dtype)), keep
         return _advance(S, *maps)[0], keep
 
-    maps = ((*transitions(x), x.G_last) if TRANSITION_WALK
-            else (x.w, x.u, x.Kt, x.G_last))
-    S, S0 = lax.scan(chunk, S, (*maps, f.reset, f.seq),
-                     unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
+    problems = x.w.shape[1] * x.w.shape[2]
+    by_maps = _transition_walk(problems)
+    maps = (*transitions(x), x.G_last) if by_maps else (x.w, x.u, x.Kt, x.G_last)
+    S, S0 = lax.scan(chunk, S, (*maps, f.reset, f.seq), unroll=_unroll(problems))
     o = readout(x, S0)
     if not batched:
         fin = _collect_final(x, f, S0, fin)
@@ -320,13 +320,27 @@ def forward_walk(x: Forward, f: Flags, h0, N: int, stride: int, states_dtype, S,
 
 
 # The walks on each chunk's affine map, S_end = exp(G_last) S - Kt^T w S + Kt^T u, with
-# Kt^T w [K, K] and Kt^T u [K, V] built for all chunks before the scan (batched products,
-# in w's dtype; the identity part stays exact): a forward step is one product on the
-# state instead of two dependent ones with an elementwise pass between (Delta = u - w S),
-# and a reverse step exp(G_last) dS_end + [qf; -Kt^T w]^T [dO; dS_end], one product.
-TRANSITION_WALK = True
-# ... with Kt^T w and Kt^T u kept in float32 (else w's 16-bit dtype for 16-bit inputs).
-WIDE_TRANSITIONS = True
+# Kt^T w [K, K] and Kt^T u [K, V] built for all chunks before the scan (batched products;
+# the identity part stays exact): a forward step is one product on the state instead of
+# two dependent ones with an elementwise pass between (Delta = u - w S), and a reverse
+# step exp(G_last) dS_end + [qf; -Kt^T w]^T [dO; dS_end], one product. It moves more
+# bytes (the maps are [K, K], w and Kt [C, K]), so it pays only where a step's kernels
+# are too small to be bandwidth-bound: by platform, walks of fewer (row, head) problems
+# per step than this. H200 (s15-3, benchmarks/results/history/2026-12-04): fwd+bwd at
+# (2, 16384, 16, 2), 32 problems per step, 32.74 -> 28.64 ms (float32 maps); at 128 per
+# step (8, 4096, 16, n) n = 3 went 34.91 -> 37.18 ms (16-bit maps), n = 1 12.78 -> 12.98.
+TRANSITION_WALK = {"gpu": 64}
+
+
+def _transition_walk(problems: int) -> bool:
+    return problems < TRANSITION_WALK.get(jax.default_backend(), 0)
+
+
+# ... with Kt^T w and Kt^T u in float32 (else w's 16-bit dtype for 16-bit inputs). Off:
+# float32 maps raised peak memory by 0.4-1.8 GB at the benchmark shapes (s15-3); 16-bit
+# ones raise the error vs float64 slightly (the CLI check's n = 3 case, CPU: o 4.67e-3 ->
+# 4.92e-3; on the H200 o 3.5-3.9e-3 -> 3.6-4.0e-3, FLA 4.5-4.9e-3).
+WIDE_TRANSITIONS = False
 
 
 def _transition_dtype(w):
@@ -506,7 +520,7 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
     w, Kt = x.w, x.Kt
     if FOLDED_READOUT:      # (qf, None): no [L, R, HV, C, V] P^T dO
         qo, ddo = folded_query(x.qg, x.P, x.w), None
-        if TRANSITION_WALK:         # [qf; -Kt^T w] [.., Cr + K, K]
+        if _transition_walk(x.w.shape[1] * x.w.shape[2]):   # [qf; -Kt^T w] [.., Cr + K, K]
             ktw = transition(x.w, x.Kt)
             qo = jnp.concatenate([qo.astype(ktw.dtype), -ktw], axis=-2)
             w, Kt = None, None

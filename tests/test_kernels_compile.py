@@ -298,10 +298,11 @@ def test_cp_rank_runs_one_kernel_pass_per_direction(packed, prebuilt):
 
     def chunk_kernels(txt):
         # the recursion kernels take the int32 chunk flags (the inverse and operands
-        # kernels do not)
+        # kernels do not). The LAST "->" parts the argument types from the results: the
+        # binary kernel key in the backend config may hold one too.
         calls = [line for line in txt.splitlines()
-                 if "CuteDSLRT_NvJaxCutlassCall" in line and "i32>" in line.split("->")[0]]
-        return [line.split("->")[-1] for line in calls]
+                 if "CuteDSLRT_NvJaxCutlassCall" in line and "i32>" in line.rsplit("->", 1)[0]]
+        return [line.rsplit("->", 1)[-1] for line in calls]
 
     out = chunk_kernels(_lower(fwd, *avals, pre))
     assert len(out) == 1 and f"x64x{V + K}xbf16>" in out[0], out   # o rows on V + K

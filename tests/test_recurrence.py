@@ -209,3 +209,38 @@ def test_batched_walks_equal_flagged(stride):
     for got, want in zip(runs[1], runs[0]):
         assert rel_max(got, want) < TOL
 
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_op_transition_walk_matches_reference(monkeypatch, packed):
+    """The walks on each chunk's affine map (recurrence.TRANSITION_WALK, on the GPU for
+    rows of few problems per step) forced on here: outputs, final states and every
+    gradient equal the token recurrence, with checkpoints kept every chunk and every
+    third, and through the CP protocol (intra_cp=2: the prepare's pass on V + K state
+    columns, the resume's response)."""
+    T, n = 300, 2
+    N = 5 if packed else 2
+    inp = make_inputs(7, 1 if packed else 2, T, n, 1, 2, 8, 6, jnp.float64, N=N,
+                      gate="strong")
+    cu = jnp.asarray([0, 0, 1, 90, 91, T], jnp.int32) if packed else None
+    w = default_weights(inp, cu, None)
+    ref = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w, cu_seqlens=cu)
+    monkeypatch.setattr(recurrence, "TRANSITION_WALK", {jax.default_backend(): 10 ** 9})
+    assert recurrence._transition_walk(10 ** 6)
+    for kw in (dict(recompute_chunk_num=0), dict(recompute_chunk_num=2),
+               dict(intra_cp=2)):
+        jax.clear_caches()      # loss_and_grads' jitted function is shared (lru_cache)
+        o, s, _, dg = loss_and_grads(gdp_jax.gated_delta_product, inp, w, cu_seqlens=cu,
+                                     backend="xla", **kw)
+        assert rel_max(o, ref[0]) < 1e-10 and rel_max(s, ref[1]) < 1e-10, kw
+        for name in dg:
+            assert rel_max(dg[name], ref[3][name]) < 1e-10, (name, kw)
+    jax.clear_caches()
+
+
+def test_transition_walk_is_for_few_problems_per_step(monkeypatch):
+    monkeypatch.setattr(recurrence, "TRANSITION_WALK", {"gpu": 64})
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert recurrence._transition_walk(32) and not recurrence._transition_walk(128)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert not recurrence._transition_walk(1)
