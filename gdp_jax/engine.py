@@ -8,8 +8,8 @@ per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax
     forward(spec, ch, layout, h0, keep_states, work)       -> (o rows, final states, states)
     backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (chunk-input cotangents, dh0)
 
-(cotangents in any float dtype: the relayout back to tokens moves them in it, and
-``input_dtypes(spec)``: the fields it reads narrower than the compute dtype)
+(chunk-input cotangents in the compute dtype; ``input_dtypes(spec)``: the fields an
+engine reads narrower than the compute dtype)
     forward_summaries(spec, ch, layout)                    -> ((E, M), work)
     backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
 
@@ -228,29 +228,6 @@ def _narrow_inputs(ch, dt):
     return ch._replace(**{f: getattr(ch, f).astype(dt) for f in NARROW_INPUTS})
 
 
-# The xla engine's q, k, v chunk-input cotangents in bfloat16 for bfloat16 inputs (the
-# API's dq, dk, dv are bfloat16 too): the relayout back to tokens moves half the bytes,
-# but the L2 norm's backward reads a rounded dk. Off: on the H200 (s15-1,
-# benchmarks/results/history/2026-12-04) fwd+bwd at (8, 4096, 16, 1) was 13.09 ms with it,
-# 13.10 without, and dq's error vs float64 3.8e-3 against 3.4e-3.
-NARROW_COTANGENTS = False
-
-
-def cotangent_dtype(spec):
-    """The dtype the xla engine returns its q, k, v chunk-input cotangents in
-    (:data:`NARROW_COTANGENTS`), or None: the compute dtype (float16's range is too
-    small for the gradients of unnormalised keys)."""
-    bf16 = NARROW_COTANGENTS and spec.ab_dtype == jnp.bfloat16
-    return spec.ab_dtype if bf16 else None
-
-
-def _narrow_cotangents(dch, dt):
-    """dq, dk, dv of chunk-input cotangents in ``dt`` (None: unchanged)."""
-    if dt is None:
-        return dch
-    return dch._replace(q=dch.q.astype(dt), k=dch.k.astype(dt), v=dch.v.astype(dt))
-
-
 # The backward's chunk-local gradients run on blocks of about this many (chunk, row, head)
 # problems at a time (a ``lax.map`` over blocks of consecutive chunks): their float32
 # temporaries ([.., C, K] and [.., C, C] per chunk, a dozen of them) are then the size of
@@ -370,7 +347,7 @@ class XlaEngine(Engine):
             dS_end, first = recurrence.reverse(blk, rev, f, dfinal, spec.N, batched, wd)
             dchb = local_grads_in_blocks(chb, it, X, S0, docb, dS_end, spec.scale)
         dh0 = where_has_tokens(layout, first, dfinal)
-        return blk.tree_unblock(_narrow_cotangents(dchb, cotangent_dtype(spec))), dh0
+        return blk.tree_unblock(dchb), dh0
 
     def forward_summaries(self, spec, ch, layout):
         return chunked.forward_summaries(ch, layout), None
@@ -454,7 +431,7 @@ class XlaEngine(Engine):
         dchb = chunked.local_grads_direct(chb, work.it, work.X, S0, blk.block(doc), dS_end,
                                           spec.scale)
         dh0 = where_has_tokens(layout, dh0, dfinal)
-        return blk.tree_unblock(_narrow_cotangents(dchb, cotangent_dtype(spec))), dh0
+        return blk.tree_unblock(dchb), dh0
 
 
 XLA = XlaEngine()
@@ -470,7 +447,7 @@ class ForwardProblem(NamedTuple):
 class BackwardProblem(NamedTuple):
     layout: grid.ChunkLayout
     ch: grid.ChunkInputs
-    pull_inputs: object          # chunk-input cotangents (any float dtype) -> (dq, dk, dv, dg, dbeta)
+    pull_inputs: object          # chunk-input cotangents -> (dq, dk, dv, dg, dbeta)
     doc: jax.Array               # [B, NC, HV, C // every, V] read-out-row cotangents
     dfinal: jax.Array            # [N, HV, K, V] final-state cotangents (compute dtype)
 
@@ -499,15 +476,12 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
     layout = grid.layout_of(spec, cu_seqlens)
     tok, pull_tokens = jax.vjp(lambda *a: grid.tokens_of(spec, *a), q, k, v, g, beta)
     ch = grid.steps_to_chunks(layout, *_cast_fields(tok, dtypes or {}))
+    # the relayout is linear: its vjp at the compute-dtype operands takes the engine's
+    # cotangents whatever ``dtypes`` cast
+    _, pull_steps = jax.vjp(lambda *t: grid.steps_to_chunks(layout, *t), *tok)
 
     def pull_inputs(dch):
-        # The relayout back to tokens moves each cotangent in the dtype the engine gave
-        # it (16-bit: half the bytes); the L2 norm's and GVA's backward run in the
-        # compute dtype.
-        narrow = tuple(t.astype(d.dtype) for t, d in zip(tok, dch))
-        _, pull_steps = jax.vjp(lambda *t: grid.steps_to_chunks(layout, *t), *narrow)
-        dtok = pull_steps(grid.ChunkInputs(*dch))
-        return pull_tokens(tuple(d.astype(t.dtype) for d, t in zip(dtok, tok)))
+        return pull_tokens(pull_steps(dch))
 
     doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))
     return BackwardProblem(layout, ch, pull_inputs, doc, dfinal.astype(spec.cdt))
