@@ -7,11 +7,9 @@ per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax
 
     forward(spec, ch, layout, h0, keep_states, work)       -> (o rows, final states, states)
     backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (chunk-input cotangents, dh0)
-
-(chunk-input cotangents in the compute dtype; ``input_dtypes(spec)``: the fields an
-engine reads narrower than the compute dtype)
     forward_summaries(spec, ch, layout)                    -> ((E, M), work)
     backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
+    input_dtypes(spec)   -> {ChunkInputs field: dtype} read narrower than the compute dtype
 
 and the CP rank's pair around them (defaults: the summaries, then the plain pass):
 

@@ -370,9 +370,13 @@ FOLDED_READOUT = True
 
 # The reverse step's two products with the chunk's operands, qf^T dO - w^T dD, as one:
 # [qf; -w]^T [dO; dD] with [qf; -w] stacked for all chunks before the scan - per step one
-# product and one sliced operand fewer (the step's dO and dD are stacked instead).
+# product and two sliced operands fewer (the step's dO and dD are stacked instead). H200
+# (s15-1, benchmarks/results/history/2026-12-04): fwd+bwd at (8, 4096, 16, 1) 13.42 ->
+# 13.09 ms.
 MERGED_REVERSE_STEP = True
-# ... with [dO; dD] in dO's 16-bit dtype (dD rounded), a 16-bit product.
+# ... with [dO; dD] in dO's 16-bit dtype (dD rounded), a 16-bit product: s15-2, 13.09 ->
+# 12.78 ms at (8, 4096, 16, 1), 35.52 -> 34.91 at n = 3, the GPU checks unchanged to two
+# digits (the CLI's n = 3 bf16 case on CPU: gradients 5.98e-3 -> 6.22e-3, bound 1e-2).
 NARROW_REVERSE_RHS = True
 
 
