@@ -144,19 +144,26 @@ def test_segment_len():
     assert recurrence.segment_len(40000, 1) == recurrence.SEGMENT_PROBLEMS
 
 
+def _op_case(seed, packed, T=300, n=2):
+    """A float64 op case with strong gates - 2 rows, or 5 packed sequences (empty and
+    one-token ones among them) - its loss weights and the token recurrence's
+    (o, final, loss, grads)."""
+    N = 5 if packed else 2
+    inp = make_inputs(seed, 1 if packed else 2, T, n, 1, 2, 8, 6, jnp.float64, N=N,
+                      gate="strong")
+    cu = jnp.asarray([0, 0, 1, 90, 91, T], jnp.int32) if packed else None
+    w = default_weights(inp, cu, None)
+    return inp, cu, w, loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w,
+                                      cu_seqlens=cu)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_op_segmented_matches_reference(monkeypatch, packed):
     """Segments forced (3 or 2 chunks per segment, a partial last segment): outputs, final
     states and every gradient equal the token recurrence and the unsegmented op."""
-    T, n = 300, 2
-    N = 5 if packed else 2
-    inp = make_inputs(5, 1 if packed else 2, T, n, 1, 2, 8, 6, jnp.float64, N=N,
-                      gate="strong")
-    cu = jnp.asarray([0, 0, 1, 90, 91, T], jnp.int32) if packed else None
-    w = default_weights(inp, cu, None)
+    inp, cu, w, ref = _op_case(5, packed)
     run = lambda N_rc: loss_and_grads(gdp_jax.gated_delta_product, inp, w, cu_seqlens=cu,
                                       backend="xla", recompute_chunk_num=N_rc)
-    ref = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w, cu_seqlens=cu)
     # loss_and_grads' jitted function is shared (lru_cache): without this, the unbatched
     # case hit the trace test_op_blocked_matches_reference made with blocking forced
     jax.clear_caches()
@@ -218,13 +225,7 @@ def test_op_transition_walk_matches_reference(monkeypatch, packed):
     gradient equal the token recurrence, with checkpoints kept every chunk and every
     third, and through the CP protocol (intra_cp=2: the prepare's pass on V + K state
     columns, the resume's response)."""
-    T, n = 300, 2
-    N = 5 if packed else 2
-    inp = make_inputs(7, 1 if packed else 2, T, n, 1, 2, 8, 6, jnp.float64, N=N,
-                      gate="strong")
-    cu = jnp.asarray([0, 0, 1, 90, 91, T], jnp.int32) if packed else None
-    w = default_weights(inp, cu, None)
-    ref = loss_and_grads(gdp_jax.gated_delta_product_reference, inp, w, cu_seqlens=cu)
+    inp, cu, w, ref = _op_case(7, packed)
     monkeypatch.setattr(recurrence, "TRANSITION_WALK", {jax.default_backend(): 10 ** 9})
     assert recurrence._transition_walk(10 ** 6)
     for kw in (dict(recompute_chunk_num=0), dict(recompute_chunk_num=2),
