@@ -564,17 +564,15 @@ def _start_grad(w, Kt, G_last, qo, ddo, do, dS_end):
     (:data:`TRANSITION_WALK`): ``qo`` is [qf; -Kt^T w] [.., Cr + K, K] and the step
     exp(G_last) dS_end + [qf; -Kt^T w]^T [dO; dS_end]."""
     acc = dS_end.dtype
+    decayed = jnp.exp(G_last)[..., None, None] * dS_end
     if Kt is None:          # qo = [qf; -Kt^T w]
-        rhs = jnp.concatenate([do.astype(acc), dS_end], axis=-2)
-        return jnp.exp(G_last)[..., None, None] * dS_end + _mm(_t(qo), rhs)
+        return decayed + _mm(_t(qo), jnp.concatenate([do.astype(acc), dS_end], axis=-2))
     dD = _mm(Kt, dS_end) if ddo is None else ddo + _mm(Kt, dS_end)
-    if w is None:
-        narrow = NARROW_REVERSE_RHS and do.dtype.itemsize == 2
-        rhs = (jnp.concatenate([do, dD.astype(do.dtype)], axis=-2) if narrow
-               else jnp.concatenate([do.astype(acc), dD], axis=-2))
-        return jnp.exp(G_last)[..., None, None] * dS_end + _mm(_t(qo), rhs)
-    return (_mm(_t(qo), do).astype(acc) + jnp.exp(G_last)[..., None, None] * dS_end
-            - _mm(_t(w), dD))
+    if w is None:           # qo = [qf; -w]
+        rhs_dtype = do.dtype if NARROW_REVERSE_RHS and do.dtype.itemsize == 2 else acc
+        rhs = jnp.concatenate([do.astype(rhs_dtype), dD.astype(rhs_dtype)], axis=-2)
+        return decayed + _mm(_t(qo), rhs)
+    return _mm(_t(qo), do).astype(acc) + decayed - _mm(_t(w), dD)
 
 
 # ------------------------------------------------------- segments: bounded memory per pass
