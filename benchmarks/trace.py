@@ -93,6 +93,8 @@ def main(argv=None):
     ap.add_argument("--hlo", default=None,
                     help="also write the compiled (optimized) HLO text here (gzip if .gz): "
                          "the trace's names are its fusions")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a gdp_jax module switch before tracing (as benchmarks.run's)")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     # XLA replays whole programs as CUDA graphs ("command buffers"): the trace then shows one
@@ -102,7 +104,9 @@ def main(argv=None):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     import jax
     from benchmarks import registry
+    from benchmarks.run import apply_settings
 
+    apply_settings(a.set)
     shape = registry.shapes("op", a.shape)[0]
     if a.mode == "bwd":
         fn, args = engine_backward(shape, a.impl)
