@@ -135,7 +135,13 @@ def segment_sums(g):
 GATE_FLOOR = 1e4
 
 
-SUBSTITUTION_BLOCK = 16
+# The diagonal blocks of (I + A)^-1 that forward substitution solves (m - 2 batched products
+# on m x m blocks) before the merges. Small blocks: the substitution's products are a chain
+# of whole-grid kernels each, the merges few and on small operands. H200 (s16-1,
+# benchmarks/results/history/2026-12-04): fwd+bwd at (8, 4096, 16, 1) 12.87 (16) -> 12.69
+# (8) -> 12.24 ms (4), at n = 3 35.13 -> 34.57 -> 33.33 ms; the errors vs float64 equal to
+# two digits (the substitution and the merges are both forward substitution, by blocks).
+SUBSTITUTION_BLOCK = 4
 
 
 def with_closed_form_vjp(inverse):
@@ -159,10 +165,11 @@ def with_closed_form_vjp(inverse):
 
 
 def _blocked_inverse(A, plain=False):
-    """(I + A)^-1 for strictly lower-triangular A [..., m, m] (m <= 16 or 16 * 2^j).
+    """(I + A)^-1 for strictly lower-triangular A [..., m, m], any m.
 
-    Blocked, in batched matmuls (FLA's solve_tril scheme): the 16 x 16 diagonal blocks by
-    forward substitution, then merges 16 -> 32 -> 64 with
+    Blocked, in batched matmuls: the diagonal blocks of at most b =
+    :data:`SUBSTITUTION_BLOCK` rows by forward substitution, then merges of halves
+    (b -> 2 b -> ... -> m for m = b 2^j) with
     [[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]].
     Used instead of ``lax.linalg.triangular_solve``, which was far slower on the GPU and
     on CPU, where its LAPACK call could also deadlock XLA's thread pool
@@ -182,10 +189,14 @@ def _blocked_inverse(A, plain=False):
             X = eye - (mm(A, X) if plain else causal_mm(A, X, strict=True))
         return X
     h = m // 2
-    diag = _blocked_inverse(jnp.stack([A[..., :h, :h], A[..., h:, h:]], axis=0), plain)
-    X11, X22 = diag[0], diag[1]
+    if m % 2:       # unequal halves: two calls
+        X11, X22 = (_blocked_inverse(A[..., :h, :h], plain),
+                    _blocked_inverse(A[..., h:, h:], plain))
+    else:           # both halves in one call
+        diag = _blocked_inverse(jnp.stack([A[..., :h, :h], A[..., h:, h:]], axis=0), plain)
+        X11, X22 = diag[0], diag[1]
     X21 = -(mm if plain else causal_mm)(X22, A[..., h:, :h] @ X11)   # X11's rows precede X21's
-    top = jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1)
+    top = jnp.concatenate([X11, jnp.zeros(X11.shape[:-1] + (m - h,), X11.dtype)], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([X21, X22], axis=-1)], axis=-2)
 
 

@@ -298,6 +298,28 @@ def test_inverse_kernel_wrapper_is_row_causal(emulated_kernels):
                   [:40]).max() < 1e-4
 
 
+@pytest.mark.parametrize("block", [1, 2, 4, 16])
+@pytest.mark.parametrize("plain", [False, True])
+def test_xla_inverse_any_block_and_size(monkeypatch, block, plain):
+    """The XLA blocked inverse for every substitution block and sizes that do not halve
+    evenly: (I + A)^-1 in float64 to 1e-12, and (row-causal path) a non-finite row of A
+    leaves the rows before it finite and puts a NaN into it and every later row."""
+    from gdp_jax import chunked
+    monkeypatch.setattr(chunked, "SUBSTITUTION_BLOCK", block)
+    rng = np.random.default_rng(block)
+    with jax.enable_x64(True):
+        for m in (1, 3, 5, 24, 40, 63, 64):
+            A = np.tril(rng.standard_normal((2, m, m)) * 0.3, -1)
+            X = np.asarray(chunked._blocked_inverse(jnp.asarray(A), plain=plain))
+            want = np.linalg.inv(np.eye(m) + A)
+            assert np.abs(X - want).max() < 1e-12 * np.abs(want).max(), (m, block)
+        if not plain:
+            A = np.tril(rng.standard_normal((40, 40)) * 0.3, -1)
+            A[17, 5] = np.inf
+            X = np.asarray(chunked._blocked_inverse(jnp.asarray(A)))
+            assert np.isfinite(X[:17]).all() and np.isnan(X[17:]).any(axis=-1).all()
+
+
 def test_masked_loss_over_inf_padding_is_finite():
     """Inf garbage in padding after the real tokens: a loss masked to the real tokens is
     finite and equals the recurrence's (it was NaN: one inf poisoned its 64-step chunk)."""
