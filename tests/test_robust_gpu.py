@@ -5,8 +5,8 @@ the clean run's, other packed sequences too), T = 1 and tiny lengths, empty and 
 packed sequences, invalid traced offsets (all NaN), unnormalised keys (finite as long as
 the recurrence), a loss masked over inf padding (finite). The XLA glue around the kernels
 (kernels.pipeline.causal_operands, the row-causal WY inverse wrapper) is tested on CPU with
-emulated kernels (tests/test_robust.py); this file checks the kernels themselves. Last real run: 2026-12-03, nvidia-h200, code
-1f181e2: all 48 passed (tests/gpu_results/GPU_TESTS.md, run s11-2).
+emulated kernels (tests/test_robust.py); this file checks the kernels themselves. Last real run: 2026-12-04, nvidia-h200, code
+3b7b783: all 48 passed (tests/gpu_results/GPU_TESTS.md, run s16-4).
 
 Run on the H200:
     python tests/test_robust_gpu.py --out "$OUT"          # or: pytest -m gpu -s <this file>
