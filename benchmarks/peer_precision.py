@@ -2,8 +2,8 @@
 
     python -m benchmarks.peer_precision [--impl xla,cutedsl,fla] [--cases NAME,...]
 
-Each case is one of tests/test_cutedsl_gpu.py's forward cases (the same ``make``: q, k, v
-normal, beta in (0.05, 1.95), gates log-sigmoid(N + 3) or none, initial states 0.3 N), run
+Each case is one of tests/test_cutedsl_gpu.py's forward cases (the same inputs,
+:func:`gdp_jax.testing.gpu_case_inputs`), run
 through each implementation; prints the relative RMS error of o and of the final state
 against the float64 token recurrence (the precision bar: no worse than FLA's on the same
 inputs). FLA gets g = 0 where the case has no gate, and the interleaved layout of
@@ -35,19 +35,7 @@ def main(argv=None):
 
     jax.config.update("jax_enable_x64", True)
     import gdp_jax
-    from gdp_jax.testing import rel_rms
-
-    def make(seed, B, T, n, H, HV, K, V, dtype, gate, h0):
-        ks = jax.random.split(jax.random.PRNGKey(seed), 7)
-        f32, dt = jnp.float32, jnp.dtype(dtype)
-        q = jax.random.normal(ks[0], (B, T, H, K), f32).astype(dt)
-        k = jax.random.normal(ks[1], (B, T, n, H, K), f32).astype(dt)
-        v = jax.random.normal(ks[2], (B, T, n, HV, V), f32).astype(dt)
-        beta = jax.random.uniform(ks[3], (B, T, n, HV), f32, 0.05, 1.95).astype(dt)
-        g = (jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, HV), f32) + 3.0)
-             if gate else None)
-        s0 = 0.3 * jax.random.normal(ks[5], (B, HV, K, V), f32) if h0 else None
-        return q, k, v, g, beta, s0
+    from gdp_jax.testing import gpu_case_inputs, rel_rms
 
     def ours(backend, args):
         q, k, v, g, beta, s0 = args
@@ -82,7 +70,8 @@ def main(argv=None):
         return o.float().cpu().numpy(), fin.float().cpu().numpy()
 
     for name in a.cases.split(","):
-        args = make(*CASES[name])
+        *shape, gate, h0 = CASES[name]
+        args = gpu_case_inputs(*shape, gate=gate, h0=h0)
         o_r, s_r = reference(args)
         for impl in a.impl.split(","):
             try:

@@ -111,6 +111,25 @@ def make_inputs(key, B, T, n, H, HV, K, V, dtype=jnp.float64, *, N=None, gate="n
     return Inputs(cast(q), cast(kd), cast(v), g, cast(beta), h0)
 
 
+def gpu_case_inputs(seed, B, T, n, H, HV, K, V, dtype, *, gate=True, N=None, h0=True):
+    """The GPU tests' inputs (tests/test_cutedsl_gpu.py, benchmarks.peer_precision), a tuple
+    (q [B, T, H, K], k [B, T, n, H, K], v [B, T, n, HV, V], g [B, T, HV] or None,
+    beta [B, T, n, HV], initial states [N, HV, K, V] or None): q, k, v standard normal in
+    ``dtype``, beta uniform in (0.05, 1.95), g = log_sigmoid(N(0, 1) + 3) in float32 (or
+    None: ungated), initial states 0.3 N(0, 1) in float32 (or None)."""
+    N = B if N is None else N
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    f32, dtype = jnp.float32, jnp.dtype(dtype)
+    q = jax.random.normal(ks[0], (B, T, H, K), f32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, T, n, H, K), f32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, n, HV, V), f32).astype(dtype)
+    beta = jax.random.uniform(ks[3], (B, T, n, HV), f32, 0.05, 1.95).astype(dtype)
+    g = (jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, HV), f32) + 3.0)
+         if gate else None)
+    s0 = 0.3 * jax.random.normal(ks[5], (N, HV, K, V), f32) if h0 else None
+    return q, k, v, g, beta, s0
+
+
 def upcast(inp: Inputs, dtype=jnp.float32) -> Inputs:
     """The same values in a wider dtype (g and initial_state are left alone)."""
     up = lambda x: jnp.asarray(np.asarray(x).astype(jnp.dtype(dtype)))

@@ -38,21 +38,10 @@ if not _gpu_ok():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
 from gdp_jax import backends, gated_delta_product, gated_delta_product_reference  # noqa: E402
-from gdp_jax.testing import rel_rms  # noqa: E402
+from gdp_jax.testing import gpu_case_inputs, rel_rms  # noqa: E402
 
 
-def make(seed, B, T, n, H, HV, K, V, dtype, *, gate=True, N=None, h0=True):
-    N = B if N is None else N
-    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
-    f32 = jnp.float32
-    q = jax.random.normal(ks[0], (B, T, H, K), f32).astype(dtype)
-    k = jax.random.normal(ks[1], (B, T, n, H, K), f32).astype(dtype)
-    v = jax.random.normal(ks[2], (B, T, n, HV, V), f32).astype(dtype)
-    beta = jax.random.uniform(ks[3], (B, T, n, HV), f32, 0.05, 1.95).astype(dtype)
-    g = (jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, HV), f32) + 3.0)
-         if gate else None)
-    s0 = 0.3 * jax.random.normal(ks[5], (N, HV, K, V), f32) if h0 else None
-    return q, k, v, g, beta, s0
+make = gpu_case_inputs
 
 
 def run(backend, args, cu=None):
