@@ -1,6 +1,7 @@
 """XLA's own accounting of the xla backend at one shape, compiled (not run) for this host.
 
     JAX_PLATFORMS=cpu python -m benchmarks.xla_bytes --shape 8,4096,16,2 [--error 1,512,2,2]
+        [--backend cutedsl-emulated]
 
 For the jitted forward (o) and fwd+bwd (value and gradients of sum(o * w) w.r.t. q, k, v,
 g, beta) of the benchmark runner's inputs (bf16, ``use_qk_l2norm``, gates on; shapes only:
@@ -23,12 +24,12 @@ import json
 import os
 
 
-def _loss_fn(w, **kw):
+def _loss_fn(w, backend="xla", **kw):
     import jax.numpy as jnp
     from gdp_jax import gated_delta_product
 
     def loss(q, k, v, g, beta):
-        o = gated_delta_product(q, k, v, g, beta, backend="xla", use_qk_l2norm=True, **kw)
+        o = gated_delta_product(q, k, v, g, beta, backend=backend, use_qk_l2norm=True, **kw)
         return jnp.sum(o.astype(w.dtype) * w)
     return loss
 
@@ -46,18 +47,26 @@ def abstract_inputs(shape, dtype="bfloat16"):
     return x, s((B, T, H, V), f32)
 
 
-def compiled_bytes(shape, dtype="bfloat16", **kw):
-    """{"fwd": {...}, "fwdbwd": {...}}: temp bytes and bytes accessed, GB."""
+def compiled_bytes(shape, dtype="bfloat16", backend="xla", **kw):
+    """{"fwd": {...}, "fwdbwd": {...}}: temp bytes and bytes accessed, GB. ``backend``
+    "cutedsl-emulated": the cutedsl pipeline with its kernels emulated in XLA
+    (:func:`gdp_jax.testing.emulated_kernels`): the glue's buffers are the real ones, the
+    kernels' own temporaries are XLA's - a proxy for comparing two trees, not the GPU's
+    peak."""
+    import contextlib
     import jax
+    from gdp_jax import testing
     x, w = abstract_inputs(shape, dtype)
+    emulated = backend == "cutedsl-emulated"
     out = {}
     for name in ("fwd", "fwdbwd"):
         def f(w, *a):
-            loss = _loss_fn(w, **kw)
+            loss = _loss_fn(w, "cutedsl" if emulated else backend, **kw)
             if name == "fwd":
                 return loss(*a)
             return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(*a)
-        c = jax.jit(f).lower(w, *x).compile()
+        with testing.emulated_kernels() if emulated else contextlib.nullcontext():
+            c = jax.jit(f).lower(w, *x).compile()
         mem = c.memory_analysis()
         cost = c.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -113,6 +122,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8,4096,16,2", help="B,T,H,n[,K,V]")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backend", default="xla", choices=("xla", "cutedsl-emulated"),
+                   help="cutedsl-emulated: the cutedsl glue with emulated kernels (any host)")
     p.add_argument("--recompute-chunk-num", type=int, default=None)
     p.add_argument("--error", default=None, help="B,T,H,n[,K,V]: also the error vs float64")
     p.add_argument("--f64-ref", default=None, help=".npz of float64 results to save / compare")
@@ -124,7 +135,8 @@ def main(argv=None):
         if len(s.split(",")) == 4 else tuple(int(v) for v in s.split(","))
     shape = parse(a.shape)
     kw = {} if a.recompute_chunk_num is None else {"recompute_chunk_num": a.recompute_chunk_num}
-    res = {"shape": list(shape), "dtype": a.dtype, **kw}
+    res = {"shape": list(shape), "dtype": a.dtype, "backend": a.backend, **kw}
+    kw["backend"] = a.backend
     if a.segment_problems is not None:
         from benchmarks.segments import segments
         res["segment_problems"] = a.segment_problems

@@ -217,3 +217,21 @@ def test_trace_backward_mode_writes_hlo_with_source_lines(tmp_path, capsys):
                 "--out", str(tmp_path / "tr"), "--hlo", str(hlo)])
     assert "optimized HLO" in capsys.readouterr().out
     assert "gdp_jax/chunked.py" in hlo.read_text()
+
+
+def test_compiled_bytes_of_both_backends_tiny():
+    """benchmarks.xla_bytes compiles the fwd and fwd+bwd of the xla backend and of the
+    cutedsl glue on emulated kernels (any host) and reports positive temp bytes."""
+    from benchmarks import xla_bytes
+    for backend in ("xla", "cutedsl-emulated"):
+        res = xla_bytes.compiled_bytes((1, 70, 1, 3, 16, 8), "bfloat16", backend)
+        assert res["fwd"]["temp_GB"] > 0 and res["fwdbwd"]["temp_GB"] > res["fwd"]["temp_GB"], \
+            (backend, res)
+
+
+def test_fit_tiny(capsys):
+    """benchmarks.fit runs one fwd+bwd and reports finite gradients."""
+    from benchmarks import fit
+    fit.main(["--shape", "1,70,1,2", "--reps", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["grads_finite"] is True and out["shape"] == [1, 70, 1, 2]
