@@ -522,9 +522,10 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
     [L, R, HV, K, V] the backward's local gradients read; the carry keeps dS's."""
     acc = dS.dtype
     w, Kt = x.w, x.Kt
+    problems = x.w.shape[1] * x.w.shape[2]
     if FOLDED_READOUT:      # (qf, None): no [L, R, HV, C, V] P^T dO
         qo, ddo = folded_query(x.qg, x.P, x.w), None
-        if _transition_walk(x.w.shape[1] * x.w.shape[2]):   # [qf; -Kt^T w] [.., Cr + K, K]
+        if _transition_walk(problems):   # [qf; -Kt^T w] [.., Cr + K, K]
             ktw = transition(x.w, x.Kt)
             qo = jnp.concatenate([qo.astype(ktw.dtype), -ktw], axis=-2)
             w, Kt = None, None
@@ -543,8 +544,7 @@ def reverse_walk(x: Reverse, f: Flags, dfinal, N: int, dS, first, batched: bool 
         return jnp.where(_b(reset, dS), 0, dS_start), dS_end
 
     xs = (w, Kt, x.G_last, qo, ddo, x.do, f.reset, f.seq, f.last)
-    dS, dS_end = lax.scan(step, dS, xs, reverse=True,
-                          unroll=_unroll(x.w.shape[1] * x.w.shape[2]))
+    dS, dS_end = lax.scan(step, dS, xs, reverse=True, unroll=_unroll(problems))
     if batched:
         return dS, first, dS_end
     idx = _chunk_of_each(f.reset, f.seq, N)
