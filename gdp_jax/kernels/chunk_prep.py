@@ -71,13 +71,15 @@ class ChunkPrepKernel:
         return out + (X,) if inverse else out
 
     @staticmethod
-    def raw_call(q, k, v, g, beta, scale, *, ab_dtype, inverse: bool = False):
+    def raw_call(q, k, v, g, beta, scale, *, ab_dtype, inverse: bool = False,
+                 probe: bool = False):
         """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V] (cast to ``ab_dtype``), g, beta
         [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
         w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V],
         decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
         row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
-        placeholder)."""
+        placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM clock cycles
+        of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags."""
         B, NC, HV, C_, K = k.shape
         V = v.shape[-1]
         why = ChunkPrepKernel.can_implement(ab_dtype=ab_dtype, cdt=k.dtype, K=K, V=V,
@@ -100,7 +102,8 @@ class ChunkPrepKernel:
                                     f32(scale)),
                                    tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1,
                                               2 if inverse else 1),
-                                   K=K, V=V, ab_name=ab.name, inverse=inverse)
+                                   K=K, V=V, ab_name=ab.name, inverse=inverse,
+                                   **({"probe": True} if probe else {}))
 
     @classmethod
     def variants(cls):
@@ -133,8 +136,8 @@ def _launcher():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               inverse: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, inverse)(stream, q, k, v, g, beta, scale, w, kt, qg,
-                                               p, u, decay, bad, X)
+               inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, inverse, probe)(stream, q, k, v, g, beta, scale, w,
+                                                      kt, qg, p, u, decay, bad, X)
 
     return launch

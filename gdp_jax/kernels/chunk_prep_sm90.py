@@ -75,10 +75,13 @@ def _nonfinite(z, lanes: int):
 class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
-    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False):
+    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
+        # measurement only: thread 0 writes the SM clock cycles of each phase into bad[..,
+        # :PROBE_SLOTS] (benchmarks/prep_probe.py); the kernel's results are otherwise unchanged
+        self.probe = probe
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -143,6 +146,8 @@ class ChunkPrepSm90:
         fK, fV, fA, fP, fQ = vec(st.fK), vec(st.fV), vec(st.fA), vec(st.fP), vec(st.fQ)
         fWU, ok = vec(st.fWU), vec(st.ok)
 
+        marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
+
         # ---- phase 0: q, k, v -> smem (async) | gates
         cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
         tK, tQ, tV = cpK.dest(sK), cpK.dest(sQ), cpV.dest(sV)
@@ -173,6 +178,8 @@ class ChunkPrepSm90:
             send[i] = cute.math.exp(t)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 1: on this thread's cp.async elements (8 consecutive columns of a row
         # per pass, a row held by K/8 or V/8 consecutive lanes): flags, zeroed rows, Kt, qg
@@ -180,6 +187,8 @@ class ChunkPrepSm90:
                               mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ)
         self._rows_of_v(cpV, tV, fV)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 2: K K^T, Q K^T -> A (smem, in place of Gam), P
         thr_mma = tiled_mma.get_slice(tidx)
@@ -220,9 +229,13 @@ class ChunkPrepSm90:
             keep = cutlass.Boolean(cutlass.select_(i == r0, rok0, rok1))
             acc_qk[e] = _pick(keep, acc_qk[e], F32(0.0))
         c_tile(thr_mma, mP[b, c, hv, None, None], (C, C), (0, 0)).store(acc_qk.load().to(ab))
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 3: X = (I + A)^-1
         self._inverse(tidx, sA, sX, sT)
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
         if cutlass.const_expr(self.inverse):
             # consecutive threads, consecutive columns: coalesced float32 stores
             gX = mX[b, c, hv, None, None]
@@ -241,6 +254,8 @@ class ChunkPrepSm90:
             fWU[r0] = w_bad[0] | u_bad[0]
             fWU[r1] = w_bad[1] | u_bad[1]
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
 
         # ---- row rules: ok_i = no non-finite A / k / v / beta gam / beta row at or before
         # i, finite w, u; bad_i = some row <= i does not enter, or the readout row is not
@@ -259,6 +274,8 @@ class ChunkPrepSm90:
             ok[i] = row_ok
             mBad[b, c, hv, i] = anybad | fP[i] | fQ[i]
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
 
         # rows that do not enter (rare: non-finite inputs): w, u rows zeroed, Kt rows NaN
         if (ok[r0] == 0) | (ok[r1] == 0):
@@ -268,6 +285,12 @@ class ChunkPrepSm90:
             if ok[tidx] == 0:
                 for col in cutlass.range(K, unroll=1):
                     mKt[b, c, hv, tidx, col] = F32(float("nan")).to(ab)
+        if cutlass.const_expr(self.probe):
+            cute.arch.sync_threads()
+            marks.append(cute.arch.clock())
+            if tidx == 0:
+                for s in cutlass.range_constexpr(len(marks) - 1):
+                    mBad[b, c, hv, s] = marks[s + 1] - marks[s]
 
     # ------------------------------------------------------------ device-side pieces
     @cute.jit
@@ -429,8 +452,14 @@ class ChunkPrepSm90:
 _KERNELS = {}
 
 
-def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse)
+# the phases the probe times, in order (each ends at a CTA barrier)
+PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
+                "w, u", "row rules", "rare rows")
+
+
+def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
+               probe: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse)
+        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe)
     return _KERNELS[key]

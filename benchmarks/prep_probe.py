@@ -1,0 +1,114 @@
+"""Where the cutedsl forward's kernels spend their time: each kernel alone at a shape.
+
+    python -m benchmarks.prep_probe [--shape B,T,H,n] [--bv 32,64] [--iters 20]
+
+On random chunk inputs of the benchmark shape (one sequence per row; q, k of unit rows,
+gates in (-0.2, 0), beta in (0.05, 1.95)):
+
+- the operands kernel (``ChunkPrepKernel``, forward and with X), timed alone (ms), and its
+  probe variant: the SM clock cycles of each phase of every CTA
+  (``chunk_prep_sm90.PROBE_PHASES``), printed as mean / median / max over the CTAs, with
+  the CTAs' mean latency against the kernel's time (how many CTAs an SM overlaps);
+- the forward recursion (``ChunkForwardKernel``) alone on those operands, for each value
+  tile in ``--bv`` with and without the hi + lo split, and the reverse recursion
+  (``StateGradKernel``) likewise.
+
+Needs a GPU with the CuTe DSL; prints one line per measurement and ``--json`` writes them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+
+def chunk_inputs(B: int, NC: int, HV: int, K: int, V: int, seed: int = 0):
+    """Random float32 chunk inputs [B, NC, HV, C, .] (:class:`gdp_jax.grid.ChunkInputs`)."""
+    import jax.numpy as jnp
+    from gdp_jax import grid
+    rng = np.random.default_rng(seed)
+    C = grid.CHUNK
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(rng.standard_normal((B, NC, HV, C, K), np.float32))
+    k = unit(rng.standard_normal((B, NC, HV, C, K), np.float32))
+    v = rng.standard_normal((B, NC, HV, C, V), np.float32)
+    g = rng.uniform(-0.2, 0.0, (B, NC, HV, C)).astype(np.float32)
+    beta = rng.uniform(0.05, 1.95, (B, NC, HV, C)).astype(np.float32)
+    return grid.ChunkInputs(*(jnp.asarray(x) for x in (q, k, v, g, beta)))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="8,4096,16,2")
+    p.add_argument("--bv", default="32,64")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.measure import log, median_ms
+    from gdp_jax import grid
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    from gdp_jax.kernels.chunk_prep_sm90 import PROBE_PHASES
+    from gdp_jax.kernels.state_grad import StateGradKernel
+
+    B, T, H, n = (int(x) for x in a.shape.split(","))
+    K = V = 128
+    NC = -(-T * n // grid.CHUNK)
+    ch = chunk_inputs(B, NC, H, K, V)
+    sync = jax.block_until_ready
+    out = {"shape": a.shape, "chunks": [B, NC, H]}
+
+    def timed(name, fn, *args):
+        f = jax.jit(fn)
+        ms = median_ms(lambda: f(*args), sync, a.iters, a.reps)
+        out[name] = ms
+        log(f"{name}: {ms:.3f} ms")
+        return f(*args)
+
+    scale = jnp.full((B,), K ** -0.5, jnp.float32)
+    args = (ch.q, ch.k, ch.v, ch.g, ch.beta, scale)
+    ops = timed("prep", lambda *x: ChunkPrepKernel.raw_call(*x, ab_dtype="bfloat16"), *args)
+    timed("prep+X", lambda *x: ChunkPrepKernel.raw_call(*x, ab_dtype="bfloat16",
+                                                        inverse=True), *args)
+    for inverse in (False, True):
+        name = "probe" + ("+X" if inverse else "")
+        res = timed(name, lambda *x, i=inverse: ChunkPrepKernel.raw_call(
+            *x, ab_dtype="bfloat16", inverse=i, probe=True), *args)
+        cyc = np.asarray(res[6])[..., :len(PROBE_PHASES)].reshape(-1, len(PROBE_PHASES))
+        cyc = cyc.astype(np.int64) % (1 << 32)          # clock() wraps at 32 bits
+        total = cyc.sum(1)
+        phases = {ph: [float(cyc[:, i].mean()), float(np.median(cyc[:, i])),
+                       float(cyc[:, i].max())] for i, ph in enumerate(PROBE_PHASES)}
+        out[name + " cycles"] = phases
+        for ph, (mean, med, mx) in phases.items():
+            log(f"  {name} {ph:>18}: mean {mean:8.0f}  median {med:8.0f}  max {mx:8.0f} "
+                f"cycles ({100 * mean / total.mean():4.1f}%)")
+        log(f"  {name} CTA latency mean {total.mean():.0f} cycles; "
+            f"{cyc.shape[0]} CTAs")
+
+    w, kt, qg, pm, u, decay = ops[:6]
+    flags = (jnp.zeros((B, NC), jnp.int32).at[:, 0].set(1),
+             jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC)),
+             jnp.zeros((B, NC), jnp.int32).at[:, -1].set(1))
+    h0 = jnp.zeros((B, H, K, V), jnp.float32)
+    do = (jax.random.normal(jax.random.key(1), (B, NC, H, grid.CHUNK, V))
+          .astype(jnp.bfloat16))
+    for bv in (int(x) for x in a.bv.split(",")):
+        for split in (True, False):
+            tag = f"BV={bv} split={int(split)}"
+            timed(f"fwd {tag}", lambda *x, bv=bv, sp=split: ChunkForwardKernel.raw_call(
+                *x, BV=bv, split=sp), w, kt, qg, pm, u, decay, *flags, h0)
+            timed(f"rev {tag}", lambda *x, bv=bv, sp=split: StateGradKernel.raw_call(
+                *x, BV=bv, split=sp), kt, w, qg, u, do, decay, *flags, h0)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
