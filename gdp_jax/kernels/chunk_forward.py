@@ -46,11 +46,22 @@ class ChunkForwardKernel:
                                f"the kernel's 32-bit offsets")
         return None
 
+    # streaming multiprocessors of the GPUs the kernels target (H100 / H200 SXM: 132)
+    SMS = 132
+
     @staticmethod
     def pick_bv(rows: int, HV: int, V: int) -> int:
-        """Value-tile width: 32, the configuration verified on the H200 (BV = 64 compiles,
-        tests/test_kernels_compile.py, but has not run on a GPU)."""
-        del rows, HV, V
+        """Value-tile width of the recursion kernels (forward and reverse): 64 when that
+        still gives every SM a CTA, else 32 (twice the CTAs, for few rows x heads).
+
+        Both run two CTAs an SM (shared memory; registers). At BV = 32 every CTA re-reads
+        the [C, K] operands of its chunk for a quarter of the state, and (8, 4096, 16, 2)
+        makes 512 CTAs: two waves of 264. BV = 64 makes 256, one wave: forward 0.96 ->
+        0.83 ms, reverse 1.17 -> 1.01 ms, kernels alone on the H200
+        (benchmarks/prep_probe.py). Results are the same: the state's value columns are
+        independent."""
+        if V % 64 == 0 and rows * HV * (V // 64) >= ChunkForwardKernel.SMS:
+            return 64
         return 32
 
     @staticmethod
@@ -108,7 +119,8 @@ class ChunkForwardKernel:
         """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
         checkpoints of each ``recompute_chunk_nums``) and the CP rank's one pass (V + K
-        columns, the same checkpoints)."""
+        columns, the same checkpoints); each with the value tile of calls that fill the
+        GPU (``pick_bv``: 64; calls of few rows x heads compile their BV = 32 at first use)."""
         from gdp_jax.kernels import aot
         out = []
         for name in cls.DTYPES:
@@ -117,7 +129,7 @@ class ChunkForwardKernel:
                     runs = [(V, 0)] + [(Vx, r + 1) for Vx in (V, V + K)
                                        for r in recompute_chunk_nums]
                     for Vx, ckpt in runs:
-                        fn = functools.partial(cls.raw_call, BV=cls.pick_bv(1, 1, Vx),
+                        fn = functools.partial(cls.raw_call, BV=cls.pick_bv(cls.SMS, 1, Vx),
                                                ckpt=ckpt, states_dtype=checkpoint_dtype(name))
                         out.append(aot.Variant(f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} "
                                                f"ckpt={ckpt}", fn, _avals(name, K, Vx)))

@@ -35,8 +35,9 @@ Phases, separated by CTA barriers:
 
 Row flags (is a row finite?) come without branches: each lane sums x * 0 over its
 elements of the row (0, or NaN if one is inf or NaN) and the lanes holding the row (a
-half warp or less in phase 1, a quad of an MMA accumulator) sum it by shuffles; every lane
-then stores the same flag.
+half warp or less in phase 1, a quad of an MMA accumulator) combine theirs by one warp
+ballot; every lane then stores the same flag. The row rules (prefix ORs over the rows)
+are ballots too.
 
 This module imports cutlass; import it only through ``gdp_jax.kernels.chunk_prep`` (lazily).
 """
@@ -56,6 +57,10 @@ F32 = cutlass.Float32
 I32 = cutlass.Int32
 INF = float("inf")
 HB = C // 2         # the inverse's block size
+# CTAs an SM runs at once: the ~70 KB of shared memory allow 3 and the registers are
+# capped to fit them (unbounded, the assembler took ~190 a thread: 2 CTAs); the kernel's
+# phases are latency-bound, so more CTAs in flight hide more of it
+CTAS_PER_SM = 3
 
 
 def _finite(x):
@@ -65,11 +70,12 @@ def _finite(x):
 
 def _nonfinite(z, lanes: int):
     """Int32 1 if a row holds an inf or NaN, else 0. ``z``: this lane's sum of x * 0 over
-    its elements of the row (0, or NaN if one is not finite), summed here over the row's
-    ``lanes`` lanes (aligned groups); every lane of the group gets the answer, so all of
-    them may store it."""
-    z = cute.arch.warp_reduction_sum(z, threads_in_group=lanes)
-    return I32(cutlass.select_(z == F32(0.0), I32(0), I32(1)))
+    its elements of the row (0, or NaN if one is not finite), over the row's ``lanes``
+    lanes (aligned groups of a power of two <= 16) by one warp ballot; every lane of the
+    group gets the answer, so all of them may store it. All 32 lanes must call it."""
+    good = cute.arch.vote_ballot_sync(z == F32(0.0))
+    group = I32((1 << lanes) - 1) << (cute.arch.lane_idx() & I32(32 - lanes))
+    return I32(cutlass.select_((good & group) == group, I32(0), I32(1)))
 
 
 class ChunkPrepSm90:
@@ -121,7 +127,9 @@ class ChunkPrepSm90:
         self.kernel(mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad, mX,
                     sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
                     warp_mma(ab), Storage).launch(grid=(NC, HV, B),
-                                                  block=[NUM_THREADS, 1, 1], stream=stream)
+                                                  block=[NUM_THREADS, 1, 1], stream=stream,
+                                                  min_blocks_per_mp=CTAS_PER_SM,
+                                                  preferred_smem_carveout=100)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -259,20 +267,11 @@ class ChunkPrepSm90:
 
         # ---- row rules: ok_i = no non-finite A / k / v / beta gam / beta row at or before
         # i, finite w, u; bad_i = some row <= i does not enter, or the readout row is not
-        # finite
-        if tidx < C:
-            i = tidx
-            nan = I32(0)
-            anybad = I32(0)
-            row_ok = I32(1)
-            for l in cutlass.range(i + 1, unroll=1):
-                rhs = I32(cutlass.select_(_finite(sb[l] * sgam[l]) & _finite(sb[l]),
-                                          I32(0), I32(1)))
-                nan = nan | fA[l] | fK[l] | fV[l] | rhs
-                row_ok = I32(cutlass.select_((nan | fWU[l]) == 0, I32(1), I32(0)))
-                anybad = anybad | (1 - row_ok)
-            ok[i] = row_ok
-            mBad[b, c, hv, i] = anybad | fP[i] | fQ[i]
+        # finite. Prefix ORs over the rows by warp ballots: warp 0, lane l holds rows l
+        # and l + 32.
+        if tidx < 32:
+            self._row_rules(tidx, sb, sgam, fA, fK, fV, fWU, fP, fQ, ok,
+                            mBad[b, c, hv, None])
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -330,6 +329,31 @@ class ChunkPrepSm90:
             if bad_k != 0:                      # rare: keep it out of the MMAs
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                     tK[e] = F32(0.0).to(ab)
+
+    @cute.jit
+    def _row_rules(self, lane, sb, sgam, fA, fK, fV, fWU, fP, fQ, ok, gBad):
+        """The row rules of rows ``lane`` and ``lane + 32`` (one warp): prefix ORs of
+        per-row flags, each a ballot and a mask of the lanes at or below this one."""
+        upto = ~(I32(-2) << lane)                 # bits 0..lane
+        for_rows = lambda f: (f(lane), f(lane + 32))
+
+        def nan_row(l):                           # a non-finite A / k / v / beta gam / beta
+            rhs = I32(cutlass.select_(_finite(sb[l] * sgam[l]) & _finite(sb[l]),
+                                      I32(0), I32(1)))
+            return (fA[l] | fK[l] | fV[l] | rhs) != 0
+
+        def prefix(flags):                        # (OR over rows <= lane, <= lane + 32)
+            m0 = cute.arch.vote_ballot_sync(flags[0])
+            m1 = cute.arch.vote_ballot_sync(flags[1])
+            return (m0 & upto) != 0, (m0 != 0) | ((m1 & upto) != 0)
+
+        nan = prefix(for_rows(nan_row))
+        enters = (~(nan[0] | (fWU[lane] != 0)), ~(nan[1] | (fWU[lane + 32] != 0)))
+        anybad = prefix((~enters[0], ~enters[1]))
+        for h in cutlass.range_constexpr(2):
+            i = lane + 32 * h
+            ok[i] = I32(cutlass.select_(enters[h], I32(1), I32(0)))
+            gBad[i] = I32(cutlass.select_(anybad[h], I32(1), I32(0))) | fP[i] | fQ[i]
 
     @cute.jit
     def _rows_of_v(self, cpV, tV, fV):

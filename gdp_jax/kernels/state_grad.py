@@ -68,7 +68,8 @@ class StateGradKernel:
     def variants(cls):
         """The variants the cutedsl engine runs: per dtype and head dims, the backward
         (dS_end in the 16-bit dtype, and float32 for the XLA local gradients) and the CP
-        summary (V + K columns, float32 dS_end)."""
+        summary (V + K columns, float32 dS_end); the value tile as the forward's
+        (``ChunkForwardKernel.variants``)."""
         from gdp_jax.kernels import aot
         out = []
         for name in ChunkForwardKernel.DTYPES:
@@ -76,7 +77,7 @@ class StateGradKernel:
                 for V in ChunkForwardKernel.HEAD_DIMS:
                     for Vx, ds in ((V, name), (V, "float32"), (V + K, "float32")):
                         fn = functools.partial(cls.raw_call,
-                                               BV=ChunkForwardKernel.pick_bv(1, 1, Vx),
+                                               BV=ChunkForwardKernel.pick_bv(ChunkForwardKernel.SMS, 1, Vx),
                                                ds_dtype=ds)
                         out.append(aot.Variant(f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
                                                f"dS_end {ds}", fn, _avals(name, K, Vx)))

@@ -1,0 +1,106 @@
+"""Registers per thread of each CuTe DSL kernel, compiled here for sm_90a (no GPU needed).
+
+    python -m benchmarks.kernel_resources [--match gdp_chunk_prep] [--dtype bfloat16]
+
+Occupancy on the H200 is set by registers as often as by shared memory: an SM holds 65536
+32-bit registers, allocated per warp in units of 256, so a 128-thread CTA of R registers a
+thread fits floor(65536 / (4 * 32 * ceil8(R))) times. This compiles each prebuilt variant
+(``gdp_jax.kernels.aot``'s list, K = V = 128 unless ``--dims``) with the CuTe DSL keeping its
+cubin, and reads the register count the assembler recorded in the cubin's ``.nv.info``
+(attribute 0x2f, EIATTR_REGCOUNT; 0x11, the frame: spills), the launch's thread count and
+how many CTAs an SM's registers hold.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import tempfile
+
+EIATTR_REGCOUNT = 0x2F
+EIATTR_FRAME_SIZE = 0x11       # local memory per thread (spills)
+
+
+def cubin_registers(path: str) -> tuple[int, int]:
+    """(registers, frame bytes) of the (one) kernel in a cubin, from its .nv.info
+    attributes (a frame above 0 means spills to local memory)."""
+    b = open(path, "rb").read()
+    shoff = struct.unpack_from("<Q", b, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
+    stroff = secs[shstrndx][4]
+
+    def name(o):
+        return b[stroff + o:b.index(b"\0", stroff + o)].decode()
+
+    found = {}
+    for s in secs:
+        if name(s[0]) != ".nv.info":
+            continue
+        p, end = s[4], s[4] + s[5]
+        while p < end:
+            fmt, attr = b[p], b[p + 1]
+            if fmt == 4:                             # EIFMT_SVAL: u16 size, then data
+                size = struct.unpack_from("<H", b, p + 2)[0]
+                if attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
+                    found[attr] = struct.unpack_from("<II", b, p + 4)[1]  # (function, value)
+                p += 4 + size
+            elif fmt in (2, 3):                      # EIFMT_BVAL / HVAL
+                p += 4
+            else:                                    # EIFMT_NVAL
+                p += 2
+    if EIATTR_REGCOUNT not in found:
+        raise ValueError(f"{path}: no register count in .nv.info")
+    return found[EIATTR_REGCOUNT], found.get(EIATTR_FRAME_SIZE, 0)
+
+
+def ctas_by_registers(regs: int, threads: int) -> int:
+    warps = -(-threads // 32)
+    per_warp = -(-regs // 8) * 8 * 32
+    return 65536 // (warps * per_warp)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--match", default="", help="substring of the variant names to compile")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dims", default="K=128 V=128")
+    a = p.parse_args(argv)
+
+    d = tempfile.mkdtemp(prefix="gdp_cubins_")
+    # the DSL reads these once; no prebuilt object may stand in for a compile
+    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,ptx", CUTE_DSL_DUMP_DIR=d,
+                      GDP_JAX_KERNEL_SHAPES="generic", GDP_JAX_KERNEL_DIR=d + "/none")
+    import importlib.util
+
+    import jax
+    spec = importlib.util.spec_from_file_location(
+        "gdp_ffi_build", os.path.join(os.path.dirname(__file__), "..", "ffi", "build.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+
+    for v in build.all_variants():
+        if a.match not in v.what or a.dtype not in v.what or (a.dims and a.dims not in v.what):
+            continue
+        for f in os.listdir(d):           # dumps of one signature reuse one file name
+            os.remove(os.path.join(d, f))
+        jax.jit(v.fn).trace(*v.avals).lower(lowering_platforms=("cuda",))
+        new = [os.path.join(d, f) for f in os.listdir(d)]
+        cubins = [f for f in new if f.endswith(".cubin")]
+        ptx = [f for f in new if f.endswith(".ptx")]
+        if not cubins:
+            print(f"{v.what}: no cubin kept")
+            continue
+        if True:
+            regs, frame = cubin_registers(cubins[0])
+            threads = 128
+            for line in open(ptx[0]) if ptx else ():
+                if ".reqntid" in line:
+                    threads = eval(line.split(".reqntid")[1].replace(",", "*"))
+                    break
+            print(f"{v.what}: {regs} registers x {threads} threads, frame {frame} B -> "
+                  f"{ctas_by_registers(regs, threads)} CTAs / SM by registers", flush=True)
+
+
+if __name__ == "__main__":
+    main()
