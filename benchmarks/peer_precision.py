@@ -1,13 +1,15 @@
 """Forward precision beside FLA on the GPU tests' inputs: o and the final state vs float64.
 
-    python -m benchmarks.peer_precision [--impl xla,cutedsl,fla] [--cases NAME,...]
+    python -m benchmarks.peer_precision [--impl xla,cutedsl,cutedsl-nosplit,fla] [--cases NAME,...]
 
 Each case is one of tests/test_cutedsl_gpu.py's forward cases (the same inputs,
 :func:`gdp_jax.testing.gpu_case_inputs`), run
 through each implementation; prints the relative RMS error of o and of the final state
 against the float64 token recurrence (the precision bar: no worse than FLA's on the same
 inputs). FLA gets g = 0 where the case has no gate, and the interleaved layout of
-:mod:`benchmarks.fla`.
+:mod:`benchmarks.fla`. ``cutedsl-nosplit``: the cutedsl backend with the recursion kernels'
+hi + lo split off (``ChunkForwardKernel.default_split``; plain 16-bit state operands, as
+FLA's).
 """
 from __future__ import annotations
 
@@ -38,6 +40,14 @@ def main(argv=None):
     from gdp_jax.testing import gpu_case_inputs, rel_rms
 
     def ours(backend, args):
+        from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+        if backend == "cutedsl-nosplit":
+            saved = ChunkForwardKernel.__dict__["default_split"]
+            ChunkForwardKernel.default_split = staticmethod(lambda dtype: False)
+            try:
+                return ours("cutedsl", args)
+            finally:
+                ChunkForwardKernel.default_split = saved
         q, k, v, g, beta, s0 = args
         f = jax.jit(lambda q, k, v, g, beta, s0: gdp_jax.gated_delta_product(
             q, k, v, g, beta, initial_state=s0, output_final_state=True,
