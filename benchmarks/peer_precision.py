@@ -8,8 +8,7 @@ through each implementation; prints the relative RMS error of o and of the final
 against the float64 token recurrence (the precision bar: no worse than FLA's on the same
 inputs). FLA gets g = 0 where the case has no gate, and the interleaved layout of
 :mod:`benchmarks.fla`. ``cutedsl-nosplit``: the cutedsl backend with the recursion kernels'
-hi + lo split off (``ChunkForwardKernel.default_split``; plain 16-bit state operands, as
-FLA's).
+hi + lo split off (``chunk_forward.BF16_SPLIT``; plain 16-bit state operands, as FLA's).
 """
 from __future__ import annotations
 
@@ -40,14 +39,13 @@ def main(argv=None):
     from gdp_jax.testing import gpu_case_inputs, rel_rms
 
     def ours(backend, args):
-        from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+        from gdp_jax.kernels import chunk_forward
         if backend == "cutedsl-nosplit":
-            saved = ChunkForwardKernel.__dict__["default_split"]
-            ChunkForwardKernel.default_split = staticmethod(lambda dtype: False)
+            saved, chunk_forward.BF16_SPLIT = chunk_forward.BF16_SPLIT, False
             try:
                 return ours("cutedsl", args)
             finally:
-                ChunkForwardKernel.default_split = saved
+                chunk_forward.BF16_SPLIT = saved
         q, k, v, g, beta, s0 = args
         f = jax.jit(lambda q, k, v, g, beta, s0: gdp_jax.gated_delta_product(
             q, k, v, g, beta, initial_state=s0, output_final_state=True,

@@ -18,6 +18,15 @@ from gdp_jax.kernels import binding
 from gdp_jax.spec import Unsupported, checkpoint_dtype
 
 
+# The recursion kernels (forward and reverse) split the state and Delta (dS and dDelta)
+# into hi + lo bfloat16 parts for bfloat16 inputs. On the H200 at (8, 4096, 16, 2) the
+# split costs 0.18 ms of the forward kernel's 0.82 and 0.10 ms of the reverse's 0.99
+# (benchmarks/prep_probe.py), 0.26 ms of the op's 10.8 ms fwd+bwd; without it o's error vs
+# float64 on the GPU tests' ungated cases is 5.7-5.8e-3 instead of 4.6e-3 (FLA: 7.0e-3 on
+# the first; benchmarks/peer_precision.py). Set False for plain 16-bit operands (as FLA's).
+BF16_SPLIT = True
+
+
 class ChunkForwardKernel:
     """Limits, tile choice and the (vmappable) call of the forward chunk kernel."""
 
@@ -66,9 +75,9 @@ class ChunkForwardKernel:
 
     @staticmethod
     def default_split(dtype) -> bool:
-        """Split the recurrent operands into hi + lo parts for bfloat16 (8-bit mantissa);
-        float16 (11-bit) is accurate enough without."""
-        return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+        """Split the recurrent operands into hi + lo parts for bfloat16 (8-bit mantissa)
+        while ``BF16_SPLIT`` is on; float16 (11-bit) is accurate enough without."""
+        return BF16_SPLIT and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
 
     @staticmethod
     def num_checkpoints(NC: int, ckpt: int) -> int:
