@@ -11,7 +11,10 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
   the CTAs' mean latency against the kernel's time (how many CTAs an SM overlaps);
 - the forward recursion (``ChunkForwardKernel``) alone on those operands, for each value
   tile in ``--bv`` with and without the hi + lo split, and the reverse recursion
-  (``StateGradKernel``) likewise.
+  (``StateGradKernel``) likewise;
+- with ``--local-grad``: the backward's chunk-local gradient kernel (``LocalGradKernel``)
+  alone on those factors and random dO, S0, dS_end, and its probe
+  (``chunk_grad_sm90.PROBE_PHASES``) the same way.
 
 Needs a GPU with the CuTe DSL; prints one line per measurement and ``--json`` writes them.
 """
@@ -45,6 +48,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--local-grad", action="store_true")
+    p.add_argument("--skip-prep-probe", action="store_true")
     a = p.parse_args(argv)
 
     import jax
@@ -75,21 +80,40 @@ def main(argv=None):
     ops = timed("prep", lambda *x: ChunkPrepKernel.raw_call(*x, ab_dtype="bfloat16"), *args)
     timed("prep+X", lambda *x: ChunkPrepKernel.raw_call(*x, ab_dtype="bfloat16",
                                                         inverse=True), *args)
-    for inverse in (False, True):
-        name = "probe" + ("+X" if inverse else "")
-        res = timed(name, lambda *x, i=inverse: ChunkPrepKernel.raw_call(
-            *x, ab_dtype="bfloat16", inverse=i, probe=True), *args)
-        cyc = np.asarray(res[6])[..., :len(PROBE_PHASES)].reshape(-1, len(PROBE_PHASES))
+    def report(name, slots, names):
+        cyc = np.asarray(slots)[..., :len(names)].reshape(-1, len(names))
         cyc = cyc.astype(np.int64) % (1 << 32)          # clock() wraps at 32 bits
         total = cyc.sum(1)
         phases = {ph: [float(cyc[:, i].mean()), float(np.median(cyc[:, i])),
-                       float(cyc[:, i].max())] for i, ph in enumerate(PROBE_PHASES)}
+                       float(cyc[:, i].max())] for i, ph in enumerate(names)}
         out[name + " cycles"] = phases
         for ph, (mean, med, mx) in phases.items():
             log(f"  {name} {ph:>18}: mean {mean:8.0f}  median {med:8.0f}  max {mx:8.0f} "
                 f"cycles ({100 * mean / total.mean():4.1f}%)")
         log(f"  {name} CTA latency mean {total.mean():.0f} cycles; "
             f"{cyc.shape[0]} CTAs")
+
+    for inverse in (() if a.skip_prep_probe else (False, True)):
+        name = "probe" + ("+X" if inverse else "")
+        res = timed(name, lambda *x, i=inverse: ChunkPrepKernel.raw_call(
+            *x, ab_dtype="bfloat16", inverse=i, probe=True), *args)
+        report(name, res[6], PROBE_PHASES)
+
+    if a.local_grad:
+        from gdp_jax.kernels.chunk_grad_sm90 import PROBE_PHASES as LG_PHASES
+        from gdp_jax.kernels.local_grad import LocalGradKernel
+        *_, bad, X = jax.jit(lambda *x: ChunkPrepKernel.raw_call(
+            *x, ab_dtype="bfloat16", inverse=True))(*args)
+        w_, u_ = ops[0], ops[4]
+        rnd = lambda i, shape: (0.1 * jax.random.normal(jax.random.key(i), shape)).astype(
+            jnp.bfloat16)
+        doc = rnd(2, (B, NC, H, grid.CHUNK, V))
+        S0, ds_end = rnd(3, (B, NC, H, K, V)), rnd(4, (B, NC, H, K, V))
+        lg = (ch.q, ch.k, w_, doc, ch.v, ch.g, ch.beta, scale, X, u_, S0, ds_end)
+        timed("local grad", lambda *x: LocalGradKernel.raw_call(*x, ab_dtype="bfloat16"), *lg)
+        res = timed("local grad probe", lambda *x: LocalGradKernel.raw_call(
+            *x, ab_dtype="bfloat16", ablate="probe"), *lg)
+        report("local grad probe", res[4], LG_PHASES)
 
     w, kt, qg, pm, u, decay = ops[:6]
     flags = (jnp.zeros((B, NC), jnp.int32).at[:, 0].set(1),
@@ -98,7 +122,7 @@ def main(argv=None):
     h0 = jnp.zeros((B, H, K, V), jnp.float32)
     do = (jax.random.normal(jax.random.key(1), (B, NC, H, grid.CHUNK, V))
           .astype(jnp.bfloat16))
-    for bv in (int(x) for x in a.bv.split(",")):
+    for bv in (int(x) for x in a.bv.split(",") if x):
         for split in (True, False):
             tag = f"BV={bv} split={int(split)}"
             timed(f"fwd {tag}", lambda *x, bv=bv, sp=split: ChunkForwardKernel.raw_call(

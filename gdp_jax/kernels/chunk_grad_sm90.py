@@ -78,7 +78,8 @@ class ChunkGradSm90:
         # ablate (measurements only; results are wrong): "nomma" skips every MMA,
         # "nogates" the gate loops of phase 0, "notail" phase 14; "roundtrip" (results
         # right) parks the partial dk, dq in their global outputs between phases instead
-        # of registers
+        # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
+        # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py)
         self.ablate = set(filter(None, ablate.split(",")))
 
     # ------------------------------------------------------------------ host side
@@ -139,6 +140,8 @@ class ChunkGradSm90:
         c, hv, b = cute.arch.block_idx()
         on = "nomma" not in self.ablate
         roundtrip = "roundtrip" in self.ablate
+        probe = "probe" in self.ablate
+        marks = [cute.arch.clock()] if cutlass.const_expr(probe) else []
         mma_split_b_ = mma_split_b if on else _skip
         _mma_reg_a_ = _mma_reg_a if on else _skip
 
@@ -217,6 +220,8 @@ class ChunkGradSm90:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         # dS_end -> 16-bit smem in accumulator layout, with sum(dS_end S0)
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
         dlast = F32(0.0)                       # sum(dS_end S0), this thread's part
         tS0c = thr_mma.partition_C(sS0)
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -244,6 +249,8 @@ class ChunkGradSm90:
             i, j = crd_x[e]
             tQGc[e] = pick(j <= i, acc_cc[e] * tGc[e], F32(0.0))
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 2: Delta = u - w S0 -> smem (16-bit)
         crd_v = thr_mma.partition_C(cute.make_identity_tensor((C, V)))
@@ -268,6 +275,8 @@ class ChunkGradSm90:
                    Bt(sDo, C, V))
         toV.store(acc_v.load().to(ab), toV.dest(sDD))
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 4: diag(et) dKt = diag(et) Delta dS_end^T -> dk (partial, registers);
         # dto = et rows(dKt, k)
@@ -284,6 +293,8 @@ class ChunkGradSm90:
         if cutlass.const_expr(roundtrip):
             c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_dk.load())
         cute.arch.sync_threads()               # dS_end is dead: v takes its place
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
         cpV.load(gV, (C, V), cpV.dest(sV))
         cute.arch.cp_async_commit_group()
 
@@ -307,6 +318,8 @@ class ChunkGradSm90:
             c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_dq.load())
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()               # S0 is dead: F2, F3 take its place
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 7: WK = dW k^T, DV = ddelta v^T; dX -> F1; X o WK -> F2, X o DV -> F3
         acc_cc.fill(0.0)
@@ -329,6 +342,8 @@ class ChunkGradSm90:
         elif tidx < 2 * C:
             scs2[tidx - C] = _col_sum(F3, tidx - C)
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 8: dP = scale tril(doc Delta^T); dqk = dP Gam -> F2; dseg = dP QG -> F3
         acc_cc.fill(0.0)
@@ -342,6 +357,8 @@ class ChunkGradSm90:
             t3[e] = acc_cc[e]
         _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs, wn)
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 9: T = X^T dX -> sQG (QG is dead)
         acc_cc.fill(0.0)
@@ -351,6 +368,8 @@ class ChunkGradSm90:
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             tQGc2[e] = acc_cc[e]
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 10: dA = -tril(T X^T, -1), kk = K K^T (again), KG = tril(kk Gam, -1):
         # dkk = diag(beta) dA Gam -> F1; dseg += diag(beta) dA KG; dba = rows(dA KG)
@@ -370,6 +389,8 @@ class ChunkGradSm90:
         _row_sums(acc_c2, crd_x, r0, lambda e: acc_c2[e], sdba, wn)
         _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs2, wn)
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks.append(cute.arch.clock())
 
         # ---- phase 11: dv = diag(beta) X^T ddelta
         acc_v.fill(0.0)
@@ -394,6 +415,9 @@ class ChunkGradSm90:
             acc_dq.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dq, R(F2, True), Bt(sK, C, K))
         c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_dq.load())
+        if cutlass.const_expr(probe):
+            cute.arch.sync_threads()
+            marks.append(cute.arch.clock())
 
         # ---- phase 14: the row vectors -> dbeta, dg. First y_l = dG_l + rowsum(dseg)_l -
         # colsum(dseg)_l (into sy) and dbeta_l; then dg_l = sum_{i >= l} y_i +
@@ -415,6 +439,12 @@ class ChunkGradSm90:
                 for i in cutlass.range_constexpr(C):
                     acc_g = acc_g + pick(i >= l, sy[i], rsum(sdto, i))   # unrolled: loads run ahead
                 mDg[b, c, hv, l] = acc_g
+        if cutlass.const_expr(probe):
+            cute.arch.sync_threads()
+            marks.append(cute.arch.clock())
+            if tidx == 0:
+                for m in cutlass.range_constexpr(len(marks) - 1):
+                    mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
 
 
 # ------------------------------------------------------------ device-side pieces
@@ -500,6 +530,10 @@ def _col_sum(F, j):
         s1 = s1 + F[i + 1, j]
     return s0 + s1
 
+
+# the phases ``ablate="probe"`` times, in order (each ends at a CTA barrier)
+PROBE_PHASES = ("loads+gates", "QG", "Delta, ddelta", "dKt", "dW, doS0", "dX, col sums",
+                "dP, dqk, dseg", "X^T dX", "dA, KG", "dv, dk, dq", "dbeta, dg")
 
 _KERNELS = {}
 
