@@ -433,3 +433,53 @@ def test_local_grad_kernel_compiles(dtype, K, V):
     assert [o.shape for o in out_b] == [(2, B // 2) + o.shape[1:] for o in out]
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(batched, *(S((2, B // 2) + a.shape[1:],
                                                                a.dtype) for a in avals))
+
+
+def test_value_tile_fills_the_gpu():
+    """The recursion kernels' value tile: 64 when rows x heads x V / 64 gives every SM a
+    CTA, else 32 (twice the CTAs); the prebuilt variants carry the large calls' tile."""
+    pick = ChunkForwardKernel.pick_bv
+    assert pick(8, 16, 128) == 64 and pick(1, 66, 128) == 64 and pick(1, 132, 64) == 64
+    assert pick(1, 16, 128) == 32 and pick(1, 65, 128) == 32 and pick(2, 2, 64) == 32
+    assert pick(1, 33, 256) == 64 and pick(1, 33, 192) == 32       # CP: V + K columns
+    names = [v.what for v in ChunkForwardKernel.variants()]
+    assert names and all(" ckpt=" in n for n in names)
+    keys = []
+    for v in ChunkForwardKernel.variants()[:1] + StateGradKernel.variants()[:1]:
+        keys.append(v.fn.keywords["BV"])
+    assert keys == [64, 64]
+
+
+def test_operands_kernel_holds_three_ctas_per_sm(tmp_path, monkeypatch):
+    """The operands kernel caps its registers so that 3 CTAs share an SM (its ~70 KB of
+    shared memory allow 3; uncapped, the assembler took ~190 registers: 2). Read from the
+    cubin the CuTe DSL keeps (benchmarks.kernel_resources)."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernel_resources", "--match",
+                        "gdp_chunk_prep_sm90 bfloat16 K=128 V=128"], env=env,
+                       capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gdp_chunk_prep_sm90")]
+    assert r.returncode == 0 and len(lines) == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    for ln in lines:
+        regs = int(ln.split(": ")[1].split(" registers")[0])
+        assert regs <= 168 and ln.endswith("3 CTAs / SM by registers"), ln
+
+
+def test_probe_variants_compile():
+    """The measurement-only probes (benchmarks/prep_probe.py): the operands kernel's
+    (``probe=True``) and the local-gradient kernel's (``ablate="probe"``) compile."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    B, NC, HV, C, K, V = 1, 2, 2, grid.CHUNK, 64, 64
+    f32, bf = jnp.float32, jnp.bfloat16
+    ch = _chunk_avals(B, NC, HV, K, V)
+    prep = lambda *a: ChunkPrepKernel.raw_call(*a, ab_dtype=bf, probe=True)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(prep, *ch, S((B,), f32))
+    avals = (S((B, NC, HV, C, K), f32), S((B, NC, HV, C, K), f32), S((B, NC, HV, C, K), bf),
+             S((B, NC, HV, C, V), bf), S((B, NC, HV, C, V), f32), S((B, NC, HV, C), f32),
+             S((B, NC, HV, C), f32), S((B,), f32), S((B, NC, HV, C, C), f32),
+             S((B, NC, HV, C, V), f32), S((B, NC, HV, K, V), bf), S((B, NC, HV, K, V), bf))
+    lg = lambda *a: LocalGradKernel.raw_call(*a, ab_dtype=bf, ablate="probe")
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(lg, *avals)
