@@ -13,6 +13,7 @@ how many CTAs an SM's registers hold.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import struct
 import tempfile
@@ -91,16 +92,14 @@ def main(argv=None):
         if not cubins:
             print(f"{v.what}: no cubin kept")
             continue
-        if True:
-            regs, frame = cubin_registers(cubins[0])
-            threads = 128
-            for line in open(ptx[0]) if ptx else ():
-                if ".reqntid" in line:
-                    threads = eval(line.split(".reqntid")[1].replace(",", "*"))
-                    break
-            print(f"{v.what}: {regs} registers x {threads} threads, frame {frame} B -> "
-                  f"{ctas_by_registers(regs, threads)} CTAs / SM by registers", flush=True)
-
+        regs, frame = cubin_registers(cubins[0])
+        threads = 128
+        for line in open(ptx[0]) if ptx else ():
+            if ".reqntid" in line:          # ".reqntid 128, 1, 1"
+                threads = math.prod(int(x) for x in line.split(".reqntid")[1].split(","))
+                break
+        print(f"{v.what}: {regs} registers x {threads} threads, frame {frame} B -> "
+              f"{ctas_by_registers(regs, threads)} CTAs / SM by registers", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -450,7 +450,7 @@ def test_value_tile_fills_the_gpu():
     assert keys == [64, 64]
 
 
-def test_operands_kernel_holds_three_ctas_per_sm(tmp_path, monkeypatch):
+def test_operands_kernel_holds_three_ctas_per_sm():
     """The operands kernel caps its registers so that 3 CTAs share an SM (its ~70 KB of
     shared memory allow 3; uncapped, the assembler took ~190 registers: 2). Read from the
     cubin the CuTe DSL keeps (benchmarks.kernel_resources)."""
