@@ -14,10 +14,7 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
   (``StateGradKernel``) likewise;
 - with ``--local-grad``: the backward's chunk-local gradient kernel (``LocalGradKernel``)
   alone on those factors and random dO, S0, dS_end, and its probe
-  (``chunk_grad_sm90.PROBE_PHASES``) the same way;
-- with ``--l2-prefetch on`` (or ``both``): every kernel timed again with its software
-  prefetch into L2 switched on (``chunk_prep.L2_PREFETCH``, ``chunk_forward.L2_PREFETCH``,
-  ``local_grad.L2_PREFETCH``), rows tagged "+pf".
+  (``chunk_grad_sm90.PROBE_PHASES``) the same way.
 
 Needs a GPU with the CuTe DSL; prints one line per measurement and ``--json`` writes them.
 """
@@ -53,7 +50,6 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--local-grad", action="store_true")
     p.add_argument("--skip-prep-probe", action="store_true")
-    p.add_argument("--l2-prefetch", choices=("off", "on", "both"), default="off")
     a = p.parse_args(argv)
 
     import jax
@@ -72,27 +68,16 @@ def main(argv=None):
     sync = jax.block_until_ready
     out = {"shape": a.shape, "chunks": [B, NC, H]}
 
-    from gdp_jax.kernels import chunk_forward, chunk_prep, local_grad
-    modes = {"off": (False,), "on": (True,), "both": (False, True)}[a.l2_prefetch]
-
     def timed(name, fn, *args):
-        """Time fn in each prefetch mode -> {row name: its results}."""
-        res = {}
-        for pf in modes:
-            chunk_prep.L2_PREFETCH = chunk_forward.L2_PREFETCH = local_grad.L2_PREFETCH = pf
-            f = jax.jit(fn)
-            ms = median_ms(lambda: f(*args), sync, a.iters, a.reps)
-            tag = name + (" +pf" if pf else "")
-            out[tag] = ms
-            log(f"{tag}: {ms:.3f} ms")
-            res[tag] = f(*args)
-        chunk_prep.L2_PREFETCH = chunk_forward.L2_PREFETCH = local_grad.L2_PREFETCH = False
-        return res
+        f = jax.jit(fn)
+        ms = median_ms(lambda: f(*args), sync, a.iters, a.reps)
+        out[name] = ms
+        log(f"{name}: {ms:.3f} ms")
+        return f(*args)
 
     scale = jnp.full((B,), K ** -0.5, jnp.float32)
     args = (ch.q, ch.k, ch.v, ch.g, ch.beta, scale)
-    ops = next(iter(timed("prep", lambda *x: ChunkPrepKernel.raw_call(
-        *x, ab_dtype="bfloat16"), *args).values()))
+    ops = timed("prep", lambda *x: ChunkPrepKernel.raw_call(*x, ab_dtype="bfloat16"), *args)
     timed("prep+X", lambda *x: ChunkPrepKernel.raw_call(*x, ab_dtype="bfloat16",
                                                         inverse=True), *args)
     def report(name, slots, names):
@@ -112,8 +97,7 @@ def main(argv=None):
         name = "probe" + ("+X" if inverse else "")
         res = timed(name, lambda *x, i=inverse: ChunkPrepKernel.raw_call(
             *x, ab_dtype="bfloat16", inverse=i, probe=True), *args)
-        for tag, r in res.items():
-            report(tag, r[6], PROBE_PHASES)
+        report(name, res[6], PROBE_PHASES)
 
     if a.local_grad:
         from gdp_jax.kernels.chunk_grad_sm90 import PROBE_PHASES as LG_PHASES
@@ -129,8 +113,7 @@ def main(argv=None):
         timed("local grad", lambda *x: LocalGradKernel.raw_call(*x, ab_dtype="bfloat16"), *lg)
         res = timed("local grad probe", lambda *x: LocalGradKernel.raw_call(
             *x, ab_dtype="bfloat16", ablate="probe"), *lg)
-        for tag, r in res.items():
-            report(tag, r[4], LG_PHASES)
+        report("local grad probe", res[4], LG_PHASES)
 
     w, kt, qg, pm, u, decay = ops[:6]
     flags = (jnp.zeros((B, NC), jnp.int32).at[:, 0].set(1),

@@ -483,32 +483,3 @@ def test_probe_variants_compile():
              S((B, NC, HV, C, V), f32), S((B, NC, HV, K, V), bf), S((B, NC, HV, K, V), bf))
     lg = lambda *a: LocalGradKernel.raw_call(*a, ab_dtype=bf, ablate="probe")
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(lg, *avals)
-
-
-def test_l2_prefetch_variants_compile(monkeypatch):
-    """The software-prefetch experiment (off by default; not yet measured on a GPU): each
-    kernel with its switch on compiles and emits its L2 prefetches."""
-    from gdp_jax.kernels import chunk_forward, chunk_prep, local_grad
-    from gdp_jax.kernels.local_grad import LocalGradKernel
-    for mod in (chunk_forward, chunk_prep, local_grad):
-        monkeypatch.setattr(mod, "L2_PREFETCH", True)
-    B, NC, HV, C, N, K, V = 1, 2, 2, grid.CHUNK, 1, 64, 64
-    f32, bf, i32 = jnp.float32, jnp.bfloat16, jnp.int32
-    ch = _chunk_avals(B, NC, HV, K, V)
-    calls = [(lambda *a: ChunkPrepKernel.raw_call(*a, ab_dtype=bf), (*ch, S((B,), f32)))]
-    flags = (S((B, NC), i32),) * 3
-    fwd = (S((B, NC, HV, C, K), bf),) * 3 + (S((B, NC, HV, C, C), bf),
-                                             S((B, NC, HV, C, V), f32), S((B, NC, HV), f32))
-    calls.append((lambda *a: ChunkForwardKernel.call(*a, BV=32),
-                  fwd + flags + (S((N, HV, K, V), f32),)))
-    rev = (S((B, NC, HV, C, K), bf),) * 3 + (S((B, NC, HV, C, V), f32),
-                                             S((B, NC, HV, C, V), bf), S((B, NC, HV), f32))
-    calls.append((lambda *a: StateGradKernel.call(*a, BV=32, ds_dtype=bf),
-                  rev + flags + (S((N, HV, K, V), f32),)))
-    lg = (S((B, NC, HV, C, K), f32), S((B, NC, HV, C, K), f32), S((B, NC, HV, C, K), bf),
-          S((B, NC, HV, C, V), bf), S((B, NC, HV, C, V), f32), S((B, NC, HV, C), f32),
-          S((B, NC, HV, C), f32), S((B,), f32), S((B, NC, HV, C, C), f32),
-          S((B, NC, HV, C, V), f32), S((B, NC, HV, K, V), bf), S((B, NC, HV, K, V), bf))
-    calls.append((lambda *a: LocalGradKernel.raw_call(*a, ab_dtype=bf), lg))
-    for fn, avals in calls:
-        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(fn, *avals)

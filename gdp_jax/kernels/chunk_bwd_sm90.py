@@ -26,7 +26,7 @@ import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
-                                  operand, prefetch_l2,
+                                  operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
 
@@ -34,13 +34,11 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c
 class ChunkBwdDhSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype, hi/lo split."""
 
-    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
-                 prefetch: bool = False):
+    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool):
         assert K in (64, 128) and V % BV == 0 and BV in (32, 64, 128)
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
-        self.prefetch = prefetch    # ask L2 for chunk c - 1's operands while c runs
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -121,13 +119,6 @@ class ChunkBwdDhSm90:
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(self.prefetch):
-                nb = mKt.element_type.width // 8
-                nxt = cutlass.Int32(cutlass.select_(c > 0, c - 1, c))
-                for t in (mKt, mW, mQg):
-                    prefetch_l2(t[b, nxt, hv, None, None], C * K * nb, tidx)
-                prefetch_l2(mDo[b, nxt, hv, None, None], C * self.V * nb, tidx)
-                prefetch_l2(mDdo[b, nxt, hv, None, None], C * self.V * 4, tidx)
 
             # ---- gradient w.r.t. the chunk's end state
             seq = mSeq[b, c]
@@ -165,9 +156,8 @@ class ChunkBwdDhSm90:
 _KERNELS = {}
 
 
-def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
-               prefetch: bool = False) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split, prefetch)
+def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, prefetch)
+        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split)
     return _KERNELS[key]

@@ -26,12 +26,6 @@ from gdp_jax.spec import Unsupported, checkpoint_dtype
 # the first; benchmarks/peer_precision.py). Set False for plain 16-bit operands (as FLA's).
 BF16_SPLIT = True
 
-# Software prefetch of the next chunk's operands into L2 in the recursion kernels (forward
-# and reverse), off: an experiment not yet measured on a GPU (it compiles; the walk's
-# per-chunk loads otherwise wait on HBM every iteration, ~25-35% of a local-gradient CTA's
-# time is such a wait: benchmarks/results/CURRENT.md, seventeenth session).
-L2_PREFETCH = False
-
 
 class ChunkForwardKernel:
     """Limits, tile choice and the (vmappable) call of the forward chunk kernel."""
@@ -122,13 +116,12 @@ class ChunkForwardKernel:
             raise ValueError(f"states_dtype must be float32 or {ab_name}; got {states_dtype}")
         outputs = (binding.out((B, NC, HV, C_, V), w.dtype), binding.out(h0.shape, jnp.float32),
                    binding.out((B, n_ckpt, HV, K, V) if ckpt else (1,), states_dtype))
-        extra = {"prefetch": True} if L2_PREFETCH else {}
         return binding.custom_call(_launcher, "gdp_chunk_fwd_sm90", outputs,
                                    (w, kt, qg, p, u, decay, reset, seq, last, h0),
                                    tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2,
                                               2, 2, 2 if ckpt else 1),
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
-                                   ab_name=ab_name, split=split, ckpt=ckpt, **extra)
+                                   ab_name=ab_name, split=split, ckpt=ckpt)
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -173,8 +166,8 @@ def _launcher():
     def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               ckpt: cutlass.Constexpr, prefetch: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, BV, ab_name, split, ckpt, prefetch)(
+               ckpt: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

@@ -37,7 +37,7 @@ import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
-                                  operand, prefetch_l2,
+                                  operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
 
@@ -45,16 +45,12 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c
 class ChunkFwdSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype."""
 
-    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
-                 prefetch: bool = False):
+    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0):
         assert K in (64, 128) and V % BV == 0 and BV in (32, 64, 128) and ckpt >= 0
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
         self.ckpt = ckpt      # write the start state of every ckpt-th chunk (0: none)
-        # ask L2 for chunk c + 1's operands while chunk c runs (each iteration's loads
-        # otherwise wait on HBM: the kernel holds no second smem stage)
-        self.prefetch = prefetch
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -142,13 +138,6 @@ class ChunkFwdSm90:
             gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
             gP.load(mP[b, c, hv, None, None], (C, C), tPsP)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(self.prefetch):
-                nb = mW.element_type.width // 8
-                nxt = cutlass.Int32(cutlass.select_(c + 1 < NC, c + 1, c))
-                for t in (mW, mKt, mQg):
-                    prefetch_l2(t[b, nxt, hv, None, None], C * K * nb, tidx)
-                prefetch_l2(mP[b, nxt, hv, None, None], C * C * nb, tidx)
-                prefetch_l2(mU[b, nxt, hv, None, None], C * self.V * 4, tidx)
 
             # ---- chunk start state (reset -> the sequence's initial state)
             seq = mSeq[b, c]
@@ -190,8 +179,8 @@ _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
-               ckpt: int = 0, prefetch: bool = False) -> ChunkFwdSm90:
-    key = (K, V, BV, ab_name, split, ckpt, prefetch)
+               ckpt: int = 0) -> ChunkFwdSm90:
+    key = (K, V, BV, ab_name, split, ckpt)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, prefetch)
+        _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt)
     return _KERNELS[key]

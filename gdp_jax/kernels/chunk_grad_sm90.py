@@ -52,8 +52,8 @@ from cutlass.cute.nvgpu import warp
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, acc_to_smem,
                                   c_tile, g2s, g2s_copy, ldmatrix_copies, make_acc,
-                                  mma_split_b, operand, pick, prefetch_next_cta, smem_layout,
-                                  smem_tile, transpose_view, warp_mma)
+                                  mma_split_b, operand, pick, smem_layout, smem_tile,
+                                  transpose_view, warp_mma)
 
 F32 = cutlass.Float32
 PAD = C * (C + 1)          # elements of a padded float32 [C, C] tile (row stride C + 1)
@@ -79,12 +79,8 @@ class ChunkGradSm90:
         # "nogates" the gate loops of phase 0, "notail" phase 14; "roundtrip" (results
         # right) parks the partial dk, dq in their global outputs between phases instead
         # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
-        # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py);
-        # "prefetch=L" (results right; an experiment, local_grad.L2_PREFETCH) asks L2 for the
-        # inputs of the CTA L places later in launch order (one CTA an SM: L = the SMs)
+        # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py)
         self.ablate = set(filter(None, ablate.split(",")))
-        leads = [int(t.split("=")[1]) for t in self.ablate if t.startswith("prefetch=")]
-        self.prefetch_lead = leads[0] if leads else 0
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -187,12 +183,6 @@ class ChunkGradSm90:
         cpV.load(gDo, (C, V), cpV.dest(sDo))
         cpV.load(mS0[b, c, hv, None, None], (K, V), cpV.dest(sS0))     # [K, V] rows of V
         cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.prefetch_lead > 0):
-            nb, nds = ab.width // 8, mDS.element_type.width // 8
-            prefetch_next_cta(((mQ, C * K * nb), (mK, C * K * nb), (mW, C * K * nb),
-                               (mDo, C * V * nb), (mV, C * V * nb), (mX, C * C * 4),
-                               (mU, C * V * 4), (mS0, K * V * nb), (mDS, K * V * nds)),
-                              self.prefetch_lead, tidx, NT)
         scale = mScale[b]
         if tidx < C:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)

@@ -23,13 +23,7 @@ import jax.numpy as jnp
 
 from gdp_jax.grid import CHUNK as C
 from gdp_jax.kernels import binding
-from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.spec import Unsupported
-
-# Software prefetch into L2 of q, k, v of the CTA that follows each CTA on its SM (the
-# first phase, the loads, is 36% of a CTA at 3 CTAs an SM, s17-2), off: an experiment not
-# yet measured on a GPU (it compiles).
-L2_PREFETCH = False
 
 
 def as_read(ch, ab_dtype, dtype=None):
@@ -109,9 +103,7 @@ class ChunkPrepKernel:
                                    tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1,
                                               2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, inverse=inverse,
-                                   **({"probe": True} if probe else {}),
-                                   **({"l2_sms": ChunkForwardKernel.SMS} if L2_PREFETCH
-                                      else {}))
+                                   **({"probe": True} if probe else {}))
 
     @classmethod
     def variants(cls):
@@ -144,9 +136,8 @@ def _launcher():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False,
-               l2_sms: cutlass.Constexpr = 0):
-        mod.get_kernel(K, V, ab_name, inverse, probe, l2_sms)(
-            stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X)
+               inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, inverse, probe)(stream, q, k, v, g, beta, scale, w,
+                                                      kt, qg, p, u, decay, bad, X)
 
     return launch

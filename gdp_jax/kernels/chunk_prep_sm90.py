@@ -50,8 +50,7 @@ from cutlass.cute.nvgpu import warp
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, c_tile, g2s,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
-                                  operand, prefetch_next_cta, smem_layout, smem_tile,
-                                  transpose_view, warp_mma)
+                                  operand, smem_layout, smem_tile, transpose_view, warp_mma)
 from gdp_jax.kernels.sm90 import pick as _pick
 
 F32 = cutlass.Float32
@@ -82,17 +81,13 @@ def _nonfinite(z, lanes: int):
 class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
-    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
-                 l2_sms: int = 0):
+    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
         # measurement only: thread 0 writes the SM clock cycles of each phase into bad[..,
         # :PROBE_SLOTS] (benchmarks/prep_probe.py); the kernel's results are otherwise unchanged
         self.probe = probe
-        # an experiment (chunk_prep.L2_PREFETCH, off): with l2_sms > 0 (the GPU's SMs) each
-        # CTA asks L2 for the q, k, v tiles of the CTA l2_sms x CTAS_PER_SM places later
-        self.prefetch_lead = l2_sms * CTAS_PER_SM
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -168,10 +163,6 @@ class ChunkPrepSm90:
         cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
         cpV.load(mV[b, c, hv, None, None], (C, V), tV)
         cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.prefetch_lead > 0):
-            nb = ab.width // 8
-            prefetch_next_cta(((mK, C * K * nb), (mQ, C * K * nb), (mV, C * V * nb)),
-                              self.prefetch_lead, tidx)
         scale = mScale[b]
         if tidx < C:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
@@ -491,8 +482,8 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 
 
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
-               probe: bool = False, l2_sms: int = 0) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, l2_sms)
+               probe: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, l2_sms)
+        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe)
     return _KERNELS[key]

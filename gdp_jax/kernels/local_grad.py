@@ -19,13 +19,7 @@ import jax.numpy as jnp
 
 from gdp_jax.grid import CHUNK as C
 from gdp_jax.kernels import binding
-from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.spec import Unsupported
-
-# Software prefetch into L2 of the inputs of the CTA that follows each CTA on its SM (one
-# CTA an SM: its loads wait on HBM, 24.5% of a CTA at (8, 4096, 16, 2), s17-6), off: an
-# experiment not yet measured on a GPU (it compiles).
-L2_PREFETCH = False
 
 
 class LocalGradKernel:
@@ -85,8 +79,6 @@ class LocalGradKernel:
         if scale.shape != (B,):
             raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
         ab = jnp.dtype(ab_dtype)
-        if L2_PREFETCH:
-            ablate = ",".join(filter(None, (ablate, f"prefetch={ChunkForwardKernel.SMS}")))
         rows = (B, NC, HV, C_)
         outputs = (binding.out(rows + (K,), jnp.float32), binding.out(rows + (K,), jnp.float32),
                    binding.out(rows + (V,), jnp.float32), binding.out(rows, jnp.float32),

@@ -231,39 +231,3 @@ def acc_to_smem(tiled_mma, tidx, acc, ab) -> AccToSmem:
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), ab)
     thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
     return AccToSmem(ab, r16, atom, thr, thr.retile(r16))
-
-
-LINE = 128          # bytes of an L2 cache line
-
-
-def prefetch_l2(g, nbytes: int, tidx, threads: int = NUM_THREADS):
-    """Ask L2 for the ``nbytes`` (a multiple of 128) of global memory from the first
-    element of the gmem tensor ``g`` on (a contiguous tile, e.g. the [C, K] tile of a
-    chunk tensor): one 128-byte line a thread per pass (a thread past the end asks for
-    the first line again: L2 prefetches take no predicate), no registers or shared memory
-    held, no wait. A hint: loads it covers later find their lines in L2, not HBM."""
-    assert nbytes % LINE == 0
-    elems = LINE * 8 // g.element_type.width
-    lines = nbytes // LINE
-    for i in range(-(-lines // threads)):
-        line = tidx + i * threads
-        if (i + 1) * threads > lines:
-            line = cutlass.Int32(cutlass.select_(line < lines, line, 0))
-        cute.arch.prefetch((g.iterator + line * elems).llvm_ptr, cache_level="L2")
-
-
-def prefetch_next_cta(tiles, lead, tidx, threads: int = NUM_THREADS):
-    """For a grid of one CTA per (chunk, head, row) - block index (c, hv, b), c fastest -
-    ask L2 for the tiles of the CTA ``lead`` places later in launch order (about the one
-    that starts when this one ends, for ``lead`` = the CTAs an SM runs x the SMs).
-    ``tiles``: (gmem tensor [B, NC, HV, r, s] with contiguous [b, c, hv] tiles, bytes of
-    a tile) pairs."""
-    c, hv, b = cute.arch.block_idx()
-    t0 = tiles[0][0]
-    B, NC, HV = t0.shape[0], t0.shape[1], t0.shape[2]
-    here = c + NC * (hv + HV * b)
-    nxt = here + lead
-    nxt = cutlass.Int32(cutlass.select_(nxt < NC * HV * B, nxt, here))   # last CTAs: own
-    c2, r = nxt % NC, nxt // NC
-    for t, nbytes in tiles:
-        prefetch_l2(t[r // HV, c2, r % HV, None, None], nbytes, tidx, threads)

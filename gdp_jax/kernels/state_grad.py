@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from gdp_jax import grid
 from gdp_jax.kernels import binding
-from gdp_jax.kernels import chunk_forward
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
 
@@ -60,11 +59,10 @@ class StateGradKernel:
                              f"got {ds_dtype.name}")
         outputs = (binding.out((B, NC, HV, K, V), ds_dtype),
                    binding.out(dfinal.shape, jnp.float32))
-        extra = {"prefetch": True} if chunk_forward.L2_PREFETCH else {}
         return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
                                    (kt, w, qg, ddo, do, decay, reset, seq, last, dfinal),
                                    tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2),
-                                   K=K, V=V, BV=BV, ab_name=ab_name, split=split, **extra)
+                                   K=K, V=V, BV=BV, ab_name=ab_name, split=split)
 
     @classmethod
     def variants(cls):
@@ -106,9 +104,8 @@ def _launcher():
     @cute.jit
     def launch(stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
-               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               prefetch: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, BV, ab_name, split, prefetch)(stream, kt, w, qg, ddo, do, decay, reset, seq,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split)(stream, kt, w, qg, ddo, do, decay, reset, seq,
                                                  last, dfinal, ds_end, dh0)
 
     return launch
