@@ -5,7 +5,7 @@ Two users are written ONCE against it: the single-device ``custom_vjp`` of the o
 only chunk tensors (:class:`gdp_jax.grid.ChunkInputs`, [B, NC, HV, C, X]), the layout and
 per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax.grid`.
 
-    forward(spec, ch, layout, h0, keep_states, work)       -> (o rows, final states, states)
+    forward(spec, ch, layout, h0, keep_states, work, tokens) -> (o rows, final, states)
     backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (chunk-input cotangents, dh0)
     forward_summaries(spec, ch, layout)                    -> ((E, M), work)
     backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
@@ -24,6 +24,9 @@ chunk, or only its read-out rows (Cr = C // every, every = ``grid.readout_every(
 :func:`gdp_jax.grid.readout_rows`). :func:`backward_problem` gives read-out rows; an
 engine's forward may return either (:func:`outputs` takes both) and its backward must take
 either (the stride is ``grid.every_of(doc.shape[-2])``).
+``tokens``: the single-device op's own (q, k, v) [B, T, (n,) H or HV, K or V], for an
+engine that reads them directly (the chunk tensors it then leaves unread cost nothing:
+XLA drops them).
 ``states``: what the forward keeps for the backward under differentiation (the start
 state of every (recompute_chunk_num + 1)-th chunk, in the engine's layout). ``work``: what
 a summary pass computed that the matching apply pass can reuse (None: compute it).
@@ -67,7 +70,7 @@ class Engine:
         grid (fewer bytes moved; the same values as a cast after it)."""
         return {}
 
-    def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
+    def forward(self, spec, ch, layout, h0, keep_states=False, work=None, tokens=None):
         raise NotImplementedError
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
@@ -284,8 +287,8 @@ class XlaEngine(Engine):
             return recurrence.Blocking(B, NC, Ls * -(-NC // Ls)), Ls
         return recurrence.Blocking(B, NC, recurrence.block_len(NC, stride)), None
 
-    def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
-        """Output rows on the read-out rows only ([.., C // every, V])."""
+    def forward(self, spec, ch, layout, h0, keep_states=False, work=None, tokens=None):
+        """Output rows on the read-out rows only ([.., C // every, V]); ``tokens`` unused."""
         blk, Ls = self._blocking(spec, ch)
         nd = narrow_dtype(spec)
         chb, f = blk.tree_block(_narrow_inputs(ch, nd)), recurrence.flags(blk, layout)

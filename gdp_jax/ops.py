@@ -21,7 +21,7 @@ def _forward(eng, spec, inputs, keep_states):
     layout, ch = engine.forward_problem(spec, q, k, v, g, beta, cu_seqlens,
                                         eng.input_dtypes(spec))
     oc, final, states = eng.forward(spec, ch, layout, engine.start_states(spec, h0),
-                                    keep_states=keep_states)
+                                    keep_states=keep_states, tokens=(q, k, v))
     return (engine.outputs(layout, oc, q.dtype), final.astype(spec.cdt)), states
 
 

@@ -419,9 +419,10 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     from gdp_jax.spec import Unsupported
     calls = []
-    raw = ChunkPrepKernel.raw_call
-    monkeypatch.setattr(ChunkPrepKernel, "raw_call",
-                        staticmethod(lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
+    for name in ("raw_call", "raw_call_tokens"):      # chunk-major or token-major inputs
+        raw = getattr(ChunkPrepKernel, name)
+        monkeypatch.setattr(ChunkPrepKernel, name, staticmethod(
+            lambda *a, raw=raw, **kw: calls.append(1) or raw(*a, **kw)))
     inp = make_inputs(6, 2, 100, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     # The op and the summaries under jax.jit (eagerly: op-by-op dispatch, ~50 s), a new
     # jitted function per call, so each traces (where raw_call is counted) anew.
@@ -451,22 +452,26 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
 
 def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     """Under jax.grad, where the kernels take the backward, the forward takes its operands
-    from the operands kernel (no X) and the backward runs it once more with X for the
-    local-gradient kernel; the gradients equal those with XLA's factors
-    (``KERNEL_FACTORS = False``: XLA's factors, float32 dS_end) to bf16 rounding."""
+    from the operands kernel (no X; on the token-major bf16 inputs) and the backward runs
+    it once more with X for the local-gradient kernel; the gradients equal those with
+    XLA's factors (``KERNEL_FACTORS = False``: XLA's factors, float32 dS_end) to bf16
+    rounding."""
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     calls = []
     raw = emulate.chunk_prep_call
     monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
         lambda *a, **kw: calls.append(kw.get("inverse", False)) or raw(*a, **kw)))
+    raw_tokens = emulate.chunk_prep_tokens_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append("tokens") or raw_tokens(*a, **kw)))
     inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     loss = lambda *x: OP(*x, use_qk_l2norm=True, backend="cutedsl").astype(
         jnp.float32).sum()
     # under jax.jit (eagerly: op-by-op dispatch, ~30 s each); a new jitted function per
     # setting, so each traces (where raw_call is counted) with its own KERNEL_FACTORS
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*inp[:5])
-    assert sorted(calls) == [False, True]
+    assert sorted(calls, key=str) == [True, "tokens"]
     calls.clear()
     monkeypatch.setattr(pipeline, "KERNEL_FACTORS", False)
     want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*inp[:5])
@@ -530,13 +535,16 @@ def test_differentiated_forward_shares_its_operands_with_an_xla_backward(monkeyp
     calls = []
     monkeypatch.setattr(ChunkPrepKernel, "raw_call",
                         staticmethod(lambda *a, **kw: calls.append(1) or opaque(*a, **kw)))
+    tokens = emulate.chunk_prep_tokens_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens",
+                        staticmethod(lambda *a, **kw: calls.append(1) or tokens(*a, **kw)))
     jax.clear_caches()
     # traced only (raw_call is counted as it traces; nothing here needs the values, and
     # compiling and running both took ~25 s on a 2-core CPU)
     jax.jit(jax.grad(loss)).trace(*inp[:3])
     assert not calls                    # not in the differentiated forward
     jax.jit(lambda *a: OP(*a, use_qk_l2norm=True, backend="cutedsl")).trace(*inp[:5])
-    assert calls                        # but in the plain forward
+    assert calls                        # but in the plain forward (token-major)
 
 
 @pytest.mark.parametrize("kernel_backward", [True, False])
@@ -599,3 +607,62 @@ def test_cp_xla_segmented_ranks_take_the_two_pass_path(monkeypatch):
     assert rel_max(got[0], want[0]) < 1e-13 and rel_max(got[1], want[1]) < 1e-13
     for name in want[2]:
         assert rel_max(got[2][name], want[2][name]) < 1e-13, name
+
+
+@pytest.mark.parametrize("cu", [None, [0, 0, 1, 70, 70, 150]])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_token_rows_name_the_layout_rows(n, cu):
+    """``chunk_prep.token_rows`` (where the token-major operands kernel reads each chunk's
+    rows) names exactly the rows of the chunk grid: step base + i for i < count, -1
+    (padding) after; the read-out token of row i = n - 1 (mod n) is (base + i) // n."""
+    from gdp_jax.kernels.chunk_prep import token_rows
+    T, B = (150, 1) if cu is not None else (70, 2)
+    layout = grid.make_layout(B, T, n, None if cu is None else jnp.asarray(cu, jnp.int32))
+    rows = np.asarray(token_rows(layout, n, T))
+    NC = layout.reset.shape[1]
+    if cu is None:
+        S = grid.steps_per_chunk(n)
+        src = np.full((B, NC, grid.CHUNK), -1)
+        for c in range(NC):
+            m = min(S, max(0, n * T - c * S))
+            src[:, c, :m] = c * S + np.arange(m)
+    else:
+        src = np.asarray(layout.src).reshape(B, NC, grid.CHUNK)
+    i = np.arange(grid.CHUNK)
+    base, count, tok, nn = (rows[..., j, None] for j in range(4))
+    want = np.where(i < count, base + i, -1)
+    np.testing.assert_array_equal(want, src)
+    assert np.all(nn == n) and np.all(tok * n == base)
+    assert np.all((base + i) // n == tok + i // n)
+
+
+@pytest.mark.parametrize("case", ["n1", "n2-gva", "n3-T2", "packed"])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
+    """bf16 inputs: the forward with the operands kernel reading the token-major q, k, v
+    itself (L2 norm in the kernel) equals the forward on XLA's chunk-major copies
+    (``chunk_prep.TOKEN_LAYOUT = False``), outputs and final states: T not a multiple
+    of 64, T = 2 (T = 1 runs the decoding step), n = 1..3, GVA, packed with empty and
+    one-token sequences."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    calls = []
+    raw = ChunkPrepKernel.raw_call_tokens
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(kw["l2norm"]) or raw(*a, **kw)))
+    B, T, n, H, HV, cu = {"n1": (2, 100, 1, 1, 1, None), "n2-gva": (1, 130, 2, 1, 2, None),
+                          "n3-T2": (2, 2, 3, 2, 2, None),
+                          "packed": (1, 150, 2, 1, 2, [0, 0, 1, 70, 70, 150])}[case]
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(31, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    run = lambda: jax.jit(lambda *a: OP(*a[:5], initial_state=a[5], cu_seqlens=cu,
+                                        output_final_state=True, use_qk_l2norm=l2norm,
+                                        backend="cutedsl"))(*inp[:5], inp.initial_state)
+    o, s = run()
+    assert calls == [l2norm]
+    monkeypatch.setattr(chunk_prep, "TOKEN_LAYOUT", False)
+    o2, s2 = run()
+    assert calls == [l2norm]
+    assert np.all(np.isfinite(np.asarray(o, np.float32)))
+    assert rel_max(o, o2) < 1e-5 and rel_max(s, s2) < 1e-5

@@ -124,6 +124,59 @@ def test_long_sequence_state_stays_accurate():
     _assert_errors(e, (rel_rms(o_x, o_r), rel_rms(s_x, s_r)))
 
 
+@pytest.mark.parametrize("dtype,K,V,n,H,HV,l2norm,packed", [
+    ("bfloat16", 128, 128, 1, 2, 2, True, False),
+    ("bfloat16", 64, 128, 3, 1, 3, False, False),     # GVA, K != V, no in-op norm
+    ("float16", 128, 64, 2, 2, 4, True, True),        # packed: empty, one-token sequences
+    ("bfloat16", 128, 128, 2, 1, 2, False, True),
+])
+def test_token_major_operands_kernel(monkeypatch, dtype, K, V, n, H, HV, l2norm, packed):
+    """The operands kernel reading q, k, v from the op's token-major tensors (row table,
+    GVA head, q on the read-out rows only, the L2 norm by warp shuffles) gives the outputs
+    of the chunk-major path (``chunk_prep.TOKEN_LAYOUT = False``: XLA's relayout and
+    norm) to rounding, and both stay within TOL of float64."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    lens = [70, 0, 1, 130, 2] if packed else None
+    cu = None if lens is None else jnp.asarray(np.concatenate([[0], np.cumsum(lens)]),
+                                               jnp.int32)
+    B, T = (1, int(cu[-1])) if packed else (2, 203)
+    q, k, v, g, beta, s0 = make(5, B, T, n, H, HV, K, V, jnp.dtype(dtype),
+                                N=None if lens is None else len(lens))
+    if not l2norm:                   # unit keys and queries without the in-op norm
+        unit = lambda x: (x.astype(jnp.float32) / jnp.linalg.norm(
+            x.astype(jnp.float32), axis=-1, keepdims=True)).astype(x.dtype)
+        q, k = unit(q), unit(k)
+    args = (q, k, v, g, beta, s0)
+    calls = []
+    raw = ChunkPrepKernel.raw_call_tokens
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
+
+    def fwd():
+        return jax.jit(lambda q, k, v, g, beta, s0: gated_delta_product(
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+            use_qk_l2norm=l2norm, backend="cutedsl"))(*args)
+
+    o, s = fwd()
+    assert calls
+    monkeypatch.setattr(chunk_prep, "TOKEN_LAYOUT", False)
+    o_c, s_c = fwd()
+    assert len(calls) == 1
+    up = lambda x: None if x is None else jnp.asarray(x, jnp.float64)
+    o_r, s_r = gated_delta_product_reference(
+        *(up(x) for x in args[:5]), initial_state=up(s0), output_final_state=True,
+        cu_seqlens=cu, use_qk_l2norm=l2norm)
+    e = {"o/chunk-major": rel_rms(o, o_c), "S/chunk-major": rel_rms(s, s_c),
+         "o/ref": rel_rms(o, o_r), "S/ref": rel_rms(s, s_r),
+         "o chunk-major/ref": rel_rms(o_c, o_r)}
+    print(f"[tokens {dtype} K={K} V={V} n={n} H={H} HV={HV} l2norm={l2norm} "
+          f"packed={packed}] " + " ".join(f"{a} {b:.2e}" for a, b in e.items()))
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+    assert max(e["o/chunk-major"], e["S/chunk-major"]) < 2e-3, e
+    assert max(e["o/ref"], e["S/ref"]) < TOL, e
+
+
 GRAD_TOL = 1e-2       # relative RMS of every gradient (bf16/fp16 operands in the kernels)
 CROSS_GRAD_TOL = 2 * GRAD_TOL     # cutedsl vs xla (two roundings): s16-4, long T = 4096,
                                   # dg differed by 1.1e-2

@@ -21,9 +21,16 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from gdp_jax import grid
 from gdp_jax.grid import CHUNK as C
 from gdp_jax.kernels import binding
 from gdp_jax.spec import Unsupported
+
+
+# The forward reads q, k, v from the op's token-major inputs (16-bit ones; the L2 norm
+# in the kernel) instead of their chunk-major copies laid out by XLA (False: the latter,
+# an A/B switch).
+TOKEN_LAYOUT = True
 
 
 def as_read(ch, ab_dtype, dtype=None):
@@ -105,6 +112,71 @@ class ChunkPrepKernel:
                                    K=K, V=V, ab_name=ab.name, inverse=inverse,
                                    **({"probe": True} if probe else {}))
 
+    @staticmethod
+    def can_read_tokens(spec, q, k, v) -> bool:
+        """Can the forward operands come from the token-major inputs q [B, T, H, K],
+        k [B, T, n, H, K], v [B, T, n, HV, V] directly (:meth:`call_tokens`)? They must
+        already be in the 16-bit operand dtype (then nothing is cast or moved in XLA)."""
+        ab = jnp.dtype(spec.ab_dtype)
+        return (TOKEN_LAYOUT and ab.name in ChunkPrepKernel.DTYPES
+                and all(x.dtype == ab for x in (q, k, v))
+                and k.shape[-1] in ChunkPrepKernel.HEAD_DIMS
+                and v.shape[-1] in ChunkPrepKernel.HEAD_DIMS
+                and k.shape[2] <= C            # whole tokens in every chunk (base = 0 mod n)
+                and max(q.size, k.size, v.size) <= binding.MAX_ELEMS)
+
+    @classmethod
+    def call_tokens(cls, spec, q, k, v, ch, layout):
+        """The forward operands as :meth:`call` gives them for ``ch`` (whose g and beta are
+        read; its q, k, v are left to XLA's dead-code elimination), with q, k, v read by
+        the kernel from the token-major inputs (:meth:`can_read_tokens`) and L2-normalised
+        in it when ``spec.use_qk_l2norm``; ``jax.vmap``-able."""
+        B, T, n, H, K = k.shape
+        rows = token_rows(layout, n, T)
+        f = binding.vmappable(
+            lambda *a: cls.raw_call_tokens(*a, ab_dtype=spec.ab_dtype,
+                                           l2norm=spec.use_qk_l2norm),
+            out_kinds=("rows",) * 7 + ("dummy",))
+        scale_rows = jnp.full((B,), spec.scale, jnp.float32)
+        w, kt, qg, p, u, decay, bad, _ = f(
+            q, k.reshape(B, T * n, H, K), v.reshape((B, T * n) + v.shape[3:]), ch.g,
+            ch.beta, scale_rows, rows)
+        return (w, kt, qg, p, u, decay), bad != 0
+
+    @staticmethod
+    def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool):
+        """q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] (``ab_dtype``; L = n T
+        interleaved steps), g, beta [B, NC, HV, C] float32, scale [B], rows [B, NC, 4]
+        int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs (X: the [1] placeholder)
+        for the chunk inputs those tensors lay out to, with q, k L2-normalised (then
+        rounded to ``ab_dtype``) when ``l2norm``."""
+        B, NC, HV, C_ = g.shape
+        K, V = k.shape[-1], v.shape[-1]
+        ab = jnp.dtype(ab_dtype)
+        why = ChunkPrepKernel.can_implement(ab_dtype=ab_dtype, cdt=g.dtype, K=K, V=V,
+                                            rows=B, NC=NC, HV=HV)
+        if why:
+            raise ValueError(str(why))
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.dtype != ab:
+                raise ValueError(f"{name}: the token-major operands kernel reads {ab.name}; "
+                                 f"got {x.dtype}")
+        if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
+            raise ValueError(f"rows: int32 ({B}, {NC}, 4); got {rows.dtype} {rows.shape}")
+        if HV % k.shape[2] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {HV}; expected "
+                             f"q's = k's, dividing v's")
+        r = (B, NC, HV, C_)
+        outputs = (binding.out(r + (K,), ab), binding.out(r + (K,), ab),
+                   binding.out(r + (K,), ab), binding.out(r + (C_,), ab),
+                   binding.out(r + (V,), jnp.float32), binding.out((B, NC, HV), jnp.float32),
+                   binding.out(r, jnp.int32), binding.out((1,), jnp.float32))
+        f32 = lambda x: x.astype(jnp.float32)
+        return binding.custom_call(_launcher_tokens, "gdp_chunk_prep_sm90_tokens", outputs,
+                                   (q, k, v, f32(g), f32(beta), f32(scale), rows),
+                                   tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 1),
+                                   K=K, V=V, ab_name=ab.name, l2norm=l2norm)
+
     @classmethod
     def variants(cls):
         """The variants ``ffi/build.py`` prebuilds: per operand dtype and head dims, the
@@ -123,7 +195,35 @@ class ChunkPrepKernel:
                             + (" inverse" if inverse else ""), fn,
                             (S(K), S(K), S(V), S(), S(),
                              jax.ShapeDtypeStruct((1,), jnp.float32))))
+                    for l2norm in (False, True):
+                        T = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1) + shape,
+                                                                jnp.dtype(name))
+                        fn = functools.partial(cls.raw_call_tokens, ab_dtype=name,
+                                               l2norm=l2norm)
+                        out.append(aot.Variant(
+                            f"gdp_chunk_prep_sm90_tokens {name} K={K} V={V}"
+                            + (" l2norm" if l2norm else ""), fn,
+                            (T(K), T(K), T(V), S(), S(),
+                             jax.ShapeDtypeStruct((1,), jnp.float32),
+                             jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
         return out
+
+
+def token_rows(layout, n: int, T: int):
+    """Where each chunk's rows start in the token-major tensors: int32 [B, NC, 4] of
+    (base, count, tok, n) - chunk row i is interleaved step base + i for i < count, the
+    read-out rows i = n - 1 (mod n) are token tok + i // n (``layout``: the call's
+    :class:`gdp_jax.grid.ChunkLayout` for T tokens of n steps)."""
+    B, NC = layout.reset.shape
+    S = grid.steps_per_chunk(n, C)
+    if isinstance(layout.src, grid.Contiguous):
+        base = jnp.broadcast_to(jnp.arange(NC, dtype=jnp.int32) * S, (B, NC))
+        count = jnp.clip(n * T - base, 0, S)
+    else:
+        src = layout.src.reshape(B, NC, C)
+        count = jnp.sum(src >= 0, axis=-1, dtype=jnp.int32)
+        base = jnp.where(count > 0, src[..., 0], 0)
+    return jnp.stack([base, count, base // n, jnp.full_like(base, n)], axis=-1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +237,25 @@ def _launcher():
     def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, ab_name, inverse, probe)(stream, q, k, v, g, beta, scale, w,
-                                                      kt, qg, p, u, decay, bad, X)
+        # (no row table: ``scale`` fills its slot, unread)
+        mod.get_kernel(K, V, ab_name, inverse, probe)(stream, q, k, v, g, beta, scale, scale,
+                                                      w, kt, qg, p, u, decay, bad, X)
+
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_tokens():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_prep_sm90 as mod
+
+    @cute.jit
+    def launch(stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X, *,
+               K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
+               l2norm: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, tokens=True, l2norm=l2norm)(
+            stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

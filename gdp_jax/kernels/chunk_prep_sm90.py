@@ -46,7 +46,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warp
+from cutlass.cute.nvgpu import cpasync, warp
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, c_tile, g2s,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
@@ -54,6 +54,7 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, c_
 from gdp_jax.kernels.sm90 import pick as _pick
 
 F32 = cutlass.Float32
+L2_EPS = 1e-6       # gdp_jax.reference.L2_EPS (this module must not import jax)
 I32 = cutlass.Int32
 INF = float("inf")
 HB = C // 2         # the inverse's block size
@@ -81,18 +82,25 @@ def _nonfinite(z, lanes: int):
 class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
-    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False):
+    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
+                 tokens: bool = False, l2norm: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
         # measurement only: thread 0 writes the SM clock cycles of each phase into bad[..,
         # :PROBE_SLOTS] (benchmarks/prep_probe.py); the kernel's results are otherwise unchanged
         self.probe = probe
+        # q, k, v read straight from the op's token-major tensors (``tokens``: no relayout
+        # to chunks in XLA; ``mRows`` says where each chunk's rows start), L2-normalised
+        # in the kernel with ``l2norm``
+        self.tokens = tokens
+        self.l2norm = l2norm
+        assert tokens or not l2norm
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, stream, mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay,
-                 mBad, mX):
+    def __call__(self, stream, mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU,
+                 mDecay, mBad, mX):
         K, V, ab = self.K, self.V, self.ab
         sK_layout = smem_layout(C, K)
         sV_layout = smem_layout(C, V)
@@ -123,8 +131,9 @@ class ChunkPrepSm90:
             fWU: cute.struct.MemRange[I32, C]       # w (16-bit) or u row not finite
             ok: cute.struct.MemRange[I32, C]        # state row enters (causal_operands)
 
-        B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
-        self.kernel(mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad, mX,
+        B, NC, HV = mG.shape[0], mG.shape[1], mG.shape[2]
+        self.kernel(mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
+                    mX,
                     sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
                     warp_mma(ab), Storage).launch(grid=(NC, HV, B),
                                                   block=[NUM_THREADS, 1, 1], stream=stream,
@@ -133,7 +142,8 @@ class ChunkPrepSm90:
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mG, mBeta, mScale, mW, mKt, mQg, mP, mU, mDecay, mBad, mX,
+    def kernel(self, mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
+               mX,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                pad: cute.Layout, sT_layout: cute.Layout, copy_K: cute.TiledCopy,
                copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
@@ -159,9 +169,12 @@ class ChunkPrepSm90:
         # ---- phase 0: q, k, v -> smem (async) | gates
         cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
         tK, tQ, tV = cpK.dest(sK), cpK.dest(sQ), cpV.dest(sV)
-        cpK.load(mK[b, c, hv, None, None], (C, K), tK)
-        cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
-        cpV.load(mV[b, c, hv, None, None], (C, V), tV)
+        if cutlass.const_expr(self.tokens):
+            self._load_token_rows(cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv)
+        else:
+            cpK.load(mK[b, c, hv, None, None], (C, K), tK)
+            cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
+            cpV.load(mV[b, c, hv, None, None], (C, V), tV)
         cute.arch.cp_async_commit_group()
         scale = mScale[b]
         if tidx < C:
@@ -293,6 +306,45 @@ class ChunkPrepSm90:
 
     # ------------------------------------------------------------ device-side pieces
     @cute.jit
+    def _load_token_rows(self, cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv):
+        """Phase 0's cp.async of q, k, v from the token-major tensors q [B, T, H, K],
+        k [B, L, H, K], v [B, L, HV, V] (L = n T interleaved steps): chunk row i is step
+        base + i for i < count (else zeros); q sits on rows i = n - 1 (mod n), token
+        tok + i // n. mRows[b, c] = (base, count, tok, n). Key head: hv // (HV / H)."""
+        ab = self.ab
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), ab,
+            num_bits_per_copy=128)
+        hk = hv // (mV.shape[2] // mK.shape[2])
+        base, count = mRows[b, c, 0], mRows[b, c, 1]
+        tok, n = mRows[b, c, 2], mRows[b, c, 3]
+        zero = F32(0.0).to(ab)
+        crd = cpK.thr.partition_D(cute.make_identity_tensor((C, self.K)))
+        for m in cutlass.range_constexpr(cute.size(tK) // 8):
+            r, col = crd[8 * m]
+            if r < count:
+                cute.copy(atom, cute.local_tile(mK[b, base + r, hk, None], (8,), (col // 8,)),
+                          tK[None, m, 0])
+            else:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tK[e] = zero
+            if (r < count) & (r % n == n - 1):
+                cute.copy(atom, cute.local_tile(mQ[b, tok + r // n, hk, None], (8,),
+                                                (col // 8,)), tQ[None, m, 0])
+            else:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tQ[e] = zero
+        crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
+        for m in cutlass.range_constexpr(cute.size(tV) // 8):
+            r, col = crd[8 * m]
+            if r < count:
+                cute.copy(atom, cute.local_tile(mV[b, base + r, hv, None], (8,), (col // 8,)),
+                          tV[None, m, 0])
+            else:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tV[e] = zero
+
+    @cute.jit
     def _rows_of_k_and_q(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ):
         """Phase 1 for k and q: fK (the row is zeroed in smem if set), Kt = exp(G_last -
         G) k and qg = scale gam q to global, fQ (qg's 16-bit row not finite)."""
@@ -303,6 +355,9 @@ class ChunkPrepSm90:
         rq = cute.make_fragment_like(tQ)
         cute.autovec_copy(tK, rk)
         cute.autovec_copy(tQ, rq)
+        if cutlass.const_expr(self.l2norm):
+            self._normalize_rows(rk, tK, lanes)
+            self._normalize_rows(rq, tQ, lanes)
         for m in cutlass.range_constexpr(cute.size(tK) // 8):
             r, col = crd[8 * m]
             en, sc = send[r], scale * sgam[r]
@@ -329,6 +384,32 @@ class ChunkPrepSm90:
             if bad_k != 0:                      # rare: keep it out of the MMAs
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                     tK[e] = F32(0.0).to(ab)
+
+    @cute.jit
+    def _normalize_rows(self, r, t, lanes: cutlass.Constexpr):
+        """In-op L2 norm of the rows this thread holds 8 columns of (``r``: registers, ``t``:
+        their smem tile, both overwritten with the 16-bit normalised values), over the
+        row's ``lanes`` consecutive lanes: x / m rsqrt(sum (x / m)^2 + eps / m^2) with
+        m = max |x| where > 1, else 1 - ``gdp_jax.reference.l2_normalize``."""
+        for m in cutlass.range_constexpr(cute.size(r) // 8):
+            mx = F32(0.0)
+            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                mx = cute.arch.fmax(mx, cute.math.absf(r[e].to(F32)))
+            for sh in cutlass.range_constexpr(lanes.bit_length() - 1):
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
+            # NaN anywhere in the row: |x| comparisons skip it, the sum below does not
+            inv = _pick(mx > F32(1.0), F32(1.0) / mx, F32(1.0))
+            ss = F32(0.0)
+            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                y = r[e].to(F32) * inv
+                ss = ss + y * y
+            for sh in cutlass.range_constexpr(lanes.bit_length() - 1):
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << sh)
+            d = inv * cute.math.rsqrt(ss + F32(L2_EPS) * (inv * inv))
+            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                y = (r[e].to(F32) * d).to(self.ab)
+                r[e] = y
+                t[e] = y
 
     @cute.jit
     def _row_rules(self, lane, sb, sgam, fA, fK, fV, fWU, fP, fQ, ok, gBad):
@@ -482,8 +563,10 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 
 
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
-               probe: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe)
+               probe: bool = False, tokens: bool = False, l2norm: bool = False
+               ) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe)
+        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
+                                      l2norm)
     return _KERNELS[key]

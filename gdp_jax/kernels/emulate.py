@@ -122,6 +122,35 @@ def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype, inverse=False):
             X.astype(acc) if inverse else jnp.zeros((1,), acc))
 
 
+def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm):
+    """The token-major operands kernel's contract (``ChunkPrepKernel.raw_call_tokens``):
+    the chunk inputs gathered from q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] by the
+    row table ``rows`` [B, NC, 4] = (base, count, tok, n), q and k L2-normalised in
+    float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`."""
+    from gdp_jax.reference import l2_normalize
+    B, NC, HV, C = g.shape
+    H = k.shape[2]
+    base, count, tok, n = (rows[..., j, None] for j in range(4))    # [B, NC, 1]
+    i = jnp.arange(C, dtype=jnp.int32)
+
+    def gather(x, idx, ok):                        # -> [B, NC, heads, C, X]
+        idx = jnp.clip(idx, 0, x.shape[1] - 1).reshape(B, NC * C, 1, 1)
+        y = jnp.take_along_axis(x, idx, axis=1).reshape((B, NC, C) + x.shape[2:])
+        y = jnp.where(ok[..., None, None], y, jnp.zeros((), x.dtype))
+        return jnp.moveaxis(y, 2, 3)
+
+    valid = i < count
+    kc = gather(k, base + i, valid)
+    vc = gather(v, base + i, valid)
+    qc = gather(q, tok + i // n, valid & (i % n == n - 1))
+    if l2norm:
+        norm = lambda x: l2_normalize(x.astype(jnp.float32)).astype(x.dtype)
+        qc, kc = norm(qc), norm(kc)
+    qc, kc = jnp.repeat(qc, HV // H, axis=2), jnp.repeat(kc, HV // H, axis=2)
+    out = chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype)
+    return out
+
+
 def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
                     split=True, ablate="", warps_n=2):
     """The local-gradient kernel's contract (``LocalGradKernel.raw_call``): the chunk

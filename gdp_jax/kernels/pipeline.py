@@ -83,14 +83,19 @@ def causal_operands(operands):
     return (w, kt, qg, p, u, decay), bad
 
 
-def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True):
+def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=None,
+                    layout: Optional[grid.ChunkLayout] = None):
     """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
     the operands kernel when ``use_kernel`` and it takes the call (one pass per chunk),
-    else in XLA."""
+    else in XLA. ``tokens``: the op's (q, k, v) [B, T, (n,) H or HV, K or V], from which
+    the kernel reads q, k, v itself where it can (``ChunkPrepKernel.can_read_tokens``;
+    ``layout`` is then the call's grid): XLA then lays out only g and beta."""
     B, NC, HV, _, K = ch.k.shape
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
+        if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
+            return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout)
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
 
@@ -231,10 +236,10 @@ class CuTeDSLEngine(Engine):
         cse_operands.md)."""
         return not differentiated or kernel_backward(spec, ch)
 
-    def forward(self, spec, ch, layout, h0, keep_states=False, work=None):
+    def forward(self, spec, ch, layout, h0, keep_states=False, work=None, tokens=None):
         """-> (o rows, final states, residuals): the residuals are the chunk-state
         checkpoints, with ``SAVE_OPERANDS`` (and a kernel backward) a pair
-        (checkpoints, (operands, X))."""
+        (checkpoints, (operands, X)). ``tokens``: :func:`masked_operands`'."""
         self._check(spec, ch)
         save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
         if save:
@@ -243,7 +248,7 @@ class CuTeDSLEngine(Engine):
         else:
             operands, bad = (work if work is not None
                              else masked_operands(spec, ch, use_kernel=self._prep_kernel(
-                                 spec, ch, keep_states)))
+                                 spec, ch, keep_states), tokens=tokens, layout=layout))
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
