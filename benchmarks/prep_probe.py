@@ -12,6 +12,9 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
 - the forward recursion (``ChunkForwardKernel``) alone on those operands, for each value
   tile in ``--bv`` with and without the hi + lo split, and the reverse recursion
   (``StateGradKernel``) likewise;
+- with ``--tokens``: the operands kernel reading q, k, v from token-major tensors
+  (``ChunkPrepKernel.raw_call_tokens``, what the plain forward runs on 16-bit inputs), with
+  and without its in-kernel L2 norm, and its probe;
 - with ``--local-grad``: the backward's chunk-local gradient kernel (``LocalGradKernel``)
   alone on those factors and random dO, S0, dS_end, and its probe
   (``chunk_grad_sm90.PROBE_PHASES``) the same way.
@@ -50,6 +53,7 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--local-grad", action="store_true")
     p.add_argument("--skip-prep-probe", action="store_true")
+    p.add_argument("--tokens", action="store_true")
     a = p.parse_args(argv)
 
     import jax
@@ -98,6 +102,24 @@ def main(argv=None):
         res = timed(name, lambda *x, i=inverse: ChunkPrepKernel.raw_call(
             *x, ab_dtype="bfloat16", inverse=i, probe=True), *args)
         report(name, res[6], PROBE_PHASES)
+
+    if a.tokens:
+        from gdp_jax.kernels.chunk_prep import token_rows
+        rng = np.random.default_rng(1)
+        unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+        bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+        tq = bf(unit(rng.standard_normal((B, T, H, K), np.float32)))
+        tk = bf(unit(rng.standard_normal((B, T * n, H, K), np.float32)))
+        tv = bf(rng.standard_normal((B, T * n, H, V), np.float32))
+        rows = token_rows(grid.make_layout(B, T, n, None), n, T)
+        targs = (tq, tk, tv, ch.g, ch.beta, scale, rows)
+        for l2 in (False, True):
+            timed(f"prep tokens l2norm={int(l2)}", lambda *x, l2=l2:
+                  ChunkPrepKernel.raw_call_tokens(*x, ab_dtype="bfloat16", l2norm=l2), *targs)
+        if not a.skip_prep_probe:
+            res = timed("probe tokens l2norm=1", lambda *x: ChunkPrepKernel.raw_call_tokens(
+                *x, ab_dtype="bfloat16", l2norm=True, probe=True), *targs)
+            report("probe tokens l2norm=1", res[6], PROBE_PHASES)
 
     if a.local_grad:
         from gdp_jax.kernels.chunk_grad_sm90 import PROBE_PHASES as LG_PHASES

@@ -18,13 +18,13 @@ from gdp_jax.kernels import binding
 from gdp_jax.spec import Unsupported, checkpoint_dtype
 
 
-# The recursion kernels (forward and reverse) split the state and Delta (dS and dDelta)
-# into hi + lo bfloat16 parts for bfloat16 inputs. On the H200 at (8, 4096, 16, 2) the
-# split costs 0.18 ms of the forward kernel's 0.82 and 0.10 ms of the reverse's 0.99
-# (benchmarks/prep_probe.py), 0.26 ms of the op's 10.8 ms fwd+bwd; without it o's error vs
-# float64 on the GPU tests' ungated cases is 5.7-5.8e-3 instead of 4.6e-3 (FLA: 7.0e-3 on
-# the first; benchmarks/peer_precision.py). Set False for plain 16-bit operands (as FLA's).
-BF16_SPLIT = True
+# Opt-in (off): the recursion kernels (forward and reverse) split the state and Delta (dS
+# and dDelta) into hi + lo bfloat16 parts for bfloat16 inputs. On the H200 at
+# (8, 4096, 16, 2) the split costs 0.16 ms of the forward kernel's 0.85 and 0.23 ms of the
+# reverse's 1.07 (benchmarks/prep_probe.py, s18-1). Off, o's error vs float64 on the GPU
+# tests' ungated cases is 5.7-5.8e-3 instead of 4.6e-3, still below FLA's 6.6-7.0e-3 on
+# the same inputs (benchmarks/peer_precision.py, s17-4): plain 16-bit operands, as FLA's.
+BF16_SPLIT = False
 
 
 class ChunkForwardKernel:

@@ -144,12 +144,13 @@ class ChunkPrepKernel:
         return (w, kt, qg, p, u, decay), bad != 0
 
     @staticmethod
-    def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool):
+    def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool,
+                        probe: bool = False):
         """q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] (``ab_dtype``; L = n T
         interleaved steps), g, beta [B, NC, HV, C] float32, scale [B], rows [B, NC, 4]
         int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs (X: the [1] placeholder)
         for the chunk inputs those tensors lay out to, with q, k L2-normalised (then
-        rounded to ``ab_dtype``) when ``l2norm``."""
+        rounded to ``ab_dtype``) when ``l2norm``; ``probe``: as :meth:`raw_call`'s."""
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
         ab = jnp.dtype(ab_dtype)
@@ -175,7 +176,8 @@ class ChunkPrepKernel:
         return binding.custom_call(_launcher_tokens, "gdp_chunk_prep_sm90_tokens", outputs,
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
                                    tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 1),
-                                   K=K, V=V, ab_name=ab.name, l2norm=l2norm)
+                                   K=K, V=V, ab_name=ab.name, l2norm=l2norm,
+                                   **({"probe": True} if probe else {}))
 
     @classmethod
     def variants(cls):
@@ -254,8 +256,8 @@ def _launcher_tokens():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               l2norm: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, tokens=True, l2norm=l2norm)(
+               l2norm: cutlass.Constexpr, probe: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, probe=probe, tokens=True, l2norm=l2norm)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch
