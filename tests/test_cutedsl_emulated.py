@@ -452,8 +452,8 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
 
 def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     """Under jax.grad, where the kernels take the backward, the forward takes its operands
-    from the operands kernel (no X; on the token-major bf16 inputs) and the backward runs
-    it once more with X for the local-gradient kernel; the gradients equal those with
+    from the operands kernel (no X; on the chunk-major inputs the backward lays out too)
+    and the backward runs it once more with X for the local-gradient kernel; the gradients equal those with
     XLA's factors (``KERNEL_FACTORS = False``: XLA's factors, float32 dS_end) to bf16
     rounding."""
     from gdp_jax.kernels import emulate, pipeline
@@ -471,7 +471,7 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     # under jax.jit (eagerly: op-by-op dispatch, ~30 s each); a new jitted function per
     # setting, so each traces (where raw_call is counted) with its own KERNEL_FACTORS
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*inp[:5])
-    assert sorted(calls, key=str) == [True, "tokens"]
+    assert sorted(calls, key=str) == [False, True]   # not the token-major kernel
     calls.clear()
     monkeypatch.setattr(pipeline, "KERNEL_FACTORS", False)
     want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*inp[:5])
@@ -666,3 +666,30 @@ def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
     assert calls == [l2norm]
     assert np.all(np.isfinite(np.asarray(o, np.float32)))
     assert rel_max(o, o2) < 1e-5 and rel_max(s, s2) < 1e-5
+
+
+def test_token_major_limits_and_vmap(monkeypatch):
+    """Where the token-major operands kernel does not take the call (inputs not in the
+    16-bit operand dtype, more chunks than a grid's y extent, n > C) the forward reads
+    the chunk-major copies; under jax.vmap it takes the call, and each mapped problem
+    equals its own call."""
+    from gdp_jax.kernels.chunk_prep import MAX_GRID_Y, ChunkPrepKernel
+    inp = make_inputs(33, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    spec = _checks.check_inputs(*inp[:5])
+    q, k, v = inp[:3]
+    assert ChunkPrepKernel.can_read_tokens(spec, q, k, v, 3)
+    assert not ChunkPrepKernel.can_read_tokens(spec, q, k, v, MAX_GRID_Y + 1)
+    assert not ChunkPrepKernel.can_read_tokens(spec, q.astype(jnp.float32), k, v, 3)
+    k65 = jnp.zeros((1, 2, 65, 1, 64), jnp.bfloat16)
+    assert not ChunkPrepKernel.can_read_tokens(spec, q[:, :2], k65, v[:, :2], 3)
+    calls = []
+    raw = ChunkPrepKernel.raw_call_tokens
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(a[0].shape) or raw(*a, **kw)))
+    other = make_inputs(34, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    stack = lambda i: jnp.stack([inp[i], other[i]])
+    f = lambda *a: OP(*a, use_qk_l2norm=True, backend="cutedsl")
+    o = jax.jit(jax.vmap(f))(*(stack(i) for i in range(5)))
+    assert calls[-1] == (2, 90, 1, 64)        # the mapped axis folded into the rows
+    for m, x in enumerate((inp, other)):
+        assert rel_max(o[m], jax.jit(f)(*x[:5])) < 1e-6
