@@ -670,18 +670,17 @@ def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
 
 def test_token_major_limits_and_vmap(monkeypatch):
     """Where the token-major operands kernel does not take the call (inputs not in the
-    16-bit operand dtype, more chunks than a grid's y extent, n > C) the forward reads
+    16-bit operand dtype, n > C) the forward reads
     the chunk-major copies; under jax.vmap it takes the call, and each mapped problem
     equals its own call."""
-    from gdp_jax.kernels.chunk_prep import MAX_GRID_Y, ChunkPrepKernel
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     inp = make_inputs(33, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     spec = _checks.check_inputs(*inp[:5])
     q, k, v = inp[:3]
-    assert ChunkPrepKernel.can_read_tokens(spec, q, k, v, 3)
-    assert not ChunkPrepKernel.can_read_tokens(spec, q, k, v, MAX_GRID_Y + 1)
-    assert not ChunkPrepKernel.can_read_tokens(spec, q.astype(jnp.float32), k, v, 3)
+    assert ChunkPrepKernel.can_read_tokens(spec, q, k, v)
+    assert not ChunkPrepKernel.can_read_tokens(spec, q.astype(jnp.float32), k, v)
     k65 = jnp.zeros((1, 2, 65, 1, 64), jnp.bfloat16)
-    assert not ChunkPrepKernel.can_read_tokens(spec, q[:, :2], k65, v[:, :2], 3)
+    assert not ChunkPrepKernel.can_read_tokens(spec, q[:, :2], k65, v[:, :2])
     calls = []
     raw = ChunkPrepKernel.raw_call_tokens
     monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(

@@ -31,7 +31,6 @@ from gdp_jax.spec import Unsupported
 # in the kernel) instead of their chunk-major copies laid out by XLA (False: the latter,
 # an A/B switch).
 TOKEN_LAYOUT = True
-MAX_GRID_Y = 65535       # CUDA's limit on a grid's y extent
 
 
 def as_read(ch, ab_dtype, dtype=None):
@@ -114,18 +113,16 @@ class ChunkPrepKernel:
                                    **({"probe": True} if probe else {}))
 
     @staticmethod
-    def can_read_tokens(spec, q, k, v, NC: int) -> bool:
-        """Can the forward operands of NC chunks a row come from the token-major inputs
-        q [B, T, H, K], k [B, T, n, H, K], v [B, T, n, HV, V] directly (:meth:`call_tokens`)?
-        They must already be in the 16-bit operand dtype (then nothing is cast or moved in
-        XLA); NC is a grid's y extent there (at most MAX_GRID_Y)."""
+    def can_read_tokens(spec, q, k, v) -> bool:
+        """Can the forward operands come from the token-major inputs q [B, T, H, K],
+        k [B, T, n, H, K], v [B, T, n, HV, V] directly (:meth:`call_tokens`)? They must
+        already be in the 16-bit operand dtype (then nothing is cast or moved in XLA)."""
         ab = jnp.dtype(spec.ab_dtype)
         return (TOKEN_LAYOUT and ab.name in ChunkPrepKernel.DTYPES
                 and all(x.dtype == ab for x in (q, k, v))
                 and k.shape[-1] in ChunkPrepKernel.HEAD_DIMS
                 and v.shape[-1] in ChunkPrepKernel.HEAD_DIMS
                 and k.shape[2] <= C            # whole tokens in every chunk (base = 0 mod n)
-                and NC <= MAX_GRID_Y
                 and max(q.size, k.size, v.size) <= binding.MAX_ELEMS)
 
     @classmethod
@@ -165,9 +162,6 @@ class ChunkPrepKernel:
             if x.dtype != ab:
                 raise ValueError(f"{name}: the token-major operands kernel reads {ab.name}; "
                                  f"got {x.dtype}")
-        if NC > MAX_GRID_Y:
-            raise ValueError(f"g: {NC} chunks a row; the token-major operands kernel takes "
-                             f"at most {MAX_GRID_Y}")
         if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
             raise ValueError(f"rows: int32 ({B}, {NC}, 4); got {rows.dtype} {rows.shape}")
         if HV % k.shape[2] or q.shape[2] != k.shape[2]:

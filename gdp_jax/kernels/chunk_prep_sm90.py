@@ -135,8 +135,7 @@ class ChunkPrepSm90:
         self.kernel(mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
                     mX,
                     sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
-                    warp_mma(ab), Storage).launch(grid=(HV, NC, B) if self.tokens
-                                                  else (NC, HV, B),
+                    warp_mma(ab), Storage).launch(grid=(NC, HV, B),
                                                   block=[NUM_THREADS, 1, 1], stream=stream,
                                                   min_blocks_per_mp=CTAS_PER_SM,
                                                   preferred_smem_carveout=100)
@@ -150,12 +149,7 @@ class ChunkPrepSm90:
                copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
         K, V, ab = self.K, self.V, self.ab
         tidx, _, _ = cute.arch.thread_idx()
-        # token-major inputs: CTAs of neighbouring heads run together and read the
-        # neighbouring pieces of each token's row (the heads of a step are adjacent)
-        if cutlass.const_expr(self.tokens):
-            hv, c, b = cute.arch.block_idx()
-        else:
-            c, hv, b = cute.arch.block_idx()
+        c, hv, b = cute.arch.block_idx()
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
@@ -395,38 +389,8 @@ class ChunkPrepSm90:
     def _normalize_rows(self, r, t, lanes: cutlass.Constexpr):
         """In-op L2 norm of the rows this thread holds 8 columns of (``r``: registers, ``t``:
         their smem tile, both overwritten with the 16-bit normalised values), over the
-        row's ``lanes`` consecutive lanes: x rsqrt(sum x^2 + eps), the reference's formula
-        with its max scaling folded out (equal but for rounding). The sums of all the
-        thread's rows are reduced together (the shuffles overlap); a warp with a sum that
-        overflows (|x| beyond ~1e18, or inf) takes the scaled form."""
-        P = cute.size(r) // 8
-        ss = cute.make_rmem_tensor((P,), F32)
-        for m in cutlass.range_constexpr(P):
-            s = F32(0.0)
-            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                x = r[e].to(F32)
-                s = s + x * x
-            ss[m] = s
-        for sh in cutlass.range_constexpr(lanes.bit_length() - 1):
-            for m in cutlass.range_constexpr(P):
-                ss[m] = ss[m] + cute.arch.shuffle_sync_bfly(ss[m], offset=1 << sh)
-        over = cutlass.Boolean(False)
-        for m in cutlass.range_constexpr(P):
-            over = over | (ss[m] == F32(INF))
-        if cute.arch.vote_any_sync(over):
-            self._normalize_rows_scaled(r, t, lanes)
-        else:
-            for m in cutlass.range_constexpr(P):
-                d = cute.math.rsqrt(ss[m] + F32(L2_EPS))
-                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                    r[e] = (r[e].to(F32) * d).to(self.ab)
-            cute.autovec_copy(r, t)
-
-    @cute.jit
-    def _normalize_rows_scaled(self, r, t, lanes: cutlass.Constexpr):
-        """:meth:`_normalize_rows` in the reference's overflow-safe form: x / m
-        rsqrt(sum (x / m)^2 + eps / m^2) with m = max |x| where > 1, else 1
-        (``gdp_jax.reference.l2_normalize``): two reductions a row."""
+        row's ``lanes`` consecutive lanes: x / m rsqrt(sum (x / m)^2 + eps / m^2) with
+        m = max |x| where > 1, else 1 - ``gdp_jax.reference.l2_normalize``."""
         for m in cutlass.range_constexpr(cute.size(r) // 8):
             mx = F32(0.0)
             for e in cutlass.range_constexpr(8 * m, 8 * m + 8):

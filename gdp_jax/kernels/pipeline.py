@@ -94,7 +94,7 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
-        if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens, NC):
+        if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
             return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout)
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
