@@ -1,10 +1,9 @@
 """cutedsl forward AND backward on an sm_90 GPU vs the xla backend and the float64 reference.
 
 Run on the lent H200 only (``pytest -m gpu tests/test_cutedsl_gpu.py``); CI has no GPU.
-Last real run: 2026-12-04 on nvidia-h200 (seventeenth session, s17-3; tests/gpu_results/
-GPU_TESTS.md): forward / packed / long 13 passed, gradients 11 passed, the rest 13
-passed and 2 skipped (2 GPUs) - with the bounds below (XLA_TOL, CROSS_TOL, CROSS_GRAD_TOL
-set in s16 after its failures at the old ones). The
+Last real run: 2026-12-04 on nvidia-h200 (eighteenth session, s18-3; tests/gpu_results/
+GPU_TESTS.md): forward / packed / long 13 passed, gradients 11 passed, the rest 17
+passed and 2 skipped (2 GPUs) - with the split off and the bounds below. The
 2-GPU cases last passed on nvidia-h200-x2 on 2026-11-29
 (tests/gpu_results/history/2026-11-29/gpu_tests_2026-11-29_run6_final.log).
 Tolerance: FLA-style relative RMS error ||x - ref|| / ||ref|| < 6e-3 (TOL; FLA's own error

@@ -20,6 +20,12 @@ float32 accumulation; X is float32 and enters w and u with its column scales fol
 split hi + lo (x = hi + lo to ~2^-16 relative): w and u carry no 16-bit rounding of X or
 of beta, gam (X's entries reach ~1e2 when beta ~ 2).
 
+With ``tokens`` q, k, v come from the op's token-major tensors q [B, T, H, K],
+k [B, n T, H, K], v [B, n T, HV, V] instead (chunk row i = step base + i of the row table
+``mRows``, q on the read-out rows i = n - 1 mod n, the key head hv // (HV / H)), and with
+``l2norm`` phase 1 first L2-normalises the q, k rows in registers (the lanes holding a row
+reduce by butterfly shuffles) and writes the 16-bit normalised rows back to smem.
+
 Phases, separated by CTA barriers:
   0. cp.async of the q, k, v tiles (128-bit, swizzled smem), overlapped with the gates:
      thread i < C sums its row's segment sums from the diagonal down (the XLA

@@ -2,7 +2,8 @@
 
 Forward:
   kernel (:class:`~gdp_jax.kernels.chunk_prep.ChunkPrepKernel`), all chunks at once, on
-    q, k, v in the 16-bit operand dtype: the chunk-local cumsum, the WY factors w, u,
+    q, k, v in the 16-bit operand dtype (the plain forward of 16-bit inputs: read from the
+    op's token-major tensors, L2 norm in the kernel): the chunk-local cumsum, the WY factors w, u,
     Kt = exp(G_last - G) k, the readout operands
     qg = scale exp(G) q and P = scale tril(q k^T Gam), cast to the 16-bit input dtype (u,
     decay stay float32) and masked for non-finite rows (:func:`causal_operands`); where it
