@@ -336,6 +336,29 @@ def test_can_implement():
         T=64, input_dtype="float32"))
 
 
+def test_token_major_call_rejects_bad_inputs():
+    """``ChunkPrepKernel.raw_call_tokens`` names the argument, its shape or dtype and what
+    it expected, before anything reaches XLA."""
+    B, T, n, H, HV, NC, K = 1, 100, 2, 1, 2, 4, 64
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    ok = dict(q=S((B, T, H, K), bf), k=S((B, n * T, H, K), bf), v=S((B, n * T, HV, K), bf),
+              g=S((B, NC, HV, grid.CHUNK), f32), beta=S((B, NC, HV, grid.CHUNK), f32),
+              scale=S((B,), f32), rows=S((B, NC, 4), i32))
+
+    def check(match, **bad):
+        a = {**ok, **bad}
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(lambda *x: ChunkPrepKernel.raw_call_tokens(
+                *x, ab_dtype="bfloat16", l2norm=True), *a.values())
+
+    check("^q: .*bfloat16; got float16", q=S((B, T, H, K), jnp.float16))
+    check(r"^rows: int32 \(1, 4, 4\)", rows=S((B, NC, 3), i32))
+    check("^scale: one float32 per row", scale=S((2,), f32))
+    check("^heads: q 2, k 1, v 2", q=S((B, T, 2, K), bf))
+    check("^g: chunks of 64 rows", g=S((B, NC, HV, 32), f32))
+    check("K, V in", q=S((B, T, H, 96), bf), k=S((B, n * T, H, 96), bf))
+
+
 def test_cutedsl_op_vmap_and_grad_lower(prebuilt):
     """jax.vmap of the cutedsl op and of its gradient lowers (the kernels' batching rule
     folds the mapped axis into the batch rows; cutlass_call has no rule of its own)."""
@@ -452,17 +475,18 @@ def test_value_tile_fills_the_gpu():
 
 def test_operands_kernel_holds_three_ctas_per_sm():
     """The operands kernel caps its registers so that 3 CTAs share an SM (its ~70 KB of
-    shared memory allow 3; uncapped, the assembler took ~190 registers: 2). Read from the
-    cubin the CuTe DSL keeps (benchmarks.kernel_resources)."""
+    shared memory allow 3; uncapped, the assembler took ~190 registers: 2), chunk-major and
+    token-major, with and without X / the in-kernel L2 norm. Read from the cubin the CuTe
+    DSL keeps (benchmarks.kernel_resources)."""
     import subprocess
     import sys
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     r = subprocess.run([sys.executable, "-m", "benchmarks.kernel_resources", "--match",
-                        "gdp_chunk_prep_sm90 bfloat16 K=128 V=128"], env=env,
+                        "gdp_chunk_prep_sm90", "--dims", "K=128 V=128"], env=env,
                        capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gdp_chunk_prep_sm90")]
-    assert r.returncode == 0 and len(lines) == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and len(lines) == 4, r.stdout[-2000:] + r.stderr[-2000:]
     for ln in lines:
         regs = int(ln.split(": ")[1].split(" registers")[0])
         assert regs <= 168 and ln.endswith("3 CTAs / SM by registers"), ln

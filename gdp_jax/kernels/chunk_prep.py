@@ -91,6 +91,8 @@ class ChunkPrepKernel:
         of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags."""
         B, NC, HV, C_, K = k.shape
         V = v.shape[-1]
+        if C_ != C:
+            raise ValueError(f"k: chunks of {C} rows, [B, NC, HV, {C}, K]; got {k.shape}")
         why = ChunkPrepKernel.can_implement(ab_dtype=ab_dtype, cdt=k.dtype, K=K, V=V,
                                             rows=B, NC=NC, HV=HV)
         if why:
@@ -98,12 +100,7 @@ class ChunkPrepKernel:
         if scale.shape != (B,):
             raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
         ab = jnp.dtype(ab_dtype)
-        rows = (B, NC, HV, C_)
-        outputs = (binding.out(rows + (K,), ab), binding.out(rows + (K,), ab),
-                   binding.out(rows + (K,), ab), binding.out(rows + (C_,), ab),
-                   binding.out(rows + (V,), jnp.float32), binding.out((B, NC, HV), jnp.float32),
-                   binding.out(rows, jnp.int32),
-                   binding.out(rows + (C_,) if inverse else (1,), jnp.float32))
+        outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         f32 = lambda x: x.astype(jnp.float32)
         to_ab = lambda x: x.astype(ab)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
@@ -155,6 +152,8 @@ class ChunkPrepKernel:
         rounded to ``ab_dtype``) when ``l2norm``; ``probe``: as :meth:`raw_call`'s."""
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
+        if C_ != C:
+            raise ValueError(f"g: chunks of {C} rows, [B, NC, HV, {C}]; got {g.shape}")
         ab = jnp.dtype(ab_dtype)
         why = ChunkPrepKernel.can_implement(ab_dtype=ab_dtype, cdt=g.dtype, K=K, V=V,
                                             rows=B, NC=NC, HV=HV)
@@ -164,16 +163,14 @@ class ChunkPrepKernel:
             if x.dtype != ab:
                 raise ValueError(f"{name}: the token-major operands kernel reads {ab.name}; "
                                  f"got {x.dtype}")
+        if scale.shape != (B,):
+            raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
         if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
             raise ValueError(f"rows: int32 ({B}, {NC}, 4); got {rows.dtype} {rows.shape}")
         if HV % k.shape[2] or q.shape[2] != k.shape[2]:
             raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {HV}; expected "
                              f"q's = k's, dividing v's")
-        r = (B, NC, HV, C_)
-        outputs = (binding.out(r + (K,), ab), binding.out(r + (K,), ab),
-                   binding.out(r + (K,), ab), binding.out(r + (C_,), ab),
-                   binding.out(r + (V,), jnp.float32), binding.out((B, NC, HV), jnp.float32),
-                   binding.out(r, jnp.int32), binding.out((1,), jnp.float32))
+        outputs = _outputs(B, NC, HV, K, V, ab, inverse=False)
         f32 = lambda x: x.astype(jnp.float32)
         return binding.custom_call(_launcher_tokens, "gdp_chunk_prep_sm90_tokens", outputs,
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
@@ -211,6 +208,16 @@ class ChunkPrepKernel:
                              jax.ShapeDtypeStruct((1,), jnp.float32),
                              jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
         return out
+
+
+def _outputs(B, NC, HV, K, V, ab, inverse: bool):
+    """The kernel's results: w, kt, qg, p (``ab``), u, decay, bad, X (or its [1]
+    placeholder), as :meth:`ChunkPrepKernel.raw_call` documents them."""
+    r = (B, NC, HV, C)
+    return (binding.out(r + (K,), ab), binding.out(r + (K,), ab), binding.out(r + (K,), ab),
+            binding.out(r + (C,), ab), binding.out(r + (V,), jnp.float32),
+            binding.out((B, NC, HV), jnp.float32), binding.out(r, jnp.int32),
+            binding.out(r + (C,) if inverse else (1,), jnp.float32))
 
 
 def token_rows(layout, n: int, T: int):
