@@ -453,9 +453,9 @@ def test_engine_forward_runs_the_operands_kernel(monkeypatch, scale):
 def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     """Under jax.grad, where the kernels take the backward, the forward takes its operands
     from the operands kernel (no X; on the chunk-major inputs the backward lays out too)
-    and the backward runs it once more with X for the local-gradient kernel; the gradients equal those with
-    XLA's factors (``KERNEL_FACTORS = False``: XLA's factors, float32 dS_end) to bf16
-    rounding."""
+    and the backward runs it once more with X for the local-gradient kernel; the
+    gradients equal those with XLA's factors (``KERNEL_FACTORS = False``: XLA's factors,
+    float32 dS_end) to bf16 rounding."""
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     calls = []

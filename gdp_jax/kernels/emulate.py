@@ -147,8 +147,7 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm):
         norm = lambda x: l2_normalize(x.astype(jnp.float32)).astype(x.dtype)
         qc, kc = norm(qc), norm(kc)
     qc, kc = jnp.repeat(qc, HV // H, axis=2), jnp.repeat(kc, HV // H, axis=2)
-    out = chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype)
-    return out
+    return chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype)
 
 
 def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,

@@ -3,8 +3,8 @@
 Forward:
   kernel (:class:`~gdp_jax.kernels.chunk_prep.ChunkPrepKernel`), all chunks at once, on
     q, k, v in the 16-bit operand dtype (the plain forward of 16-bit inputs: read from the
-    op's token-major tensors, L2 norm in the kernel): the chunk-local cumsum, the WY factors w, u,
-    Kt = exp(G_last - G) k, the readout operands
+    op's token-major tensors, L2 norm in the kernel): the chunk-local cumsum, the WY
+    factors w, u, Kt = exp(G_last - G) k, the readout operands
     qg = scale exp(G) q and P = scale tril(q k^T Gam), cast to the 16-bit input dtype (u,
     decay stay float32) and masked for non-finite rows (:func:`causal_operands`); where it
     cannot run, the same in XLA (batched float32 matmuls, the inverse (I + A)^-1 on its
@@ -242,8 +242,8 @@ class CuTeDSLEngine(Engine):
         checkpoints, with ``SAVE_OPERANDS`` (and a kernel backward) a pair
         (checkpoints, (operands, X)). ``tokens``: :func:`masked_operands`', read only by
         the plain forward: under differentiation the backward lays out the chunk inputs
-        anyway, and the forward sharing them was faster (fwd+bwd 10.64 vs 11.06 ms at
-        (8, 4096, 16, 2) on the H200, s18-2)."""
+        anyway, and a forward sharing them measured faster (benchmarks/results/CURRENT.md,
+        s18-2)."""
         self._check(spec, ch)
         save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
         if save:
