@@ -12,9 +12,10 @@ The kernel reads q, k, v in the operand dtype, either chunk-major
 (:meth:`ChunkPrepKernel.call`: XLA lays out the chunk inputs, its cast fusing into that
 relayout, so they cross HBM at 16 bits) or straight from the op's token-major 16-bit
 tensors (:meth:`ChunkPrepKernel.call_tokens`: a row table says where each chunk's rows
-start, and the kernel applies the in-op L2 norm itself). Either way the normalised q, k are rounded to 16 bits once, as FLA's kernels do;
-every later step keeps float32 (see ``chunk_prep_sm90``). The readout scale is a run-time
-input, so one object serves every scale.
+start, and the kernel applies the in-op L2 norm itself). Either way the normalised q, k
+are rounded to 16 bits once, as FLA's kernels do; every later step keeps float32 (see
+``chunk_prep_sm90``). The readout scale is a run-time input, so one object serves every
+scale.
 """
 from __future__ import annotations
 
