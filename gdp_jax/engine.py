@@ -6,7 +6,7 @@ only chunk tensors (:class:`gdp_jax.grid.ChunkInputs`, [B, NC, HV, C, X]), the l
 per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax.grid`.
 
     forward(spec, ch, layout, h0, keep_states, work, tokens) -> (o rows, final, states)
-    backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (chunk-input cotangents, dh0)
+    backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (cotangents, dh0)
     forward_summaries(spec, ch, layout)                    -> ((E, M), work)
     backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
     input_dtypes(spec)   -> {ChunkInputs field: dtype} read narrower than the compute dtype
@@ -27,6 +27,8 @@ either (the stride is ``grid.every_of(doc.shape[-2])``).
 ``tokens``: the single-device op's own (q, k, v) [B, T, (n,) H or HV, K or V], for an
 engine that reads them directly (the chunk tensors it then leaves unread cost nothing:
 XLA drops them).
+Cotangents: :class:`gdp_jax.grid.ChunkInputs` of the chunk inputs, or from the
+single-device ``backward`` a :class:`TokenCotangents` (q, k, v already token-major).
 ``states``: what the forward keeps for the backward under differentiation (the start
 state of every (recompute_chunk_num + 1)-th chunk, in the engine's layout). ``work``: what
 a summary pass computed that the matching apply pass can reuse (None: compute it).
@@ -49,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdp_jax import chunked, grid, recurrence
+from gdp_jax import _vma, chunked, grid, recurrence
 from gdp_jax.spec import CallSpec
 
 
@@ -440,6 +442,18 @@ XLA = XlaEngine()
 
 # --- the grid around an engine: shared by the single-device op and the CP backends --------
 
+class TokenCotangents(NamedTuple):
+    """Cotangents an engine's backward may return instead of chunk-input ones: q, k, v
+    already in the token-major layout of :func:`gdp_jax.grid.token_inputs`' operands -
+    q [B, T, HV, K], k [B, T, n, HV, K], v [B, T, n, HV, V] (any float dtype) - and g,
+    beta on the chunk grid [B, NC, HV, C] (those of :class:`gdp_jax.grid.ChunkInputs`)."""
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+
+
 class ForwardProblem(NamedTuple):
     layout: grid.ChunkLayout
     ch: grid.ChunkInputs
@@ -448,7 +462,7 @@ class ForwardProblem(NamedTuple):
 class BackwardProblem(NamedTuple):
     layout: grid.ChunkLayout
     ch: grid.ChunkInputs
-    pull_inputs: object          # chunk-input cotangents -> (dq, dk, dv, dg, dbeta)
+    pull_inputs: object          # ChunkInputs / TokenCotangents -> (dq, dk, dv, dg, dbeta)
     doc: jax.Array               # [B, NC, HV, C // every, V] read-out-row cotangents
     dfinal: jax.Array            # [N, HV, K, V] final-state cotangents (compute dtype)
 
@@ -480,8 +494,15 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
     # the relayout is linear: its vjp at the compute-dtype operands takes the engine's
     # cotangents whatever ``dtypes`` cast
     _, pull_steps = jax.vjp(lambda *t: grid.steps_to_chunks(layout, *t), *tok)
+    # g and beta alone (TokenCotangents: the engine laid q, k, v out itself)
+    _, pull_gates = jax.vjp(lambda g_, b_: tuple(grid.steps_to_chunks(layout, *tok[:3], g_,
+                                                                       b_))[3:], *tok[3:])
 
     def pull_inputs(dch):
+        if isinstance(dch, TokenCotangents):
+            dg, dbeta = pull_gates((dch.g.astype(tok[3].dtype), dch.beta.astype(tok[4].dtype)))
+            dqkv = tuple(d.astype(t.dtype) for d, t in zip(dch[:3], tok[:3]))
+            return pull_tokens(_vma.cotangent_like(dqkv, tuple(tok[:3])) + (dg, dbeta))
         return pull_tokens(pull_steps(dch))
 
     doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))

@@ -280,6 +280,7 @@ def emulated_kernels():
     from gdp_jax.kernels.wy_inverse import WYInverseKernel
     return _patched([
         (LocalGradKernel, "raw_call", staticmethod(emulate.local_grad_call)),
+        (LocalGradKernel, "raw_call_tokens", staticmethod(emulate.local_grad_tokens_call)),
         (LocalGradKernel, "can_implement", staticmethod(_no_limits)),
         (ChunkPrepKernel, "raw_call", staticmethod(emulate.chunk_prep_call)),
         (ChunkPrepKernel, "raw_call_tokens", staticmethod(emulate.chunk_prep_tokens_call)),

@@ -692,3 +692,62 @@ def test_token_major_limits_and_vmap(monkeypatch):
     assert calls[-1] == (2, 90, 1, 64)        # the mapped axis folded into the rows
     for m, x in enumerate((inp, other)):
         assert rel_max(o[m], jax.jit(f)(*x[:5])) < 1e-6
+
+
+@pytest.mark.parametrize("case", ["n1", "n2-gva", "n3-T2", "packed"])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_token_major_gradients_equal_chunk_major(monkeypatch, case, l2norm):
+    """bf16 inputs: the backward with the local-gradient kernel writing dq, dk, dv in the
+    op's token-major layout (16-bit) equals the one relaying its chunk-major float32
+    results in XLA (``local_grad.TOKEN_GRADS = False``) to the 16-bit rounding: every
+    gradient, T not a multiple of 64, T = 2, n = 1..3, GVA, packed with empty and
+    one-token sequences."""
+    from gdp_jax.kernels import local_grad
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    calls = []
+    raw = LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append((kw["n"], kw["T"])) or raw(*a, **kw)))
+    B, T, n, H, HV, cu = {"n1": (2, 100, 1, 1, 1, None), "n2-gva": (1, 130, 2, 1, 2, None),
+                          "n3-T2": (2, 2, 3, 2, 2, None),
+                          "packed": (1, 150, 2, 1, 2, [0, 0, 1, 70, 70, 150])}[case]
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(35, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
+    run = lambda: loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl",
+                                 use_qk_l2norm=l2norm)
+    _, _, _, g = run()
+    assert calls == [(n, T)]
+    monkeypatch.setattr(local_grad, "TOKEN_GRADS", False)
+    jax.clear_caches()
+    _, _, _, g2 = run()
+    assert calls == [(n, T)]
+    assert set(g) == set(g2) == {"q", "k", "v", "g", "beta", "initial_state"}
+    for name in g:
+        assert np.all(np.isfinite(np.asarray(g[name], np.float32))), name
+        assert rel_max(g[name], g2[name]) < 1e-2, name
+
+
+def test_token_major_gradients_limits_and_vmap(monkeypatch):
+    """The token-major local gradients only where every chunk holds whole tokens (not
+    n > C); under jax.vmap of the gradient each mapped problem equals its own call."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    calls = []
+    raw = LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(a[0].shape) or raw(*a, **kw)))
+    inp = make_inputs(36, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    other = make_inputs(37, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    loss = lambda *a: jnp.sum(OP(*a, use_qk_l2norm=True, backend="cutedsl")
+                              .astype(jnp.float32) ** 2)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    stack = lambda i: jnp.stack([inp[i], other[i]])
+    got = jax.jit(jax.vmap(grad))(*(stack(i) for i in range(5)))
+    assert calls and calls[-1][0] == 2        # the mapped axis folded into the rows
+    for m, x in enumerate((inp, other)):
+        want = jax.jit(grad)(*x[:5])
+        for a, b in zip(got, want):
+            assert rel_max(a[m], b) < 1e-6
+    calls.clear()
+    n65 = make_inputs(38, 1, 3, 65, 1, 1, 64, 64, jnp.bfloat16, gate="normal")
+    jax.jit(jax.grad(loss))(*n65[:5])
+    assert not calls                          # n > C: tokens run across chunks

@@ -456,6 +456,42 @@ def test_local_grad_kernel_compiles(dtype, K, V):
     assert [o.shape for o in out_b] == [(2, B // 2) + o.shape[1:] for o in out]
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(batched, *(S((2, B // 2) + a.shape[1:],
                                                                a.dtype) for a in avals))
+    # the token-major results (the single-device op's backward: dS_end 16-bit)
+    n, T = 2, 70
+    rows = S((B, NC, 4), jnp.int32)
+    tok = lambda *a: LocalGradKernel.call_tokens(*a, n=n, T=T, scale=0.1, ab_dtype=dtype)
+    avals_t = avals[:-1] + (S((B, NC, HV, K, V), dtype), rows)
+    out_t = jax.eval_shape(tok, *avals_t)
+    assert [(o.shape, o.dtype) for o in out_t] == [
+        ((B, T, HV, K), dtype), ((B, T, n, HV, K), dtype), ((B, T, n, HV, V), dtype),
+        ((B, NC, HV, C), f32), ((B, NC, HV, C), f32)]
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(tok, *avals_t)
+
+
+def test_token_major_local_grad_call_rejects_bad_inputs():
+    """``LocalGradKernel.raw_call_tokens`` names the argument, its shape and what it
+    expected, before anything reaches XLA."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    B, NC, HV, C, K = 1, 3, 2, grid.CHUNK, 64
+    bf, f32 = jnp.bfloat16, jnp.float32
+    ok = dict(q=S((B, NC, HV, C, K), bf), k=S((B, NC, HV, C, K), bf),
+              w=S((B, NC, HV, C, K), bf), doc=S((B, NC, HV, C, K), bf),
+              v=S((B, NC, HV, C, K), bf), g=S((B, NC, HV, C), f32),
+              beta=S((B, NC, HV, C), f32), scale=S((B,), f32), X=S((B, NC, HV, C, C), f32),
+              u=S((B, NC, HV, C, K), f32), S0=S((B, NC, HV, K, K), bf),
+              ds_end=S((B, NC, HV, K, K), bf), rows=S((B, NC, 4), jnp.int32))
+
+    def check(match, n=2, T=90, **bad):
+        a = {**ok, **bad}
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(lambda *x: LocalGradKernel.raw_call_tokens(
+                *x, n=n, T=T, ab_dtype="bfloat16"), *a.values())
+
+    check(r"^rows: int32 \(1, 3, 4\)", rows=S((B, NC, 4), f32))
+    check("^scale: one float32 per row", scale=S((2,), f32))
+    check("^k: chunks of 64 rows", k=S((B, NC, HV, 32, K), bf))
+    check("^n=65, T=90: expected 1 <= n <= 64", n=65)
+    check("K, V in", k=S((B, NC, HV, C, 96), bf))
 
 
 def test_value_tile_fills_the_gpu():

@@ -69,7 +69,7 @@ class ChunkGradSm90:
     float32 [C, C] factors."""
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
-                 warps_n: int = 2):
+                 warps_n: int = 2, tokens: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -81,11 +81,14 @@ class ChunkGradSm90:
         # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
         # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py)
         self.ablate = set(filter(None, ablate.split(",")))
+        # dq, dk, dv written into the op's token-major layout (16-bit; ``_store``)
+        self.tokens = tokens
+        assert not (tokens and "roundtrip" in self.ablate)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, stream, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS,
-                 mDq, mDk, mDv, mDg, mDbeta):
+                 mRows, mDq, mDk, mDv, mDg, mDbeta):
         K, V, ab = self.K, self.V, self.ab
         WN, NT = self.warps_n, self.threads
         sKl = smem_layout(C, K)
@@ -124,15 +127,16 @@ class ChunkGradSm90:
             sred: cute.struct.MemRange[F32, NT // 32]
 
         B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
-        self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mDq, mDk, mDv,
+        self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mDq,
+                    mDk, mDv,
                     mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
                     g2s_copy(ab, V, NT), warp_mma(ab, WN),
                     Storage).launch(grid=(NC, HV, B), block=[NT, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mDq, mDk,
-               mDv, mDg, mDbeta, sKl: cute.ComposedLayout, sVl: cute.ComposedLayout,
+    def kernel(self, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mDq,
+               mDk, mDv, mDg, mDbeta, sKl: cute.ComposedLayout, sVl: cute.ComposedLayout,
                sSl: cute.ComposedLayout, pad: cute.Layout, copy_K: cute.TiledCopy,
                copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
         K, V, ab, split = self.K, self.V, self.ab, self.split
@@ -173,7 +177,8 @@ class ChunkGradSm90:
 
         gQ, gK, gW = mQ[b, c, hv, None, None], mK[b, c, hv, None, None], mW[b, c, hv, None, None]
         gDo, gV = mDo[b, c, hv, None, None], mV[b, c, hv, None, None]
-        gDq, gDk = mDq[b, c, hv, None, None], mDk[b, c, hv, None, None]
+        if cutlass.const_expr(roundtrip):
+            gDq, gDk = mDq[b, c, hv, None, None], mDk[b, c, hv, None, None]
 
         # ---- phase 0: q, k, w, doc, S0 -> smem (async) | gates | X, dS_end
         cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
@@ -397,7 +402,7 @@ class ChunkGradSm90:
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
                    R(transpose_view(sX, C, C), True, lambda x, i, j: x * sb[i]),
                    Bt(sDD, C, V))
-        c_tile(thr_mma, mDv[b, c, hv, None, None], (C, V), (0, 0)).store(acc_v.load())
+        self._store(thr_mma, acc_v, crd_v, mDv, mRows, b, c, hv, V, False)
 
         # ---- phase 12: dk = partial + diag(beta gam) X^T dW + dqk^T q + (dkk + dkk^T) k
         if cutlass.const_expr(roundtrip):
@@ -408,13 +413,13 @@ class ChunkGradSm90:
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(transpose_view(F2, C, C), True),
                    Bt(sQ, C, K))
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(F1, True, None, F1), Bt(sK, C, K))
-        c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_dk.load())
+        self._store(thr_mma, acc_dk, crd_k, mDk, mRows, b, c, hv, K, False)
 
         # ---- phase 13: dq = partial + dqk k
         if cutlass.const_expr(roundtrip):
             acc_dq.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dq, R(F2, True), Bt(sK, C, K))
-        c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_dq.load())
+        self._store(thr_mma, acc_dq, crd_k, mDq, mRows, b, c, hv, K, True)
         if cutlass.const_expr(probe):
             cute.arch.sync_threads()
             marks.append(cute.arch.clock())
@@ -445,6 +450,34 @@ class ChunkGradSm90:
             if tidx == 0:
                 for m in cutlass.range_constexpr(len(marks) - 1):
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
+
+    @cute.jit
+    def _store(self, thr_mma, acc, crd, mOut, mRows, b, c, hv, N: cutlass.Constexpr,
+               readout: cutlass.Constexpr):
+        """One result tile (accumulator layout) to its global output: the chunk-major
+        [B, NC, HV, C, N] float32 tile, or with ``tokens`` 16-bit token-major rows: chunk
+        row i < count is row base + i of [B, L, HV, N] (dk, dv), and with ``readout``
+        (dq) only the read-out rows i = n - 1 (mod n), token tok + i // n of
+        [B, T, HV, N]; mRows[b, c] = (base, count, tok, n). A thread's two adjacent
+        columns go out as one 32-bit store."""
+        if cutlass.const_expr(not self.tokens):
+            c_tile(thr_mma, mOut[b, c, hv, None, None], (C, N), (0, 0)).store(
+                acc.load())
+        else:
+            ab = self.ab
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), ab, num_bits_per_copy=32)
+            pair = cute.make_rmem_tensor((2,), ab)
+            count, n = mRows[b, c, 1], mRows[b, c, 3]
+            for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+                i, j = crd[e]
+                ok, row = i < count, mRows[b, c, 0] + i
+                if cutlass.const_expr(readout):
+                    ok, row = ok & (i % n == n - 1), mRows[b, c, 2] + i // n
+                if ok:
+                    pair[0] = acc[e].to(ab)
+                    pair[1] = acc[e + 1].to(ab)
+                    cute.copy(atom, pair,
+                              cute.local_tile(mOut[b, row, hv, None], (2,), (j // 2,)))
 
 
 # ------------------------------------------------------------ device-side pieces
@@ -539,8 +572,9 @@ _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
-               warps_n: int = 2) -> ChunkGradSm90:
-    key = (K, V, ab_name, split, ablate, warps_n)
+               warps_n: int = 2, tokens: bool = False) -> ChunkGradSm90:
+    key = (K, V, ab_name, split, ablate, warps_n, tokens)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n)
+        _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
+                                      tokens)
     return _KERNELS[key]

@@ -169,6 +169,32 @@ def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dty
                          ds_end.astype(acc), scale.astype(acc))
 
 
+def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n,
+                           T, ab_dtype, split=True):
+    """The token-major local-gradient kernel's contract (``LocalGradKernel.raw_call_tokens``):
+    :func:`local_grad_call`'s dq, dk, dv moved to their token-major rows by the row table
+    ``rows`` [B, NC, 4] = (base, count, tok, n) and rounded to ``ab_dtype``: chunk row
+    i < count to step base + i of dk [B, n T, HV, K], dv; the read-out rows
+    i = n - 1 (mod n) to token tok + i // n of dq [B, T, HV, K]. Rows no chunk row
+    covers are zero here (the kernel leaves them unwritten)."""
+    dq, dk, dv, dg, dbeta = local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0,
+                                            ds_end, ab_dtype=ab_dtype, split=split)
+    B, NC, HV, C = g.shape
+    base, count, tok, n_ = (rows[..., j, None] for j in range(4))   # [B, NC, 1]
+    i = jnp.arange(C, dtype=jnp.int32)
+    valid = i < count
+
+    def scatter(x, idx, ok, length):               # [B, NC, HV, C, X] -> [B, length, HV, X]
+        idx = jnp.where(ok, idx, length).reshape(B, NC * C)       # out of range: dropped
+        rows_ = jnp.moveaxis(x, 3, 2).reshape((B, NC * C) + x.shape[2:3] + x.shape[4:])
+        out = jnp.zeros((B, length) + rows_.shape[2:], ab_dtype)
+        b = jnp.arange(B)[:, None]
+        return out.at[b, idx].set(rows_.astype(ab_dtype), mode="drop")
+
+    return (scatter(dq, tok + i // n_, valid & (i % n_ == n_ - 1), T),
+            scatter(dk, base + i, valid, n * T), scatter(dv, base + i, valid, n * T), dg, dbeta)
+
+
 def inverse_kernel_call_batched(A):
     """:func:`inverse_kernel_call` on [..., 64, 64], row-causal (as the kernel's wrapper
     ``wy_inverse.unit_lower_inverse``): non-finite rows of A and the rows after them NaN."""

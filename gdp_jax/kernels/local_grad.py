@@ -21,6 +21,10 @@ from gdp_jax.grid import CHUNK as C
 from gdp_jax.kernels import binding
 from gdp_jax.spec import Unsupported
 
+# dq, dk, dv straight into the op's token-major layout where the kernel can
+# (:meth:`LocalGradKernel.can_write_tokens`; False: chunk-major float32, relaid by XLA)
+TOKEN_GRADS = True
+
 
 class LocalGradKernel:
     """Limits and the (vmappable) call of the chunk-local gradient kernel."""
@@ -83,15 +87,75 @@ class LocalGradKernel:
         outputs = (binding.out(rows + (K,), jnp.float32), binding.out(rows + (K,), jnp.float32),
                    binding.out(rows + (V,), jnp.float32), binding.out(rows, jnp.float32),
                    binding.out(rows, jnp.float32))
-        f32 = lambda x: x.astype(jnp.float32)
-        to_ab = lambda x: x.astype(ab)
         return binding.custom_call(
             _launcher, "gdp_chunk_grad_sm90", outputs,
-            (to_ab(q), to_ab(k), to_ab(w), to_ab(doc), to_ab(v), f32(g), f32(beta),
-             f32(scale), f32(X), f32(u), to_ab(S0),
-             ds_end if ds_end.dtype == ab else f32(ds_end)),
+            _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
             K=K, V=V, ab_name=ab.name, split=bool(split), ablate=ablate, warps_n=int(warps_n))
+
+    @staticmethod
+    def can_write_tokens(spec, ch) -> bool:
+        """Can this call's chunk-local gradients dq, dk, dv come out of the kernel in the
+        op's token-major layout (:meth:`call_tokens`)? The kernel must take the call, in
+        a 16-bit operand dtype, with whole tokens in every chunk (n <= C)."""
+        B, NC, HV, _, K = ch.k.shape
+        V = ch.v.shape[-1]
+        return (TOKEN_GRADS and spec.n <= C
+                and LocalGradKernel.can_implement(ab_dtype=spec.ab_dtype, K=K, V=V, rows=B,
+                                                  NC=NC, HV=HV) is None
+                and B * spec.n * spec.T * HV * max(K, V) <= binding.MAX_ELEMS)
+
+    @classmethod
+    def call_tokens(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, rows, *, n: int,
+                    T: int, scale: float, ab_dtype, split: bool = True):
+        """:meth:`call` with dq, dk, dv written in the op's token-major layout, in
+        ``ab_dtype``: -> (dq [B, T, HV, K], dk [B, T, n, HV, K], dv [B, T, n, HV, V],
+        dg, dbeta [B, NC, HV, C] float32). ``rows`` [B, NC, 4]: the chunk grid's row table
+        (:func:`gdp_jax.kernels.chunk_prep.token_rows` for T tokens of n steps); every
+        step of every row must be some chunk's row (true of every valid layout).
+        ``jax.vmap``-able."""
+        f = binding.vmappable(
+            lambda *a: cls.raw_call_tokens(*a, n=n, T=T, ab_dtype=ab_dtype, split=split),
+            out_kinds=("rows",) * 5)
+        scale_rows = jnp.full(k.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
+        dq, dk, dv, dg, dbeta = f(q, k, w, doc, v, g, beta, scale_rows, X, u, S0, ds_end,
+                                  rows)
+        B, _, HV = g.shape[:3]
+        return (dq, dk.reshape((B, T, n, HV) + dk.shape[3:]),
+                dv.reshape((B, T, n, HV) + dv.shape[3:]), dg, dbeta)
+
+    @staticmethod
+    def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
+                        T: int, ab_dtype, split: bool = True):
+        """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
+        dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
+        base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
+        [B, NC, HV, C] float32."""
+        B, NC, HV, C_, K = k.shape
+        V = v.shape[-1]
+        why = LocalGradKernel.can_implement(ab_dtype=ab_dtype, K=K, V=V, rows=B, NC=NC,
+                                            HV=HV)
+        if why:
+            raise ValueError(str(why))
+        if C_ != C:
+            raise ValueError(f"k: chunks of {C} rows, [B, NC, HV, {C}, K]; got {k.shape}")
+        if scale.shape != (B,):
+            raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
+        if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
+            raise ValueError(f"rows: int32 ({B}, {NC}, 4); got {rows.dtype} {rows.shape}")
+        if not 1 <= n <= C or T < 1 or B * n * T * HV * max(K, V) > binding.MAX_ELEMS:
+            raise ValueError(f"n={n}, T={T}: expected 1 <= n <= {C} and token-major "
+                             f"outputs within the kernel's 32-bit offsets")
+        ab = jnp.dtype(ab_dtype)
+        rows_ = (B, NC, HV, C_)
+        outputs = (binding.out((B, T, HV, K), ab), binding.out((B, n * T, HV, K), ab),
+                   binding.out((B, n * T, HV, V), ab), binding.out(rows_, jnp.float32),
+                   binding.out(rows_, jnp.float32))
+        return binding.custom_call(
+            _launcher_tokens, "gdp_chunk_grad_sm90_tokens", outputs,
+            _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
+            tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
+            K=K, V=V, ab_name=ab.name, split=bool(split))
 
     @classmethod
     def variants(cls):
@@ -107,14 +171,29 @@ class LocalGradKernel:
                         (1, 1, 1) + shape, dt)
                     ab = jnp.dtype(name)
                     fn = functools.partial(cls.raw_call, ab_dtype=name)
+                    args = lambda ds: (S(C, K, dt=ab), S(C, K, dt=ab), S(C, K, dt=ab),
+                                       S(C, V, dt=ab), S(C, V, dt=ab), S(C), S(C),
+                                       jax.ShapeDtypeStruct((1,), jnp.float32),
+                                       S(C, C), S(C, V), S(K, V, dt=ab), S(K, V, dt=ds))
                     for ds in (ab, jnp.dtype(jnp.float32)):    # dS_end: 1 GPU, CP
                         out.append(aot.Variant(
                             f"gdp_chunk_grad_sm90 {name} K={K} V={V} dS_end {ds.name}", fn,
-                            (S(C, K, dt=ab), S(C, K, dt=ab), S(C, K, dt=ab), S(C, V, dt=ab),
-                             S(C, V, dt=ab), S(C), S(C),
-                             jax.ShapeDtypeStruct((1,), jnp.float32),
-                             S(C, C), S(C, V), S(K, V, dt=ab), S(K, V, dt=ds))))
+                            args(ds)))
+                    # token-major dq, dk, dv (the single-device op's backward: dS_end 16-bit)
+                    fn = functools.partial(cls.raw_call_tokens, n=1, T=1, ab_dtype=name)
+                    out.append(aot.Variant(
+                        f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V}", fn,
+                        args(ab) + (jax.ShapeDtypeStruct((1, 1, 4), jnp.int32),)))
         return out
+
+
+def _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab):
+    """The kernel's inputs in its dtypes: q, k, w, doc, v, S0 in ``ab``, ds_end in ``ab``
+    if it is in it, the rest float32."""
+    f32 = lambda x: x.astype(jnp.float32)
+    to_ab = lambda x: x.astype(ab)
+    return (to_ab(q), to_ab(k), to_ab(w), to_ab(doc), to_ab(v), f32(g), f32(beta), f32(scale),
+            f32(X), f32(u), to_ab(S0), ds_end if ds_end.dtype == ab else f32(ds_end))
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,7 +208,27 @@ def _launcher():
                dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ablate: cutlass.Constexpr, warps_n: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, split, ablate, warps_n)(stream, q, k, w, doc, v, g, beta, scale, X, u,
-                                             S0, ds_end, dq, dk, dv, dg, dbeta)
+        # (no row table: ``scale`` fills its slot, unread)
+        mod.get_kernel(K, V, ab_name, split, ablate, warps_n)(
+            stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, scale, dq, dk, dv, dg,
+            dbeta)
+
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_tokens():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_grad_sm90 as mod
+
+    @cute.jit
+    def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv,
+               dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, split, tokens=True)(
+            stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv, dg,
+            dbeta)
 
     return launch

@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _vma, chunked, grid
-from gdp_jax.engine import (Engine, ForwardResponse, add_response, identity_columns,
-                            mm_exact, resume_rows_and_final, where_has_tokens,
-                            zero_columns)
+from gdp_jax.engine import (Engine, ForwardResponse, TokenCotangents, add_response,
+                            identity_columns, mm_exact, resume_rows_and_final,
+                            where_has_tokens, zero_columns)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows
 from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
 from gdp_jax.kernels import wy_inverse
@@ -179,12 +179,25 @@ def kernel_backward(spec, ch: grid.ChunkInputs) -> bool:
                                               HV=HV) is None)
 
 
-def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end):
+def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
+                layout: Optional[grid.ChunkLayout] = None):
     """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
     dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
     only the read-out rows ([.., C // every, V]); the kernel takes all C rows: ``work``'s
-    ``do``, the copy the reverse kernel reads."""
+    ``do``, the copy the reverse kernel reads. With the call's ``layout`` (the
+    single-device op), where the kernel can, q, k, v's come out token-major instead
+    (:class:`gdp_jax.engine.TokenCotangents`: no relayout or cast of them in XLA)."""
+    if (layout is not None and local_grad_kernel(spec, ch)
+            and LocalGradKernel.can_write_tokens(spec, ch)):
+        rows = token_rows(layout, spec.n, spec.T)
+        dq, dk, dv, dg, dbeta = LocalGradKernel.call_tokens(
+            ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.operands[4],
+            ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype,
+            split=LOCAL_GRAD_SPLIT)
+        gates = _vma.cotangent_like((dg.astype(ch.g.dtype), dbeta.astype(ch.beta.dtype)),
+                                    (ch.g, ch.beta))
+        return TokenCotangents(dq, dk, dv, *gates)
     if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
                                      work.X, S0, work.operands[4], ds_end, scale=spec.scale,
@@ -281,7 +294,7 @@ class CuTeDSLEngine(Engine):
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
                                            BV=_bv(ch),
                                            ds_dtype=spec.ab_dtype if on_kernel else None)
-        dch = local_grads(spec, ch, work, S0, doc, ds_end)
+        dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
