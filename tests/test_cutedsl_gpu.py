@@ -242,6 +242,44 @@ def test_gradients_match(dtype, K, V, n, H, HV, gate, h0):
     compare("  vs xla", got, grads("xla", args), CROSS_GRAD_TOL)
 
 
+@pytest.mark.parametrize("dtype,K,V,n,H,HV,packed", [
+    ("bfloat16", 128, 128, 1, 2, 2, False),
+    ("bfloat16", 64, 128, 3, 1, 3, False),     # GVA, K != V
+    ("float16", 128, 64, 2, 2, 4, True),       # packed: empty, one-token sequences
+    ("bfloat16", 128, 128, 2, 1, 2, True),
+])
+def test_token_major_gradients_kernel(monkeypatch, dtype, K, V, n, H, HV, packed):
+    """The local-gradient kernel writing dq, dk, dv straight into the op's token-major
+    layout (16-bit, row table, read-out rows for dq) gives the gradients of the
+    chunk-major path (``local_grad.TOKEN_GRADS = False``: float32 results relaid by XLA)
+    to the 16-bit rounding, and both stay within GRAD_TOL of float64."""
+    from gdp_jax.kernels import local_grad
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    lens = [70, 0, 1, 130, 2] if packed else None
+    cu = None if lens is None else jnp.asarray(np.concatenate([[0], np.cumsum(lens)]),
+                                               jnp.int32)
+    B, T = (1, int(cu[-1])) if packed else (2, 203)
+    args = make(5, B, T, n, H, HV, K, V, jnp.dtype(dtype),
+                N=None if lens is None else len(lens))
+    calls = []
+    raw = LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
+    _grad_fn.cache_clear()
+    got = grads("cutedsl", args, cu=cu, N=0)
+    assert calls
+    monkeypatch.setattr(local_grad, "TOKEN_GRADS", False)
+    _grad_fn.cache_clear()
+    chunk = grads("cutedsl", args, cu=cu, N=0)
+    _grad_fn.cache_clear()
+    assert len(calls) == 1
+    tag = f"tokens {dtype} K={K} V={V} n={n} H={H} HV={HV} packed={packed}"
+    want = grads("reference", args, cu=cu)
+    compare(tag + " vs chunk-major", got, chunk, 1e-2)
+    compare(tag + " vs ref", got, want, GRAD_TOL)
+    compare("  chunk-major vs ref", chunk, want, GRAD_TOL)
+
+
 @pytest.mark.parametrize("dtype,n", [("bfloat16", 2), ("float16", 3)])
 def test_packed_gradients_match(dtype, n):
     lens = [70, 0, 1, 130, 64]
