@@ -69,7 +69,8 @@ class ChunkGradSm90:
     float32 [C, C] factors."""
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
-                 warps_n: int = 2, tokens: bool = False):
+                 warps_n: int = 2, tokens: bool = False, staged: bool = True,
+                 head_major: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -81,9 +82,14 @@ class ChunkGradSm90:
         # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
         # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py)
         self.ablate = set(filter(None, ablate.split(",")))
-        # dq, dk, dv written into the op's token-major layout (16-bit; ``_store``)
-        self.tokens = tokens
+        # dq, dk, dv written into the op's token-major layout (16-bit): ``staged`` through
+        # shared memory, 128-bit row pieces (``_copy_rows``), else straight from the
+        # accumulators (32-bit stores, ``_store``)
+        self.tokens, self.staged = tokens, tokens and staged
         assert not (tokens and "roundtrip" in self.ablate)
+        # CTAs in (head, chunk, row) order: the CTAs resident at once cover every head of
+        # a few chunks, so token-major rows [.., HV, K] are written whole
+        self.head_major = head_major
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -131,7 +137,8 @@ class ChunkGradSm90:
                     mDk, mDv,
                     mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
                     g2s_copy(ab, V, NT), warp_mma(ab, WN),
-                    Storage).launch(grid=(NC, HV, B), block=[NT, 1, 1], stream=stream)
+                    Storage).launch(grid=(HV, NC, B) if self.head_major else (NC, HV, B),
+                                    block=[NT, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -142,6 +149,8 @@ class ChunkGradSm90:
         K, V, ab, split = self.K, self.V, self.ab, self.split
         tidx, _, _ = cute.arch.thread_idx()
         c, hv, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.head_major):
+            hv, c, b = cute.arch.block_idx()
         on = "nomma" not in self.ablate
         roundtrip = "roundtrip" in self.ablate
         probe = "probe" in self.ablate
@@ -402,7 +411,10 @@ class ChunkGradSm90:
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
                    R(transpose_view(sX, C, C), True, lambda x, i, j: x * sb[i]),
                    Bt(sDD, C, V))
-        self._store(thr_mma, acc_v, crd_v, mDv, mRows, b, c, hv, V, False)
+        if cutlass.const_expr(self.staged):
+            toV.store(acc_v.load().to(ab), toV.dest(sDelta))    # Delta is dead
+        else:
+            self._store(thr_mma, acc_v, crd_v, mDv, mRows, b, c, hv, V, False)
 
         # ---- phase 12: dk = partial + diag(beta gam) X^T dW + dqk^T q + (dkk + dkk^T) k
         if cutlass.const_expr(roundtrip):
@@ -413,13 +425,23 @@ class ChunkGradSm90:
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(transpose_view(F2, C, C), True),
                    Bt(sQ, C, K))
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(F1, True, None, F1), Bt(sK, C, K))
-        self._store(thr_mma, acc_dk, crd_k, mDk, mRows, b, c, hv, K, False)
+        if cutlass.const_expr(not self.staged):
+            self._store(thr_mma, acc_dk, crd_k, mDk, mRows, b, c, hv, K, False)
 
         # ---- phase 13: dq = partial + dqk k
         if cutlass.const_expr(roundtrip):
             acc_dq.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dq, R(F2, True), Bt(sK, C, K))
-        self._store(thr_mma, acc_dq, crd_k, mDq, mRows, b, c, hv, K, True)
+        if cutlass.const_expr(self.staged):
+            cute.arch.sync_threads()           # q and dW are dead: dq, dk take their place
+            toK.store(acc_dk.load().to(ab), toK.dest(sW))
+            toK.store(acc_dq.load().to(ab), toK.dest(sQ))
+            cute.arch.sync_threads()
+            self._copy_rows(cpV, sDelta, mDv, mRows, b, c, hv, V, False)
+            self._copy_rows(cpK, sW, mDk, mRows, b, c, hv, K, False)
+            self._copy_rows(cpK, sQ, mDq, mRows, b, c, hv, K, True)
+        else:
+            self._store(thr_mma, acc_dq, crd_k, mDq, mRows, b, c, hv, K, True)
         if cutlass.const_expr(probe):
             cute.arch.sync_threads()
             marks.append(cute.arch.clock())
@@ -478,6 +500,28 @@ class ChunkGradSm90:
                     pair[1] = acc[e + 1].to(ab)
                     cute.copy(atom, pair,
                               cute.local_tile(mOut[b, row, hv, None], (2,), (j // 2,)))
+
+    @cute.jit
+    def _copy_rows(self, cp, s, mOut, mRows, b, c, hv, N: cutlass.Constexpr,
+                   readout: cutlass.Constexpr):
+        """A 16-bit [C, N] smem result tile to its token-major rows (as ``_store`` with
+        ``tokens``), each thread 8 consecutive columns of a row at a time (``cp``: the
+        tile's ``g2s`` partition): one 128-bit load from smem, one 128-bit store."""
+        t = cp.dest(s)
+        crd = cp.thr.partition_D(cute.make_identity_tensor((C, N)))
+        r16 = cute.make_fragment_like(t)
+        cute.autovec_copy(t, r16)
+        count, n = mRows[b, c, 1], mRows[b, c, 3]
+        piece = cute.make_rmem_tensor((8,), self.ab)
+        for m in cutlass.range_constexpr(cute.size(t) // 8):
+            i, col = crd[8 * m]
+            ok, row = i < count, mRows[b, c, 0] + i
+            if cutlass.const_expr(readout):
+                ok, row = ok & (i % n == n - 1), mRows[b, c, 2] + i // n
+            if ok:
+                for e in cutlass.range_constexpr(8):
+                    piece[e] = r16[8 * m + e]
+                cute.local_tile(mOut[b, row, hv, None], (8,), (col // 8,)).store(piece.load())
 
 
 # ------------------------------------------------------------ device-side pieces
@@ -572,9 +616,10 @@ _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
-               warps_n: int = 2, tokens: bool = False) -> ChunkGradSm90:
-    key = (K, V, ab_name, split, ablate, warps_n, tokens)
+               warps_n: int = 2, tokens: bool = False, staged: bool = True,
+               head_major: bool = False) -> ChunkGradSm90:
+    key = (K, V, ab_name, split, ablate, warps_n, tokens, staged, head_major)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
-                                      tokens)
+                                      tokens, staged, head_major)
     return _KERNELS[key]

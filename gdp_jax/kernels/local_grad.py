@@ -24,6 +24,10 @@ from gdp_jax.spec import Unsupported
 # dq, dk, dv straight into the op's token-major layout where the kernel can
 # (:meth:`LocalGradKernel.can_write_tokens`; False: chunk-major float32, relaid by XLA)
 TOKEN_GRADS = True
+# how the token-major kernel writes them: through shared memory in 128-bit row pieces
+# (False: 32-bit stores from the accumulators), and its CTAs in (head, chunk, row) order
+TOKEN_STAGED = True
+TOKEN_HEAD_MAJOR = True
 
 
 class LocalGradKernel:
@@ -155,7 +159,8 @@ class LocalGradKernel:
             _launcher_tokens, "gdp_chunk_grad_sm90_tokens", outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
-            K=K, V=V, ab_name=ab.name, split=bool(split))
+            K=K, V=V, ab_name=ab.name, split=bool(split), staged=bool(TOKEN_STAGED),
+            head_major=bool(TOKEN_HEAD_MAJOR))
 
     @classmethod
     def variants(cls):
@@ -226,8 +231,10 @@ def _launcher_tokens():
     @cute.jit
     def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv,
                dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
-               ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, split, tokens=True)(
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+               staged: cutlass.Constexpr, head_major: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, split, tokens=True, staged=staged,
+                       head_major=head_major)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv, dg,
             dbeta)
 
