@@ -37,6 +37,7 @@ from gdp_jax import _vma
 from gdp_jax.kernels import aot
 
 MAX_ELEMS = 2 ** 31 - 1      # 32-bit extents (and offsets, in the per-shape objects)
+MAX_GRID_Y = 65535           # CTAs along a launch grid's y (and z) axis
 _HERE = pathlib.Path(__file__).resolve().parent
 
 

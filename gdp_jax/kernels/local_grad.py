@@ -27,7 +27,7 @@ TOKEN_GRADS = True
 # how the token-major kernel writes them: through shared memory in 128-bit row pieces
 # (False: 32-bit stores from the accumulators), and its CTAs in (head, chunk, row) order
 TOKEN_STAGED = True
-TOKEN_HEAD_MAJOR = True
+TOKEN_HEAD_MAJOR = True        # (where the chunks fit grid y: binding.MAX_GRID_Y)
 
 
 class LocalGradKernel:
@@ -160,7 +160,7 @@ class LocalGradKernel:
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=bool(split), staged=bool(TOKEN_STAGED),
-            head_major=bool(TOKEN_HEAD_MAJOR))
+            head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y)
 
     @classmethod
     def variants(cls):
