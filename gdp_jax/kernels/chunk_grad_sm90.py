@@ -69,8 +69,7 @@ class ChunkGradSm90:
     float32 [C, C] factors."""
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
-                 warps_n: int = 2, tokens: bool = False, staged: bool = True,
-                 head_major: bool = False):
+                 warps_n: int = 2, tokens: bool = False, head_major: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -82,10 +81,9 @@ class ChunkGradSm90:
         # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
         # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py)
         self.ablate = set(filter(None, ablate.split(",")))
-        # dq, dk, dv written into the op's token-major layout (16-bit): ``staged`` through
-        # shared memory, 128-bit row pieces (``_copy_rows``), else straight from the
-        # accumulators (32-bit stores, ``_store``)
-        self.tokens, self.staged = tokens, tokens and staged
+        # dq, dk, dv written into the op's token-major layout (16-bit, through shared
+        # memory in 128-bit row pieces: ``_copy_rows``)
+        self.tokens = tokens
         assert not (tokens and "roundtrip" in self.ablate)
         # CTAs in (head, chunk, row) order: the CTAs resident at once cover every head of
         # a few chunks, so token-major rows [.., HV, K] are written whole
@@ -411,10 +409,10 @@ class ChunkGradSm90:
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
                    R(transpose_view(sX, C, C), True, lambda x, i, j: x * sb[i]),
                    Bt(sDD, C, V))
-        if cutlass.const_expr(self.staged):
+        if cutlass.const_expr(self.tokens):
             toV.store(acc_v.load().to(ab), toV.dest(sDelta))    # Delta is dead
         else:
-            self._store(thr_mma, acc_v, crd_v, mDv, mRows, b, c, hv, V, False)
+            c_tile(thr_mma, mDv[b, c, hv, None, None], (C, V), (0, 0)).store(acc_v.load())
 
         # ---- phase 12: dk = partial + diag(beta gam) X^T dW + dqk^T q + (dkk + dkk^T) k
         if cutlass.const_expr(roundtrip):
@@ -425,14 +423,14 @@ class ChunkGradSm90:
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(transpose_view(F2, C, C), True),
                    Bt(sQ, C, K))
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(F1, True, None, F1), Bt(sK, C, K))
-        if cutlass.const_expr(not self.staged):
-            self._store(thr_mma, acc_dk, crd_k, mDk, mRows, b, c, hv, K, False)
+        if cutlass.const_expr(not self.tokens):
+            c_tile(thr_mma, mDk[b, c, hv, None, None], (C, K), (0, 0)).store(acc_dk.load())
 
         # ---- phase 13: dq = partial + dqk k
         if cutlass.const_expr(roundtrip):
             acc_dq.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dq, R(F2, True), Bt(sK, C, K))
-        if cutlass.const_expr(self.staged):
+        if cutlass.const_expr(self.tokens):
             cute.arch.sync_threads()           # q and dW are dead: dq, dk take their place
             toK.store(acc_dk.load().to(ab), toK.dest(sW))
             toK.store(acc_dq.load().to(ab), toK.dest(sQ))
@@ -441,7 +439,7 @@ class ChunkGradSm90:
             self._copy_rows(cpK, sW, mDk, mRows, b, c, hv, K, False)
             self._copy_rows(cpK, sQ, mDq, mRows, b, c, hv, K, True)
         else:
-            self._store(thr_mma, acc_dq, crd_k, mDq, mRows, b, c, hv, K, True)
+            c_tile(thr_mma, mDq[b, c, hv, None, None], (C, K), (0, 0)).store(acc_dq.load())
         if cutlass.const_expr(probe):
             cute.arch.sync_threads()
             marks.append(cute.arch.clock())
@@ -474,39 +472,14 @@ class ChunkGradSm90:
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
 
     @cute.jit
-    def _store(self, thr_mma, acc, crd, mOut, mRows, b, c, hv, N: cutlass.Constexpr,
-               readout: cutlass.Constexpr):
-        """One result tile (accumulator layout) to its global output: the chunk-major
-        [B, NC, HV, C, N] float32 tile, or with ``tokens`` 16-bit token-major rows: chunk
-        row i < count is row base + i of [B, L, HV, N] (dk, dv), and with ``readout``
-        (dq) only the read-out rows i = n - 1 (mod n), token tok + i // n of
-        [B, T, HV, N]; mRows[b, c] = (base, count, tok, n). A thread's two adjacent
-        columns go out as one 32-bit store."""
-        if cutlass.const_expr(not self.tokens):
-            c_tile(thr_mma, mOut[b, c, hv, None, None], (C, N), (0, 0)).store(
-                acc.load())
-        else:
-            ab = self.ab
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), ab, num_bits_per_copy=32)
-            pair = cute.make_rmem_tensor((2,), ab)
-            count, n = mRows[b, c, 1], mRows[b, c, 3]
-            for e in cutlass.range_constexpr(0, cute.size(acc), 2):
-                i, j = crd[e]
-                ok, row = i < count, mRows[b, c, 0] + i
-                if cutlass.const_expr(readout):
-                    ok, row = ok & (i % n == n - 1), mRows[b, c, 2] + i // n
-                if ok:
-                    pair[0] = acc[e].to(ab)
-                    pair[1] = acc[e + 1].to(ab)
-                    cute.copy(atom, pair,
-                              cute.local_tile(mOut[b, row, hv, None], (2,), (j // 2,)))
-
-    @cute.jit
     def _copy_rows(self, cp, s, mOut, mRows, b, c, hv, N: cutlass.Constexpr,
                    readout: cutlass.Constexpr):
-        """A 16-bit [C, N] smem result tile to its token-major rows (as ``_store`` with
-        ``tokens``), each thread 8 consecutive columns of a row at a time (``cp``: the
-        tile's ``g2s`` partition): one 128-bit load from smem, one 128-bit store."""
+        """A 16-bit [C, N] smem result tile to its token-major rows: chunk row i < count
+        to row base + i of [B, L, HV, N] (dk, dv), and with ``readout`` (dq) only the
+        read-out rows i = n - 1 (mod n), to token tok + i // n of [B, T, HV, N];
+        mRows[b, c] = (base, count, tok, n). Each thread moves 8 consecutive columns of a
+        row at a time (``cp``: the tile's ``g2s`` partition): one 128-bit load from smem,
+        one 128-bit store."""
         t = cp.dest(s)
         crd = cp.thr.partition_D(cute.make_identity_tensor((C, N)))
         r16 = cute.make_fragment_like(t)
@@ -616,10 +589,10 @@ _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
-               warps_n: int = 2, tokens: bool = False, staged: bool = True,
+               warps_n: int = 2, tokens: bool = False,
                head_major: bool = False) -> ChunkGradSm90:
-    key = (K, V, ab_name, split, ablate, warps_n, tokens, staged, head_major)
+    key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
-                                      tokens, staged, head_major)
+                                      tokens, head_major)
     return _KERNELS[key]

@@ -34,14 +34,6 @@ from gdp_jax.spec import Unsupported
 # in the kernel) instead of their chunk-major copies laid out by XLA (False: the latter,
 # an A/B switch).
 TOKEN_LAYOUT = True
-# and its CTAs in (head, chunk, row) order (an A/B switch)
-TOKEN_HEAD_MAJOR = False
-
-
-def head_major(NC: int) -> bool:
-    """Does the token-major operands kernel run its CTAs in (head, chunk, row) order?
-    (Grid y then holds the chunks: at most ``binding.MAX_GRID_Y``.)"""
-    return TOKEN_HEAD_MAJOR and NC <= binding.MAX_GRID_Y
 
 
 def as_read(ch, ab_dtype, dtype=None):
@@ -185,7 +177,6 @@ class ChunkPrepKernel:
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
                                    tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 1),
                                    K=K, V=V, ab_name=ab.name, l2norm=l2norm,
-                                   **({"head_major": True} if head_major(NC) else {}),
                                    **({"probe": True} if probe else {}))
 
     @classmethod
@@ -275,10 +266,8 @@ def _launcher_tokens():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               l2norm: cutlass.Constexpr, head_major: cutlass.Constexpr = False,
-               probe: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, ab_name, probe=probe, tokens=True, l2norm=l2norm,
-                       head_major=head_major)(
+               l2norm: cutlass.Constexpr, probe: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, probe=probe, tokens=True, l2norm=l2norm)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

@@ -89,7 +89,7 @@ class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
-                 tokens: bool = False, l2norm: bool = False, head_major: bool = False):
+                 tokens: bool = False, l2norm: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -102,9 +102,6 @@ class ChunkPrepSm90:
         self.tokens = tokens
         self.l2norm = l2norm
         assert tokens or not l2norm
-        # CTAs in (head, chunk, row) order: those resident at once read every head's piece
-        # of a few token rows (grid y holds NC then: at most 65535)
-        self.head_major = head_major
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -144,8 +141,7 @@ class ChunkPrepSm90:
         self.kernel(mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
                     mX,
                     sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
-                    warp_mma(ab), Storage).launch(grid=(HV, NC, B) if self.head_major
-                                                  else (NC, HV, B),
+                    warp_mma(ab), Storage).launch(grid=(NC, HV, B),
                                                   block=[NUM_THREADS, 1, 1], stream=stream,
                                                   min_blocks_per_mp=CTAS_PER_SM,
                                                   preferred_smem_carveout=100)
@@ -160,8 +156,6 @@ class ChunkPrepSm90:
         K, V, ab = self.K, self.V, self.ab
         tidx, _, _ = cute.arch.thread_idx()
         c, hv, b = cute.arch.block_idx()
-        if cutlass.const_expr(self.head_major):
-            hv, c, b = cute.arch.block_idx()
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
@@ -575,10 +569,10 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 
 
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
-               probe: bool = False, tokens: bool = False, l2norm: bool = False,
-               head_major: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm, head_major)
+               probe: bool = False, tokens: bool = False, l2norm: bool = False
+               ) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, head_major)
+                                      l2norm)
     return _KERNELS[key]

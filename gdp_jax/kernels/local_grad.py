@@ -24,10 +24,9 @@ from gdp_jax.spec import Unsupported
 # dq, dk, dv straight into the op's token-major layout where the kernel can
 # (:meth:`LocalGradKernel.can_write_tokens`; False: chunk-major float32, relaid by XLA)
 TOKEN_GRADS = True
-# how the token-major kernel writes them: through shared memory in 128-bit row pieces
-# (False: 32-bit stores from the accumulators), and its CTAs in (head, chunk, row) order
-TOKEN_STAGED = True
-TOKEN_HEAD_MAJOR = True        # (where the chunks fit grid y: binding.MAX_GRID_Y)
+# and that kernel's CTAs in (head, chunk, row) order, where the chunks fit grid y
+# (binding.MAX_GRID_Y): those resident at once write whole token rows [.., HV, K]
+TOKEN_HEAD_MAJOR = True
 
 
 class LocalGradKernel:
@@ -159,7 +158,7 @@ class LocalGradKernel:
             _launcher_tokens, "gdp_chunk_grad_sm90_tokens", outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
-            K=K, V=V, ab_name=ab.name, split=bool(split), staged=bool(TOKEN_STAGED),
+            K=K, V=V, ab_name=ab.name, split=bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y)
 
     @classmethod
@@ -232,9 +231,8 @@ def _launcher_tokens():
     def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv,
                dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               staged: cutlass.Constexpr, head_major: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, split, tokens=True, staged=staged,
-                       head_major=head_major)(
+               head_major: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, split, tokens=True, head_major=head_major)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv, dg,
             dbeta)
 
