@@ -1,6 +1,6 @@
 """CuTe DSL kernel: the backward's chunk-local gradients, every chunk in parallel.
 
-One CTA (4 warps) per (chunk, value head, batch row) computes what
+One CTA (8 warps; 4 with warps_n = 1) per (chunk, value head, batch row) computes what
 :func:`gdp_jax.chunked.local_grads_direct` does for one chunk - the cotangents dq, dk [C, K],
 dv [C, V], dg, dbeta [C] of the chunk inputs - from
 
@@ -39,6 +39,16 @@ Inputs are finite (the forward's non-finite rows give NaN gradients for their ch
 XLA). Phases are separated by CTA barriers; the [C, C] float32 scratch tiles live where
 dS_end and S0 were once those are dead (~218 KB of shared memory at K = V = 128: one CTA
 an SM).
+
+Results: dq, dk, dv as float32 chunk tiles [B, NC, HV, C, K or V], or with ``tokens``
+16-bit straight into the op's token-major layout - dk, dv [B, n T, HV, K or V] (chunk row
+i < count is step base + i), dq [B, T, HV, K] from the read-out rows (token tok + i // n),
+by the row table mRows [B, NC, 4] = (base, count, tok, n). Those tiles wait in shared
+memory (where Delta, dW and q were) and leave in 128-bit row pieces; with ``head_major``
+the CTAs run in (head, chunk, row) order, so the CTAs resident at once write every head's
+piece of their token rows (32-bit stores straight from the accumulators, or chunk order,
+made the kernel 36% slower: benchmarks/results/CURRENT.md, s19-2 / s19-3). dg, dbeta are
+float32 [B, NC, HV, C] either way.
 
 This module imports cutlass; import it only through ``gdp_jax.kernels.local_grad``
 (lazily).

@@ -9,6 +9,8 @@ kernel, benchmarks/results/history/2026-12-02).
 
 The forward's WY factors w, u and X = (I + A)^-1 are inputs (the operands kernel
 recomputes them for the backward: ``gdp_jax.kernels.pipeline.BackwardWork``).
+:meth:`LocalGradKernel.call_tokens` has dq, dk, dv come out in the op's token-major
+layout (16-bit) instead of float32 chunk tiles: the single-device backward's path.
 """
 from __future__ import annotations
 

@@ -23,8 +23,10 @@ Backward:
     recursion, dS_end of every chunk and the initial-state gradients;
   kernel (:class:`~gdp_jax.kernels.local_grad.LocalGradKernel`): the chunk-local backward
     (dq, dk, dv, dg, dbeta; all chunks at once, every [C, C] intermediate on chip) from the
-    chunk states, dS_end and the forward's WY factors; where it cannot run, the same
-    written out in XLA (:func:`gdp_jax.chunked.local_grads_direct`).
+    chunk states, dS_end and the forward's WY factors - in the single-device backward
+    with dq, dk, dv written token-major (:class:`gdp_jax.engine.TokenCotangents`); where
+    it cannot run, the same written out in XLA
+    (:func:`gdp_jax.chunked.local_grads_direct`).
 CP (one kernel pass per direction per rank): the same two recursion kernels on V + K
 state columns. Columns of the state never mix, so from the start [h0' | I] with
 u = [u | 0] the last K columns of every output row, checkpoint and final state are their
