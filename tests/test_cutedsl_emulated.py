@@ -751,3 +751,37 @@ def test_token_major_gradients_limits_and_vmap(monkeypatch):
     n65 = make_inputs(38, 1, 3, 65, 1, 1, 64, 64, jnp.bfloat16, gate="normal")
     jax.jit(jax.grad(loss))(*n65[:5])
     assert not calls                          # n > C: tokens run across chunks
+
+
+def test_token_major_gradients_inside_shard_map():
+    """The single-device op inside ``jax.shard_map`` (data parallel: the batch split over 2
+    devices, no cp_axis), differentiated through the token-major local gradients: each
+    shard's gradients equal the unsharded call's rows, and a replicated ``beta`` gets the
+    sum over shards (the cotangents carry the primals' varying axes)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    calls = []
+    raw = LocalGradKernel.raw_call_tokens
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+            lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
+        inp = make_inputs(39, 2, 70, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+        q, k, v, g, beta = inp[:5]
+        beta1 = beta[:1]                                        # one beta for both rows
+        loss = lambda q, k, v, g, b: jnp.sum(
+            OP(q, k, v, g, jnp.broadcast_to(b, k.shape[:2] + b.shape[2:]),
+               use_qk_l2norm=True, backend="cutedsl").astype(jnp.float32) ** 2)
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+        mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+        d = P("dp")
+
+        # (a replicated input's gradient is summed over the shards by the transpose of
+        # its implicit broadcast: invariant, out_specs P())
+        got = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(d, d, d, d, P()),
+                                    out_specs=(d, d, d, d, P())))(q, k, v, g, beta1)
+        want = jax.jit(grad)(q, k, v, g, beta1)
+    assert calls
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        # beta's: the sum of two bf16 shard gradients (one rounding more)
+        assert rel_max(a, b) < (1e-2 if i == 4 else 1e-5), i
