@@ -203,11 +203,21 @@ def test_cp_multichunk_fragments_equal_single_device(cu, N, backend):
         assert rel_max(g_cp[name], g_1[name]) < 1e-13, name
 
 
-def test_cp_16bit_error_is_the_single_device_error():
+@pytest.mark.parametrize("fuse_ddo", [False, True])
+def test_cp_16bit_error_is_the_single_device_error(monkeypatch, fuse_ddo):
     """bf16 inputs: apply's corrections read 16-bit output rows and checkpoints of the
     response columns (as the kernels write them), and still add no error beyond the
-    single-device op's (both against float64)."""
+    single-device op's (both against float64); also with the reverse kernel forming
+    ddo itself (``pipeline.FUSED_DDO``: the CP rank's V + K columns of dO, P as it is)."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.state_grad import StateGradKernel
     from gdp_jax.testing import rel_rms
+    monkeypatch.setattr(pipeline, "FUSED_DDO", fuse_ddo)
+    fused = []
+    raw = StateGradKernel.raw_call
+    monkeypatch.setattr(StateGradKernel, "raw_call", staticmethod(
+        lambda *a, **kw: fused.append(kw.get("fuse_ddo", False)) or raw(*a, **kw)))
+    jax.clear_caches()
     cu = CU400["A"]
     inp = make_inputs(33, 1, 400, 2, 1, 2, 64, 64, jnp.bfloat16, N=len(cu) - 1, gate="normal")
     args = tcp._args(inp)
@@ -222,6 +232,7 @@ def test_cp_16bit_error_is_the_single_device_error():
     pairs += [(cp[2][n], one[2][n], ref[2][n]) for n in ref[2]]
     for got, single, want in pairs:
         assert rel_rms(up(got), want) < 1.2 * rel_rms(up(single), want) + 1e-4
+    assert fused and set(fused) == {fuse_ddo}
 
 
 def test_cp_saved_context_holds_checkpoints():
@@ -785,3 +796,30 @@ def test_token_major_gradients_inside_shard_map():
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
         # beta's: the sum of two bf16 shard gradients (one rounding more)
         assert rel_max(a, b) < (1e-2 if i == 4 else 1e-5), i
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_ddo_gradients_equal_xla_ddo(monkeypatch, packed):
+    """``pipeline.FUSED_DDO``: the reverse kernel forming ddo = P^T dO from the readout
+    matrix gives the gradients of XLA's ddo: bf16, n = 2, GVA, packed with empty and
+    one-token sequences (CP: test_cp_16bit_error_is_the_single_device_error)."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.state_grad import StateGradKernel
+    calls = []
+    raw = StateGradKernel.raw_call
+    monkeypatch.setattr(StateGradKernel, "raw_call", staticmethod(
+        lambda *a, **kw: calls.append(kw.get("fuse_ddo", False)) or raw(*a, **kw)))
+    cu = [0, 0, 1, 70, 70, 150] if packed else None
+    B, T = (1, 150) if packed else (2, 100)
+    inp = make_inputs(40, B, T, 2, 1, 2, 64, 64, jnp.bfloat16,
+                      N=len(cu) - 1 if packed else B, gate="strong")
+    run = lambda: loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl",
+                                 use_qk_l2norm=True)
+    _, _, _, want = run()
+    assert calls == [False]
+    monkeypatch.setattr(pipeline, "FUSED_DDO", True)
+    jax.clear_caches()
+    _, _, _, got = run()
+    assert calls == [False, True]
+    for name in want:
+        assert rel_max(got[name], want[name]) < 1e-6, name

@@ -283,6 +283,33 @@ def test_token_major_gradients_kernel(monkeypatch, dtype, K, V, n, H, HV, packed
     compare("  chunk-major vs ref", chunk, want, GRAD_TOL)
 
 
+@pytest.mark.parametrize("dtype,K,V,n,H,HV,packed", [
+    ("bfloat16", 128, 128, 2, 1, 2, False),
+    ("float16", 64, 128, 3, 1, 3, True),       # GVA, K != V, packed: empty, one-token
+])
+def test_fused_ddo_gradients(monkeypatch, dtype, K, V, n, H, HV, packed):
+    """``pipeline.FUSED_DDO`` (the reverse kernel forming ddo = P^T dO from P itself) gives
+    the gradients of XLA's ddo to float32 summation order, and stays within GRAD_TOL of
+    float64. Written 2026-12-04 (nineteenth session) after the device time was spent: NOT
+    YET RUN on a GPU."""
+    from gdp_jax.kernels import pipeline
+    lens = [70, 0, 1, 130, 2] if packed else None
+    cu = None if lens is None else jnp.asarray(np.concatenate([[0], np.cumsum(lens)]),
+                                               jnp.int32)
+    B, T = (1, int(cu[-1])) if packed else (2, 203)
+    args = make(6, B, T, n, H, HV, K, V, jnp.dtype(dtype),
+                N=None if lens is None else len(lens))
+    _grad_fn.cache_clear()
+    base = grads("cutedsl", args, cu=cu, N=0)
+    monkeypatch.setattr(pipeline, "FUSED_DDO", True)
+    _grad_fn.cache_clear()
+    got = grads("cutedsl", args, cu=cu, N=0)
+    _grad_fn.cache_clear()
+    tag = f"fused ddo {dtype} K={K} V={V} n={n} H={H} HV={HV} packed={packed}"
+    compare(tag + " vs xla ddo", got, base, 2e-3)
+    compare(tag + " vs ref", got, grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("dtype,n", [("bfloat16", 2), ("float16", 3)])
 def test_packed_gradients_match(dtype, n):
     lens = [70, 0, 1, 130, 64]

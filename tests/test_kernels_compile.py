@@ -113,6 +113,13 @@ def test_dh_kernel_compiles(dtype, K, V, BV, split):
     with pytest.raises(ValueError, match="ds_dtype: float32 or the operands'"):
         StateGradKernel.raw_call(*(jnp.zeros(a.shape, a.dtype) for a in avals), BV=BV,
                                  ds_dtype=jnp.float64)
+    # ddo = P^T dO in the kernel (pipeline.FUSED_DDO): P [.., C, C] 16-bit in ddo's place
+    pav = avals[:3] + (S((B, NC, HV, C, C), dtype),) + avals[4:]
+    fused = lambda *a: StateGradKernel.call(*a, BV=BV, split=split, ds_dtype=ds,
+                                            fuse_ddo=True)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(fused, *pav)
+    with pytest.raises(ValueError, match=r"^P: expected .* \(2, 3, 4, 64, 64\); got float32"):
+        jax.eval_shape(fused, *avals)
 
 
 @pytest.mark.parametrize("shape", [(3, 64, 64), (2, 5, 3, 64, 64)])

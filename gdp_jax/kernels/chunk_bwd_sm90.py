@@ -11,6 +11,10 @@ precomputed by XLA, see ``gdp_jax.kernels.pipeline``):
     dS     <- decay_c dS + qg_c^T dO_c - w_c^T dDelta          [K, BV]
     dh0[seq[c]] <- dS;  dS <- 0          if reset[c]          (the sequence starts here)
 
+With ``fuse_ddo`` the kernel reads the readout matrix P_c [C, C] (16-bit) instead of ddo
+and forms ddo_c = P_c^T dO_c itself (one more MMA a chunk, off the dS chain; P and dO are
+exact 16-bit values, so the product is the one XLA forms, in float32).
+
 Same MMA scheme as the forward (mma.sync m16n8k16, ldmatrix from swizzled smem, the two
 recurrent operands dS and dDelta split into hi + lo 16-bit parts with ``split``). No
 atomics: every output element is written by exactly one thread, so the kernel is
@@ -34,11 +38,13 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c
 class ChunkBwdDhSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype, hi/lo split."""
 
-    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool):
+    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
+                 fuse_ddo: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (32, 64, 128)
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
+        self.fuse_ddo = fuse_ddo      # mDdo holds P [.., C, C] (16-bit): ddo = P^T dO here
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -48,30 +54,24 @@ class ChunkBwdDhSm90:
         sK_layout = smem_layout(C, K)         # Kt, w, qg: [C, K]
         sS_layout = smem_layout(K, BV)        # dS (16-bit copy): [K, BV]
         sD_layout = smem_layout(C, BV)        # -dDelta, dO (16-bit): [C, BV]
-
-        @cute.struct
-        class Storage:
-            sKt: smem_tile(ab, sK_layout)
-            sW: smem_tile(ab, sK_layout)
-            sQ: smem_tile(ab, sK_layout)
-            sS: smem_tile(ab, sS_layout)
-            sSl: smem_tile(ab, sS_layout)
-            sD: smem_tile(ab, sD_layout)
-            sDl: smem_tile(ab, sD_layout)
-            sO: smem_tile(ab, sD_layout)
+        sP_layout = smem_layout(C, C)         # P (16-bit, ``fuse_ddo``): [C, C]
+        Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
+                           sP_layout if self.fuse_ddo else None)
 
         B, HV = mKt.shape[0], mKt.shape[2]
         grid = (self.V // BV, HV, B)
         self.kernel(mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast, mDfinal, mDsEnd,
-                    mDh0, sK_layout, sS_layout, sD_layout, g2s_copy(ab, K), warp_mma(ab),
+                    mDh0, sK_layout, sS_layout, sD_layout, sP_layout, g2s_copy(ab, K),
+                    g2s_copy(ab, C), warp_mma(ab),
                     Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast, mDfinal, mDsEnd,
                mDh0, sK_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
-               sD_layout: cute.ComposedLayout, copy_K: cute.TiledCopy,
-               tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
+               sD_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               copy_K: cute.TiledCopy, copy_C: cute.TiledCopy, tiled_mma: cute.TiledMma,
+               Storage: cutlass.Constexpr):
         K, BV, ab = self.K, self.BV, self.ab
         tidx, _, _ = cute.arch.thread_idx()
         vt, hv, b = cute.arch.block_idx()
@@ -111,6 +111,11 @@ class ChunkBwdDhSm90:
 
         gK = g2s(copy_K, tidx)
         tKsKt, tKsW, tKsQ = gK.dest(sKt), gK.dest(sW), gK.dest(sQ)
+        if cutlass.const_expr(self.fuse_ddo):
+            sP = st.sP.get_tensor(sP_layout)    # P: [C, C]
+            PT = operand(thr_mma, cAt, transpose_view(sP, C, C), True)    # P^T: [C, C]
+            gP = g2s(copy_C, tidx)
+            tPsP = gP.dest(sP)
 
         for i in cutlass.range(NC, unroll=1):
             c = NC - 1 - i
@@ -118,6 +123,8 @@ class ChunkBwdDhSm90:
             gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
+            if cutlass.const_expr(self.fuse_ddo):
+                gP.load(mDdo[b, c, hv, None, None], (C, C), tPsP)
             cute.arch.cp_async_commit_group()
 
             # ---- gradient w.r.t. the chunk's end state
@@ -129,15 +136,21 @@ class ChunkBwdDhSm90:
                 acc_S.load().to(mDsEnd.element_type))
             toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
             toD.store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt)).load(), tCsO)
-            ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
-                cutlass.Float32)
+            if cutlass.const_expr(not self.fuse_ddo):
+                ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
+                    cutlass.Float32)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # ---- dDelta = ddo + Kt dS   (kept negated in smem: the next MMA subtracts it)
             acc_D.fill(0.0)
+            if cutlass.const_expr(self.fuse_ddo):
+                mma_split_b(tiled_mma, C // MMA_K, [(acc_D, PT)], O, None, False)
             mma_split_b(tiled_mma, K // MMA_K, [(acc_D, Kt)], S, Sl, self.split)
-            toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
+            if cutlass.const_expr(self.fuse_ddo):
+                toD.store_split(-acc_D.load(), tCsD, tCsDl, self.split)
+            else:
+                toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
             cute.arch.sync_threads()
 
             # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
@@ -153,11 +166,26 @@ class ChunkBwdDhSm90:
             cute.arch.sync_threads()
 
 
+def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
+    """The kernel's shared memory (a ``cute.struct``): Kt, w, qg; dS hi, lo; -dDelta hi,
+    lo; dO - and P where ``sP_layout`` is given (``fuse_ddo``). (Fields are built as
+    objects: this module's annotations are strings, which only a ``cute.jit`` body
+    evaluates.)"""
+    fields = {"sKt": smem_tile(ab, sK_layout), "sW": smem_tile(ab, sK_layout),
+              "sQ": smem_tile(ab, sK_layout), "sS": smem_tile(ab, sS_layout),
+              "sSl": smem_tile(ab, sS_layout), "sD": smem_tile(ab, sD_layout),
+              "sDl": smem_tile(ab, sD_layout), "sO": smem_tile(ab, sD_layout)}
+    if sP_layout is not None:
+        fields["sP"] = smem_tile(ab, sP_layout)
+    return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
+
 _KERNELS = {}
 
 
-def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split)
+def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
+               fuse_ddo: bool = False) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split, fuse_ddo)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split)
+        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo)
     return _KERNELS[key]

@@ -62,13 +62,18 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
 
 
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None,
-                   ds_dtype=None):
+                   ds_dtype=None, fuse_ddo=False):
     """The reverse kernel's contract (``StateGradKernel.raw_call``): dS_end in
-    ``ds_dtype`` (rounded once, as stored; the walk carries the accumulator dtype)."""
+    ``ds_dtype`` (rounded once, as stored; the walk carries the accumulator dtype); with
+    ``fuse_ddo`` ``ddo`` is the readout matrix P and ddo = P^T dO (in the accumulator
+    dtype: P and dO are exact 16-bit values)."""
     del BV, split
     B, NC, HV, C, K = kt.shape
-    acc = ddo.dtype
+    acc = dfinal.dtype
     f = lambda x: x.astype(acc)
+    if fuse_ddo:
+        ddo = jnp.swapaxes(f(ddo), -1, -2) @ f(do)
+    ddo = f(ddo)
 
     def step(dS, xs):
         kt, w, qg, ddo, do, decay, seq, last, reset = xs

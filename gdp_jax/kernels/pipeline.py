@@ -117,7 +117,10 @@ class BackwardWork:
 
     ``doc`` [.., Cr, V]: all C rows or only the read-out ones (Cr = C // every,
     :func:`gdp_jax.grid.readout_rows`); ddo is then computed from those rows of P alone,
-    and the kernels get do on all C rows (zeros elsewhere)."""
+    and the kernels get do on all C rows (zeros elsewhere).
+
+    ``fuse_ddo`` (:data:`FUSED_DDO`, on the kernel path only): the operands carry P itself
+    in ddo's place and the reverse kernel forms ddo = P^T dO."""
 
     def __init__(self, ch: grid.ChunkInputs, doc, scale: float, ab_dtype,
                  on_kernel: bool = False, prep=None):
@@ -126,6 +129,7 @@ class BackwardWork:
         rows = lambda x: grid.readout_rows(x, every)
         cast = lambda x: x.astype(ab_dtype)
         do = cast(grid.from_readout_rows(doc, every))
+        self.fuse_ddo = bool(on_kernel and FUSED_DDO)
         if on_kernel:
             # ``prep``: the forward's (operands, X) when it kept them (SAVE_OPERANDS)
             if prep is None:
@@ -133,7 +137,8 @@ class BackwardWork:
                                                       inverse=True)
                 prep = (operands, X)
             (w, kt, qg, p, u, decay), self.X = prep
-            ddo = jnp.swapaxes(rows(p).astype(acc), -1, -2) @ doc.astype(acc)
+            ddo = p if self.fuse_ddo else (
+                jnp.swapaxes(rows(p).astype(acc), -1, -2) @ doc.astype(acc))
             # the chunk-state recompute (states_from_checkpoints) reads w, u, Kt, G_last
             G_last = chunked.prefix_sum(ch.g, axis=-1)[..., -1]
             self.it = chunked.Intra(G_last, None, None, w.astype(acc), u, kt.astype(acc))
@@ -161,6 +166,10 @@ LOCAL_GRAD_SPLIT = True
 # and the differentiated forward keeping its operands and X for the backward (one operands
 # kernel pass fewer, ~100 KB more kept per chunk at K = V = 128) instead of recomputing them
 SAVE_OPERANDS = False
+# and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
+# instead of reading XLA's float32 product. PREPARED, NOT YET MEASURED on the GPU (its
+# kernel variant compiles at first use; CPU: emulated and compile tests): off.
+FUSED_DDO = False
 
 
 def local_grad_kernel(spec, ch: grid.ChunkInputs) -> bool:
@@ -295,7 +304,8 @@ class CuTeDSLEngine(Engine):
         ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
                                            BV=_bv(ch),
-                                           ds_dtype=spec.ab_dtype if on_kernel else None)
+                                           ds_dtype=spec.ab_dtype if on_kernel else None,
+                                           fuse_ddo=work.fuse_ddo)
         dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
@@ -350,9 +360,10 @@ class CuTeDSLEngine(Engine):
         kt, w, qg, ddo, do, decay = work.operands
         df = dfinal.astype(acc_dtype(spec.ab_dtype))
         dfx = identity_columns(df, K)
-        ds_end, dh0 = StateGradKernel.call(kt, w, qg, zero_columns(ddo, K),
+        ds_end, dh0 = StateGradKernel.call(kt, w, qg,
+                                           ddo if work.fuse_ddo else zero_columns(ddo, K),
                                            zero_columns(do, K), decay, *_flags(layout),
-                                           dfx, BV=_bv(ch, K))
+                                           dfx, BV=_bv(ch, K), fuse_ddo=work.fuse_ddo)
         dh0 = where_has_tokens(layout, dh0, dfx)
         summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))
         return summary, BackwardResponse(work, df, ds_end, dh0)

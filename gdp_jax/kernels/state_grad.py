@@ -4,6 +4,8 @@ One CTA per (value tile, head, row) walks that row's chunks backwards with dS in
 registers (dS does not depend on S): dS_end = carry (+ dfinal on a sequence's last chunk),
 dDelta = ddo + Kt dS_end, dS_start = decay dS_end + qg^T dO - w^T dDelta, restarting at
 ``reset`` chunks. It writes dS_end of every chunk and the initial-state gradients.
+ddo = P^T dO comes in (float32), or with ``fuse_ddo`` the kernel forms it from the
+readout matrix P (16-bit [C, C]) and dO itself.
 """
 from __future__ import annotations
 
@@ -29,29 +31,34 @@ class StateGradKernel:
 
     @classmethod
     def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-             split: Optional[bool] = None, ds_dtype=None):
+             split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False):
         """:meth:`raw_call`, ``jax.vmap``-able."""
         f = binding.vmappable(lambda *a: cls.raw_call(*a, BV=BV, split=split,
-                                                      ds_dtype=ds_dtype),
+                                                      ds_dtype=ds_dtype, fuse_ddo=fuse_ddo),
                               seq_arg=7, table_arg=9, out_kinds=("rows", "rows"))
         return f(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
 
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-                 split: Optional[bool] = None, ds_dtype=None):
+                 split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False):
         """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
         or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
         MMAs anyway),
         dh0 [N, HV, K, V] float32).
 
         kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, V] in one 16-bit dtype; ddo:
-        [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC]
-        int32; dfinal: [N, HV, K, V] float32. Rows of dh0 for sequences without chunks
-        stay unwritten.
+        [B, NC, HV, C, V] float32, or with ``fuse_ddo`` the readout matrix P
+        [B, NC, HV, C, C] in the 16-bit dtype (ddo = P^T dO is formed in the kernel);
+        decay: [B, NC, HV] float32; reset, seq, last: [B, NC] int32; dfinal: [N, HV, K, V]
+        float32. Rows of dh0 for sequences without chunks stay unwritten.
         """
         B, NC, HV, C, K = kt.shape
         V = do.shape[-1]
         ab_name = jnp.dtype(kt.dtype).name
+        want = ((B, NC, HV, C, C), kt.dtype) if fuse_ddo else ((B, NC, HV, C, V), jnp.float32)
+        if (ddo.shape, jnp.dtype(ddo.dtype)) != (want[0], jnp.dtype(want[1])):
+            raise ValueError(f"{'P' if fuse_ddo else 'ddo'}: expected {jnp.dtype(want[1]).name}"
+                             f" {want[0]}; got {jnp.dtype(ddo.dtype).name} {ddo.shape}")
         split = ChunkForwardKernel.default_split(kt.dtype) if split is None else bool(split)
         ds_dtype = jnp.dtype(jnp.float32 if ds_dtype is None else ds_dtype)
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
@@ -62,7 +69,8 @@ class StateGradKernel:
         return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
                                    (kt, w, qg, ddo, do, decay, reset, seq, last, dfinal),
                                    tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2),
-                                   K=K, V=V, BV=BV, ab_name=ab_name, split=split)
+                                   K=K, V=V, BV=BV, ab_name=ab_name, split=split,
+                                   **({"fuse_ddo": True} if fuse_ddo else {}))
 
     @classmethod
     def variants(cls):
@@ -104,8 +112,9 @@ def _launcher():
     @cute.jit
     def launch(stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
-               ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
-        mod.get_kernel(K, V, BV, ab_name, split)(stream, kt, w, qg, ddo, do, decay, reset, seq,
-                                                 last, dfinal, ds_end, dh0)
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+               fuse_ddo: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo)(
+            stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
