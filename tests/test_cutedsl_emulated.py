@@ -740,7 +740,8 @@ def test_token_major_gradients_equal_chunk_major(monkeypatch, case, l2norm):
 
 def test_token_major_gradients_limits_and_vmap(monkeypatch):
     """The token-major local gradients only where every chunk holds whole tokens (not
-    n > C); under jax.vmap of the gradient each mapped problem equals its own call."""
+    n > C) and not for float16 (its range may not hold dk before the L2-norm backward);
+    under jax.vmap of the gradient each mapped problem equals its own call."""
     from gdp_jax.kernels.local_grad import LocalGradKernel
     calls = []
     raw = LocalGradKernel.raw_call_tokens
@@ -759,6 +760,9 @@ def test_token_major_gradients_limits_and_vmap(monkeypatch):
         for a, b in zip(got, want):
             assert rel_max(a[m], b) < 1e-6
     calls.clear()
+    h = lambda x: x.astype(jnp.float16)
+    jax.jit(grad)(h(inp.q), h(inp.k), h(inp.v), inp.g, h(inp.beta))
+    assert not calls                          # float16: the float32 chunk tiles
     n65 = make_inputs(38, 1, 3, 65, 1, 1, 64, 64, jnp.bfloat16, gate="normal")
     jax.jit(jax.grad(loss))(*n65[:5])
     assert not calls                          # n > C: tokens run across chunks

@@ -10,7 +10,8 @@ kernel, benchmarks/results/history/2026-12-02).
 The forward's WY factors w, u and X = (I + A)^-1 are inputs (the operands kernel
 recomputes them for the backward: ``gdp_jax.kernels.pipeline.BackwardWork``).
 :meth:`LocalGradKernel.call_tokens` has dq, dk, dv come out in the op's token-major
-layout (16-bit) instead of float32 chunk tiles: the single-device backward's path.
+layout (16-bit) instead of float32 chunk tiles: the single-device backward's path for
+bfloat16 (:meth:`LocalGradKernel.can_write_tokens`).
 """
 from __future__ import annotations
 
@@ -101,11 +102,16 @@ class LocalGradKernel:
     @staticmethod
     def can_write_tokens(spec, ch) -> bool:
         """Can this call's chunk-local gradients dq, dk, dv come out of the kernel in the
-        op's token-major layout (:meth:`call_tokens`)? The kernel must take the call, in
-        a 16-bit operand dtype, with whole tokens in every chunk (n <= C)."""
+        op's token-major layout (:meth:`call_tokens`)? The kernel must take the call, with
+        whole tokens in every chunk (n <= C), and not in float16: the results are rounded
+        to the operand dtype BEFORE the L2-norm backward and the GVA head sum, and dk
+        before the norm's backward is |k| times larger than after it - float16's range
+        (65504) may not hold it where the final gradient fits (bfloat16 has float32's
+        range). float16 calls keep the float32 chunk tiles."""
         B, NC, HV, _, K = ch.k.shape
         V = ch.v.shape[-1]
         return (TOKEN_GRADS and spec.n <= C
+                and jnp.dtype(spec.ab_dtype) != jnp.dtype(jnp.float16)
                 and LocalGradKernel.can_implement(ab_dtype=spec.ab_dtype, K=K, V=V, rows=B,
                                                   NC=NC, HV=HV) is None
                 and B * spec.n * spec.T * HV * max(K, V) <= binding.MAX_ELEMS)
