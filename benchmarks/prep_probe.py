@@ -11,12 +11,13 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
   the CTAs' mean latency against the kernel's time (how many CTAs an SM overlaps);
 - the forward recursion (``ChunkForwardKernel``) alone on those operands, for each value
   tile in ``--bv`` with and without the hi + lo split, and the reverse recursion
-  (``StateGradKernel``) likewise;
+  (``StateGradKernel``) likewise, also forming ddo = P^T dO itself (``fuse_ddo``);
 - with ``--tokens``: the operands kernel reading q, k, v from token-major tensors
   (``ChunkPrepKernel.raw_call_tokens``, what the plain forward runs on 16-bit inputs), with
   and without its in-kernel L2 norm, and its probe;
 - with ``--local-grad``: the backward's chunk-local gradient kernel (``LocalGradKernel``)
-  alone on those factors and random dO, S0, dS_end, and its probe
+  alone on those factors and random dO, S0, dS_end, with chunk-major float32 results and
+  with token-major 16-bit ones (``raw_call_tokens``), and its probe
   (``chunk_grad_sm90.PROBE_PHASES``) the same way.
 
 Needs a GPU with the CuTe DSL; prints one line per measurement and ``--json`` writes them.
@@ -136,6 +137,11 @@ def main(argv=None):
         res = timed("local grad probe", lambda *x: LocalGradKernel.raw_call(
             *x, ab_dtype="bfloat16", ablate="probe"), *lg)
         report("local grad probe", res[4], LG_PHASES)
+        # the single-device backward's variant: dq, dk, dv token-major in 16 bits
+        from gdp_jax.kernels.chunk_prep import token_rows
+        lrows = token_rows(grid.make_layout(B, T, n, None), n, T)
+        timed("local grad tokens", lambda *x: LocalGradKernel.raw_call_tokens(
+            *x, n=n, T=T, ab_dtype="bfloat16"), *lg, lrows)
 
     w, kt, qg, pm, u, decay = ops[:6]
     flags = (jnp.zeros((B, NC), jnp.int32).at[:, 0].set(1),
@@ -151,6 +157,9 @@ def main(argv=None):
                 *x, BV=bv, split=sp), w, kt, qg, pm, u, decay, *flags, h0)
             timed(f"rev {tag}", lambda *x, bv=bv, sp=split: StateGradKernel.raw_call(
                 *x, BV=bv, split=sp), kt, w, qg, u, do, decay, *flags, h0)
+            # ddo = P^T dO in the kernel (pipeline.FUSED_DDO): P in ddo's place
+            timed(f"rev fused-ddo {tag}", lambda *x, bv=bv, sp=split: StateGradKernel.raw_call(
+                *x, BV=bv, split=sp, fuse_ddo=True), kt, w, qg, pm, do, decay, *flags, h0)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
