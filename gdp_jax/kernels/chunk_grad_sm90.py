@@ -46,9 +46,10 @@ i < count is step base + i), dq [B, T, HV, K] from the read-out rows (token tok 
 by the row table mRows [B, NC, 4] = (base, count, tok, n). Those tiles wait in shared
 memory (where Delta, dW and q were) and leave in 128-bit row pieces; with ``head_major``
 the CTAs run in (head, chunk, row) order, so the CTAs resident at once write every head's
-piece of their token rows (32-bit stores straight from the accumulators, or chunk order,
-made the kernel 36% slower: benchmarks/results/CURRENT.md, s19-2 / s19-3). dg, dbeta are
-float32 [B, NC, HV, C] either way.
+piece of their token rows (a first version, 32-bit stores straight from the accumulators
+in chunk order, made the kernel 36% slower; staged stores in chunk order cost the op's
+fwd+bwd 0.4 ms: benchmarks/results/CURRENT.md, s19-2 / s19-3). dg, dbeta are float32
+[B, NC, HV, C] either way.
 
 This module imports cutlass; import it only through ``gdp_jax.kernels.local_grad``
 (lazily).
@@ -142,8 +143,7 @@ class ChunkGradSm90:
 
         B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
         self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mDq,
-                    mDk, mDv,
-                    mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
+                    mDk, mDv, mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
                     g2s_copy(ab, V, NT), warp_mma(ab, WN),
                     Storage).launch(grid=(HV, NC, B) if self.head_major else (NC, HV, B),
                                     block=[NT, 1, 1], stream=stream)

@@ -197,7 +197,7 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
     only the read-out rows ([.., C // every, V]); the kernel takes all C rows: ``work``'s
     ``do``, the copy the reverse kernel reads. With the call's ``layout`` (the
-    single-device op), where the kernel can, q, k, v's come out token-major instead
+    single-device op), where the kernel can, dq, dk, dv come out token-major instead
     (:class:`gdp_jax.engine.TokenCotangents`: no relayout or cast of them in XLA)."""
     if (layout is not None and local_grad_kernel(spec, ch)
             and LocalGradKernel.can_write_tokens(spec, ch)):
