@@ -328,6 +328,10 @@ def test_can_implement():
                                                            "HV": 64})
     # rows [C, V] fit (200000 * 64 * 128 < 2^31) but the [K, V] chunk states do not
     assert "32-bit" in ChunkForwardKernel.can_implement(**{**ok, "NC": 200000, "HV": 1})
+    # a CTA per (.., head, row): at most 65535 rows (grid z) and heads (grid y)
+    many = {**ok, "rows": 70000, "NC": 1, "HV": 1, "K": 64, "V": 64}
+    assert "70000 rows x 1 heads" in ChunkForwardKernel.can_implement(**many)
+    assert "65535" in StepKernel.can_implement(dtype=jnp.bfloat16, B=70000, HV=1, K=64, V=64)
     # the CP summaries run V + K state columns
     big = {**ok, "NC": 100000, "HV": 1}
     assert StateGradKernel.can_implement(**big) is None

@@ -38,6 +38,15 @@ from gdp_jax.kernels import aot
 
 MAX_ELEMS = 2 ** 31 - 1      # 32-bit extents (and offsets, in the per-shape objects)
 MAX_GRID_Y = 65535           # CTAs along a launch grid's y (and z) axis
+
+
+def grid_limit(rows: int, heads: int):
+    """Why the kernels' launch grids (a CTA per (.., head, row): heads along y, rows along
+    z) cannot hold ``rows`` x ``heads``, or None."""
+    if rows > MAX_GRID_Y or heads > MAX_GRID_Y:
+        return (f"{rows} rows x {heads} heads: the cutedsl kernels launch a CTA per row and "
+                f"head, at most {MAX_GRID_Y} of each")
+    return None
 _HERE = pathlib.Path(__file__).resolve().parent
 
 

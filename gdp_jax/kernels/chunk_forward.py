@@ -50,6 +50,8 @@ class ChunkForwardKernel:
             return Unsupported(f"q has dtype {name} (k, v too); the cutedsl kernels take "
                                f"bfloat16/float16 inputs (16-bit tensor-core operands)")
         Vx = V + extra_columns
+        if binding.grid_limit(rows, HV):
+            return Unsupported(binding.grid_limit(rows, HV))
         if rows * NC * HV * max(C * max(K, Vx, C), K * Vx) > binding.MAX_ELEMS:
             return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "
                                f"the kernel's 32-bit offsets")

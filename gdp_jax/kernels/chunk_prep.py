@@ -62,6 +62,8 @@ class ChunkPrepKernel:
         if K not in ChunkPrepKernel.HEAD_DIMS or V not in ChunkPrepKernel.HEAD_DIMS:
             return Unsupported(f"the cutedsl operands kernel takes K, V in "
                                f"{ChunkPrepKernel.HEAD_DIMS}; got K={K}, V={V}")
+        if binding.grid_limit(rows, HV):
+            return Unsupported(binding.grid_limit(rows, HV))
         if rows * NC * HV * C * max(K, V, C) > binding.MAX_ELEMS:
             return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "
                                f"the operands kernel's 32-bit offsets")

@@ -49,6 +49,8 @@ class LocalGradKernel:
         if K not in LocalGradKernel.HEAD_DIMS or V not in LocalGradKernel.HEAD_DIMS:
             return Unsupported(f"the cutedsl local-gradient kernel takes K, V in "
                                f"{LocalGradKernel.HEAD_DIMS}; got K={K}, V={V}")
+        if binding.grid_limit(rows, HV):
+            return Unsupported(binding.grid_limit(rows, HV))
         if rows * NC * HV * max(C * max(K, V, C), K * V) > binding.MAX_ELEMS:
             return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "
                                f"the local-gradient kernel's 32-bit offsets")

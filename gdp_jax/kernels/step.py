@@ -37,6 +37,8 @@ class StepKernel:
         if name not in ("bfloat16", "float16", "float32"):
             return Unsupported(f"q has dtype {name} (k, v too); the cutedsl step takes "
                                f"bfloat16/float16/float32 inputs")
+        if binding.grid_limit(B, HV):
+            return Unsupported(binding.grid_limit(B, HV))
         if B * HV * K * V > binding.MAX_ELEMS:
             return Unsupported(f"the state [{B}, {HV}, {K}, {V}] is too large for the step "
                                f"kernel's 32-bit offsets")
