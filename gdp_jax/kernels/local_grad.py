@@ -82,16 +82,9 @@ class LocalGradKernel:
         ``warps_n``: warps along N (4 or 8 warps a CTA); ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
-        B, NC, HV, C_, K = k.shape
-        V = v.shape[-1]
-        why = LocalGradKernel.can_implement(ab_dtype=ab_dtype, K=K, V=V, rows=B, NC=NC,
-                                            HV=HV)
-        if why:
-            raise ValueError(str(why))
-        if scale.shape != (B,):
-            raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
+        B, NC, HV, K, V = _checked_dims(k, v, scale, ab_dtype)
         ab = jnp.dtype(ab_dtype)
-        rows = (B, NC, HV, C_)
+        rows = (B, NC, HV, C)
         outputs = (binding.out(rows + (K,), jnp.float32), binding.out(rows + (K,), jnp.float32),
                    binding.out(rows + (V,), jnp.float32), binding.out(rows, jnp.float32),
                    binding.out(rows, jnp.float32))
@@ -144,23 +137,14 @@ class LocalGradKernel:
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
         [B, NC, HV, C] float32."""
-        B, NC, HV, C_, K = k.shape
-        V = v.shape[-1]
-        why = LocalGradKernel.can_implement(ab_dtype=ab_dtype, K=K, V=V, rows=B, NC=NC,
-                                            HV=HV)
-        if why:
-            raise ValueError(str(why))
-        if C_ != C:
-            raise ValueError(f"k: chunks of {C} rows, [B, NC, HV, {C}, K]; got {k.shape}")
-        if scale.shape != (B,):
-            raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
+        B, NC, HV, K, V = _checked_dims(k, v, scale, ab_dtype)
         if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
             raise ValueError(f"rows: int32 ({B}, {NC}, 4); got {rows.dtype} {rows.shape}")
         if not 1 <= n <= C or T < 1 or B * n * T * HV * max(K, V) > binding.MAX_ELEMS:
             raise ValueError(f"n={n}, T={T}: expected 1 <= n <= {C} and token-major "
                              f"outputs within the kernel's 32-bit offsets")
         ab = jnp.dtype(ab_dtype)
-        rows_ = (B, NC, HV, C_)
+        rows_ = (B, NC, HV, C)
         outputs = (binding.out((B, T, HV, K), ab), binding.out((B, n * T, HV, K), ab),
                    binding.out((B, n * T, HV, V), ab), binding.out(rows_, jnp.float32),
                    binding.out(rows_, jnp.float32))
@@ -199,6 +183,21 @@ class LocalGradKernel:
                         f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V}", fn,
                         args(ab) + (jax.ShapeDtypeStruct((1, 1, 4), jnp.int32),)))
         return out
+
+
+def _checked_dims(k, v, scale, ab_dtype):
+    """(B, NC, HV, K, V) of a call with k [B, NC, HV, C, K], v [.., V] and ``scale`` [B];
+    ValueError where the kernel cannot take it."""
+    B, NC, HV, C_, K = k.shape
+    V = v.shape[-1]
+    why = LocalGradKernel.can_implement(ab_dtype=ab_dtype, K=K, V=V, rows=B, NC=NC, HV=HV)
+    if why:
+        raise ValueError(str(why))
+    if C_ != C:
+        raise ValueError(f"k: chunks of {C} rows, [B, NC, HV, {C}, K]; got {k.shape}")
+    if scale.shape != (B,):
+        raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
+    return B, NC, HV, K, V
 
 
 def _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab):
