@@ -55,6 +55,8 @@ def main(argv=None):
     p.add_argument("--local-grad", action="store_true")
     p.add_argument("--skip-prep-probe", action="store_true")
     p.add_argument("--tokens", action="store_true")
+    p.add_argument("--warps-n", default="2",
+                   help="local-gradient kernel: warps along N to time (comma list)")
     a = p.parse_args(argv)
 
     import jax
@@ -133,15 +135,31 @@ def main(argv=None):
         doc = rnd(2, (B, NC, H, grid.CHUNK, V))
         S0, ds_end = rnd(3, (B, NC, H, K, V)), rnd(4, (B, NC, H, K, V))
         lg = (ch.q, ch.k, w_, doc, ch.v, ch.g, ch.beta, scale, X, u_, S0, ds_end)
-        timed("local grad", lambda *x: LocalGradKernel.raw_call(*x, ab_dtype="bfloat16"), *lg)
-        res = timed("local grad probe", lambda *x: LocalGradKernel.raw_call(
-            *x, ab_dtype="bfloat16", ablate="probe"), *lg)
-        report("local grad probe", res[4], LG_PHASES)
-        # the single-device backward's variant: dq, dk, dv token-major in 16 bits
         from gdp_jax.kernels.chunk_prep import token_rows
         lrows = token_rows(grid.make_layout(B, T, n, None), n, T)
-        timed("local grad tokens", lambda *x: LocalGradKernel.raw_call_tokens(
-            *x, n=n, T=T, ab_dtype="bfloat16"), *lg, lrows)
+        lg_results = {}
+        for wn in (int(x) for x in a.warps_n.split(",") if x):
+            tag = f"wn={wn}"
+            timed(f"local grad {tag}", lambda *x, wn=wn: LocalGradKernel.raw_call(
+                *x, ab_dtype="bfloat16", warps_n=wn), *lg)
+            res = timed(f"local grad probe {tag}", lambda *x, wn=wn: LocalGradKernel.raw_call(
+                *x, ab_dtype="bfloat16", ablate="probe", warps_n=wn), *lg)
+            report(f"local grad probe {tag}", res[4], LG_PHASES)
+            # the single-device backward's variant: dq, dk, dv token-major in 16 bits
+            for split in (True, False):
+                res = timed(f"local grad tokens {tag} split={int(split)}",
+                            lambda *x, wn=wn, sp=split: LocalGradKernel.raw_call_tokens(
+                                *x, n=n, T=T, ab_dtype="bfloat16", split=sp, warps_n=wn),
+                            *lg, lrows)
+                # the same results whatever the warp count (dq, dk, dv bitwise; dg, dbeta
+                # sum the warps' row sums in another order)
+                first = lg_results.setdefault(split, res)
+                diff = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+                             / (float(jnp.max(jnp.abs(y.astype(jnp.float32)))) + 1e-30))
+                        for x, y in zip(res, first)]
+                out[f"local grad tokens {tag} split={int(split)} rel diff"] = diff
+                log(f"  vs the first warp count: max |diff| / max |x| of dq, dk, dv, dg, "
+                    f"dbeta: " + " ".join(f"{d:.1e}" for d in diff))
 
     w, kt, qg, pm, u, decay = ops[:6]
     flags = (jnp.zeros((B, NC), jnp.int32).at[:, 0].set(1),

@@ -819,6 +819,7 @@ def test_fused_ddo_gradients_equal_xla_ddo(monkeypatch, packed):
                       N=len(cu) - 1 if packed else B, gate="strong")
     run = lambda: loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl",
                                  use_qk_l2norm=True)
+    monkeypatch.setattr(pipeline, "FUSED_DDO", False)
     _, _, _, want = run()
     assert calls == [False]
     monkeypatch.setattr(pipeline, "FUSED_DDO", True)

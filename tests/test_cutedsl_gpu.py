@@ -293,8 +293,7 @@ def test_token_major_gradients_kernel(monkeypatch, dtype, K, V, n, H, HV, packed
 def test_fused_ddo_gradients(monkeypatch, dtype, K, V, n, H, HV, packed):
     """``pipeline.FUSED_DDO`` (the reverse kernel forming ddo = P^T dO from P itself) gives
     the gradients of XLA's ddo to float32 summation order, and stays within GRAD_TOL of
-    float64. Written 2026-12-04 (nineteenth session) after the device time was spent: NOT
-    YET RUN on a GPU."""
+    float64."""
     from gdp_jax.kernels import pipeline
     lens = [70, 0, 1, 130, 2] if packed else None
     cu = None if lens is None else jnp.asarray(np.concatenate([[0], np.cumsum(lens)]),
@@ -302,6 +301,7 @@ def test_fused_ddo_gradients(monkeypatch, dtype, K, V, n, H, HV, packed):
     B, T = (1, int(cu[-1])) if packed else (2, 203)
     args = make(6, B, T, n, H, HV, K, V, jnp.dtype(dtype),
                 N=None if lens is None else len(lens))
+    monkeypatch.setattr(pipeline, "FUSED_DDO", False)
     _grad_fn.cache_clear()
     base = grads("cutedsl", args, cu=cu, N=0)
     monkeypatch.setattr(pipeline, "FUSED_DDO", True)

@@ -81,7 +81,7 @@ class ChunkGradSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
                  warps_n: int = 2, tokens: bool = False, head_major: bool = False):
-        assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2)
+        assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
         self.warps_n = warps_n
@@ -197,25 +197,34 @@ class ChunkGradSm90:
         if cutlass.const_expr(roundtrip):
             gDq, gDk = mDq[b, c, hv, None, None], mDk[b, c, hv, None, None]
 
-        # ---- phase 0: q, k, w, doc, S0 -> smem (async) | gates | X, dS_end
+        # ---- phase 0: q, k | w, doc, S0 (16-bit dS_end) -> smem (async, two groups) |
+        # gates | X (float32 dS_end) -> registers
+        # A 16-bit dS_end goes to smem as it is and lands during phase 1 with the second
+        # group; a float32 one (CP) is rounded on its way through registers.
+        ds16 = cutlass.const_expr(mDS.element_type == ab)
         cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
         cpK.load(gQ, (C, K), cpK.dest(sQ))
         cpK.load(gK, (C, K), cpK.dest(sK))
+        cute.arch.cp_async_commit_group()
         cpK.load(gW, (C, K), cpK.dest(sW))
         cpV.load(gDo, (C, V), cpV.dest(sDo))
         cpV.load(mS0[b, c, hv, None, None], (K, V), cpV.dest(sS0))     # [K, V] rows of V
+        if cutlass.const_expr(ds16):
+            cpV.load(mDS[b, c, hv, None, None], (K, V), cpV.dest(sDS))
         cute.arch.cp_async_commit_group()
         scale = mScale[b]
         if tidx < C:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
-        # X and dS_end (float32) into registers now: their loads fly during the gate sums
+        # X (and a float32 dS_end) into registers now: their loads fly during the gate sums
         thr_mma = tiled_mma.get_slice(tidx)
         crd_x = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
         acc_x = make_acc(thr_mma, (C, C))
         acc_x.store(c_tile(thr_mma, mX[b, c, hv, None, None], (C, C), (0, 0)).load())
-        acc_s = make_acc(thr_mma, (K, V))
-        acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V), (0, 0)).load().to(F32))
+        if cutlass.const_expr(not ds16):
+            acc_s = make_acc(thr_mma, (K, V))
+            acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V),
+                               (0, 0)).load().to(F32))
         cute.arch.sync_threads()
         if cutlass.const_expr("nogates" not in self.ablate):
             # sums from the diagonal outwards (never a difference of cumsums: strong gates
@@ -239,22 +248,23 @@ class ChunkGradSm90:
         tXc = thr_mma.partition_C(sX)
         for e in cutlass.range_constexpr(cute.size(acc_x)):
             tXc[e] = acc_x[e]
-        cute.arch.cp_async_wait_group(0)
+        cute.arch.cp_async_wait_group(1 if ds16 else 0)
         cute.arch.sync_threads()
-        # dS_end -> 16-bit smem in accumulator layout, with sum(dS_end S0)
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
-        dlast = F32(0.0)                       # sum(dS_end S0), this thread's part
-        tS0c = thr_mma.partition_C(sS0)
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            dlast = dlast + acc_s[e] * tS0c[e].to(F32)
-        toS = acc_to_smem(tiled_mma, tidx, acc_s, ab)
-        toS.store(acc_s.load().to(ab), toS.dest(sDS))
-        dlast = cute.arch.warp_reduction_sum(dlast)
-        if tidx % 32 == 0:
-            sred[tidx // 32] = dlast
+        if cutlass.const_expr(not ds16):
+            # dS_end -> 16-bit smem in accumulator layout, with sum(dS_end S0)
+            dlast = F32(0.0)                   # sum(dS_end S0), this thread's part
+            tS0c = thr_mma.partition_C(sS0)
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                dlast = dlast + acc_s[e] * tS0c[e].to(F32)
+            toS = acc_to_smem(tiled_mma, tidx, acc_s, ab)
+            toS.store(acc_s.load().to(ab), toS.dest(sDS))
+            _warp_partials(dlast, sred, tidx)
 
-        # ---- phase 1: QG = tril(Q K^T Gam) (float32, unscaled)
+        # ---- phase 1: QG = tril(Q K^T Gam) (float32, unscaled); u flies to registers
+        # (phase 2 reads it)
+        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()
         cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
         cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)   # B from [N, K] tiles
@@ -270,6 +280,17 @@ class ChunkGradSm90:
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_x[e]
             tQGc[e] = pick(j <= i, acc_cc[e] * tGc[e], F32(0.0))
+        if cutlass.const_expr(ds16):
+            cute.arch.cp_async_wait_group(0)   # w, doc, S0, dS_end: their own copies
+            # sum(dS_end S0) over this thread's copy elements (the same in both tiles)
+            dS16, S016 = cpV.dest(sDS), cpV.dest(sS0)
+            rD, rS = cute.make_fragment_like(dS16), cute.make_fragment_like(S016)
+            cute.autovec_copy(dS16, rD)
+            cute.autovec_copy(S016, rS)
+            dlast = F32(0.0)
+            for e in cutlass.range_constexpr(cute.size(rD)):
+                dlast = dlast + rD[e].to(F32) * rS[e].to(F32)
+            _warp_partials(dlast, sred, tidx)
         cute.arch.sync_threads()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
@@ -278,7 +299,6 @@ class ChunkGradSm90:
         crd_v = thr_mma.partition_C(cute.make_identity_tensor((C, V)))
         crd_k = thr_mma.partition_C(cute.make_identity_tensor((C, K)))
         acc_v = make_acc(thr_mma, (C, V))
-        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()   # flies
         acc_v.fill(0.0)
         mma_split_b_(tiled_mma, K // MMA_K, [(acc_v, A_(sW))], Bt(sS0, K, V), None, False)
         toV = acc_to_smem(tiled_mma, tidx, acc_v, ab)
@@ -572,6 +592,12 @@ def _row_sums(acc, crd, r0, term, out, wn):
         z1 = z1 + pick(i == r0, F32(0.0), x)
     out[wn, r0] = cute.arch.warp_reduction_sum(z0, threads_in_group=4)
     out[wn, r0 + 8] = cute.arch.warp_reduction_sum(z1, threads_in_group=4)
+
+
+def _warp_partials(x, out, tidx):
+    """out[warp] = the sum of ``x`` over this thread's warp (every lane holds it after the
+    butterfly reduction and stores it: no branch)."""
+    out[tidx // 32] = cute.arch.warp_reduction_sum(x)
 
 
 def _sum_n(t, i, warps_n):

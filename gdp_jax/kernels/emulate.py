@@ -175,13 +175,14 @@ def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dty
 
 
 def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n,
-                           T, ab_dtype, split=True):
+                           T, ab_dtype, split=True, warps_n=2):
     """The token-major local-gradient kernel's contract (``LocalGradKernel.raw_call_tokens``):
     :func:`local_grad_call`'s dq, dk, dv moved to their token-major rows by the row table
     ``rows`` [B, NC, 4] = (base, count, tok, n) and rounded to ``ab_dtype``: chunk row
     i < count to step base + i of dk [B, n T, HV, K], dv; the read-out rows
     i = n - 1 (mod n) to token tok + i // n of dq [B, T, HV, K]. Rows no chunk row
     covers are zero here (the kernel leaves them unwritten)."""
+    del warps_n                         # a tuning knob
     dq, dk, dv, dg, dbeta = local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0,
                                             ds_end, ab_dtype=ab_dtype, split=split)
     B, NC, HV, C = g.shape

@@ -30,6 +30,8 @@ TOKEN_GRADS = True
 # and that kernel's CTAs in (head, chunk, row) order, where the chunks fit grid y
 # (binding.MAX_GRID_Y): those resident at once write whole token rows [.., HV, K]
 TOKEN_HEAD_MAJOR = True
+# warps along N of the kernel's CTA (4 along M): 1, 2 or 4 (4, 8 or 16 warps)
+WARPS_N = 2
 
 
 class LocalGradKernel:
@@ -58,7 +60,7 @@ class LocalGradKernel:
 
     @classmethod
     def call(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, *, scale: float, ab_dtype,
-             split: bool = True, ablate: str = "", warps_n: int = 2):
+             split: bool = True, ablate: str = "", warps_n: Optional[int] = None):
         """-> (dq, dk [B, NC, HV, C, K], dv [B, NC, HV, C, V], dg, dbeta [B, NC, HV, C]),
         float32; ``jax.vmap``-able.
 
@@ -67,8 +69,9 @@ class LocalGradKernel:
         w, doc and S0 enter the kernel in ``ab_dtype``, ds_end in ``ab_dtype`` if it is
         in it, the rest in float32).
         """
+        wn = WARPS_N if warps_n is None else warps_n
         f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, split=split,
-                                                      ablate=ablate, warps_n=warps_n),
+                                                      ablate=ablate, warps_n=wn),
                               out_kinds=("rows",) * 5)
         # float32 for the kernel (raw_call casts); float64 only in emulated tests
         scale_rows = jnp.full(k.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
@@ -79,7 +82,7 @@ class LocalGradKernel:
                  split: bool = True, ablate: str = "", warps_n: int = 2):
         """:meth:`call` on its operands in the kernel's order, ``scale`` [B] float32 (one
         per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo;
-        ``warps_n``: warps along N (4 or 8 warps a CTA); ``ablate``: parts of the kernel
+        ``warps_n``: warps along N (4, 8 or 16 warps a CTA); ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
         B, NC, HV, K, V = _checked_dims(k, v, scale, ab_dtype)
@@ -121,7 +124,8 @@ class LocalGradKernel:
         step of every row must be some chunk's row (true of every valid layout).
         ``jax.vmap``-able."""
         f = binding.vmappable(
-            lambda *a: cls.raw_call_tokens(*a, n=n, T=T, ab_dtype=ab_dtype, split=split),
+            lambda *a: cls.raw_call_tokens(*a, n=n, T=T, ab_dtype=ab_dtype, split=split,
+                                           warps_n=WARPS_N),
             out_kinds=("rows",) * 5)
         scale_rows = jnp.full(k.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
         dq, dk, dv, dg, dbeta = f(q, k, w, doc, v, g, beta, scale_rows, X, u, S0, ds_end,
@@ -132,7 +136,7 @@ class LocalGradKernel:
 
     @staticmethod
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
-                        T: int, ab_dtype, split: bool = True):
+                        T: int, ab_dtype, split: bool = True, warps_n: int = 2):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
@@ -153,7 +157,8 @@ class LocalGradKernel:
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=bool(split),
-            head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y)
+            head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
+            warps_n=int(warps_n))
 
     @classmethod
     def variants(cls):
@@ -240,8 +245,9 @@ def _launcher_tokens():
     def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv,
                dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               head_major: cutlass.Constexpr):
-        mod.get_kernel(K, V, ab_name, split, tokens=True, head_major=head_major)(
+               head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr):
+        mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
+                       head_major=head_major)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv, dg,
             dbeta)
 

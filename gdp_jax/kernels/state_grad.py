@@ -83,21 +83,25 @@ class StateGradKernel:
         for name in ChunkForwardKernel.DTYPES:
             for K in ChunkForwardKernel.HEAD_DIMS:
                 for V in ChunkForwardKernel.HEAD_DIMS:
-                    for Vx, ds in ((V, name), (V, "float32"), (V + K, "float32")):
+                    for Vx, ds, fused in ((V, name, True), (V, name, False),
+                                          (V, "float32", False), (V + K, "float32", True),
+                                          (V + K, "float32", False)):
                         fn = functools.partial(cls.raw_call,
                                                BV=ChunkForwardKernel.pick_bv(ChunkForwardKernel.SMS, 1, Vx),
-                                               ds_dtype=ds)
+                                               ds_dtype=ds, fuse_ddo=fused)
                         out.append(aot.Variant(f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
-                                               f"dS_end {ds}", fn, _avals(name, K, Vx)))
+                                               f"dS_end {ds}" + (" fused ddo" if fused else ""),
+                                               fn, _avals(name, K, Vx, fused)))
         return out
 
 
-def _avals(dtype, K, V):
-    """(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal) at the canonical shape."""
+def _avals(dtype, K, V, fuse_ddo=False):
+    """(kt, w, qg, ddo or P, do, decay, reset, seq, last, dfinal) at the canonical shape."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     C, f32, i32 = grid.CHUNK, jnp.float32, jnp.int32
-    return ((S((1, 1, 1, C, K), dtype),) * 3 + (S((1, 1, 1, C, V), f32),
+    ddo = S((1, 1, 1, C, C), dtype) if fuse_ddo else S((1, 1, 1, C, V), f32)
+    return ((S((1, 1, 1, C, K), dtype),) * 3 + (ddo,
             S((1, 1, 1, C, V), dtype), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
             + (S((1, 1, K, V), f32),))
 
