@@ -13,7 +13,7 @@
    medians, peak memory) as the engine runs it, with XLA's factors and float32 dS_end
    (``pipeline.KERNEL_FACTORS = False``), with XLA's local gradients too
    (``pipeline.LOCAL_GRAD_KERNEL = False``), with the kernel's [C, C] factors in one
-   16-bit rounding (``pipeline.LOCAL_GRAD_SPLIT = False``), and with the forward's
+   16-bit rounding (``kernels.local_grad.SPLIT = False``), and with the forward's
    operands kept for the backward (``pipeline.SAVE_OPERANDS = True``).
 """
 from __future__ import annotations
@@ -152,19 +152,21 @@ def main(argv=None):
     res["time"] = kernel_time(B, n * T // 64, H, variants=variants)
     if not a.skip_op:
         from benchmarks import op, registry
-        from gdp_jax.kernels import pipeline
+        from gdp_jax.kernels import local_grad, pipeline
         shape = registry.shapes("op", a.shape)[0]
         x = registry.make_inputs(shape, 0)
         ref = op.reference(x, min(4, shape.H), True)
         args = types.SimpleNamespace(check_heads=4, iters=5, reps=5)
         res["op"] = []
+        saved = (pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS,
+                 local_grad.SPLIT, pipeline.SAVE_OPERANDS)
         for use, factors, split, save in ((True, True, True, False),
                                           (True, True, True, True),
                                           (True, True, False, False),
                                           (True, False, True, False),
                                           (False, False, True, False)):
             pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = use, factors
-            pipeline.LOCAL_GRAD_SPLIT, pipeline.SAVE_OPERANDS = split, save
+            local_grad.SPLIT, pipeline.SAVE_OPERANDS = split, save
             row = {"shape": shape.label(), "local_grad_kernel": use,
                    "kernel_factors": factors, "split": split, "save_operands": save}
             try:
@@ -173,8 +175,8 @@ def main(argv=None):
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
             print("op", json.dumps(row), flush=True)
             res["op"].append(row)
-        pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS = True, True
-        pipeline.LOCAL_GRAD_SPLIT, pipeline.SAVE_OPERANDS = True, False
+        (pipeline.LOCAL_GRAD_KERNEL, pipeline.KERNEL_FACTORS,
+         local_grad.SPLIT, pipeline.SAVE_OPERANDS) = saved
     print("\n| K | V | strong gates | kernel dq / dk / dv / dg / dbeta | xla f32 (same) |")
     print("|---|---|---|---|---|")
     for r in res["precision"]:

@@ -57,6 +57,9 @@ def main(argv=None):
     p.add_argument("--tokens", action="store_true")
     p.add_argument("--warps-n", default="2",
                    help="local-gradient kernel: warps along N to time (comma list)")
+    p.add_argument("--lg-variants", default="",
+                   help="local-gradient kernel: more chunk-major variants to time and probe "
+                        "(';' list of ablate strings whose results are right, e.g. kloop)")
     a = p.parse_args(argv)
 
     import jax
@@ -160,6 +163,13 @@ def main(argv=None):
                 out[f"local grad tokens {tag} split={int(split)} rel diff"] = diff
                 log(f"  vs the first warp count: max |diff| / max |x| of dq, dk, dv, dg, "
                     f"dbeta: " + " ".join(f"{d:.1e}" for d in diff))
+
+        for v in (x for x in a.lg_variants.split(";") if x):
+            timed(f"local grad [{v}]", lambda *x, v=v: LocalGradKernel.raw_call(
+                *x, ab_dtype="bfloat16", ablate=v), *lg)
+            res = timed(f"local grad probe [{v}]", lambda *x, v=v: LocalGradKernel.raw_call(
+                *x, ab_dtype="bfloat16", ablate="probe," + v), *lg)
+            report(f"local grad probe [{v}]", res[4], LG_PHASES)
 
     w, kt, qg, pm, u, decay = ops[:6]
     flags = (jnp.zeros((B, NC), jnp.int32).at[:, 0].set(1),

@@ -164,6 +164,12 @@ class ChunkGradSm90:
         probe = "probe" in self.ablate
         marks = [cute.arch.clock()] if cutlass.const_expr(probe) else []
         mma_split_b_ = mma_split_b if on else _skip
+        # acc += A B over k-blocks of ldmatrix operands: a dynamic loop with "kloop" (one
+        # k-block's fragments reused: a fraction of the code), else unrolled
+        if cutlass.const_expr("kloop" in self.ablate):
+            mma_ = self._mma_loop if on else _skip
+        else:
+            mma_ = lambda tm, kb, acc, a, b_: mma_split_b_(tm, kb, [(acc, a)], b_, None, False)
         _mma_reg_a_ = _mma_reg_a if on else _skip
 
         smem = cutlass.memory.SmemAllocator()
@@ -228,23 +234,25 @@ class ChunkGradSm90:
         cute.arch.sync_threads()
         if cutlass.const_expr("nogates" not in self.ablate):
             # sums from the diagonal outwards (never a difference of cumsums: strong gates
-            # stay exact), unrolled with predicates so the loads of g run ahead
+            # stay exact), unrolled without branches so the loads of g and the exps of
+            # successive entries overlap: past the row's first entry (jj > i) the store
+            # goes to the row's padding column C, which nothing reads. exp as ex2.approx
+            # (2^-22 relative; below ~1e-38 it flushes to 0)
             if tidx < C:
                 i = tidx
                 s = F32(0.0)                       # seg_ij, j from i down to 0
                 for jj in cutlass.range_constexpr(C):
-                    j = i - jj
-                    if jj <= i:
-                        sGam[i, j] = cute.math.exp(s)
-                    s = s + pick(jj < i, sg[cutlass.select_(jj < i, j, 0)], F32(0.0))
+                    sGam[i, cutlass.select_(jj <= i, i - jj, C)] = cute.math.exp(
+                        s, fastmath=True)
+                    s = s + pick(jj < i, sg[cutlass.select_(jj < i, i - jj, 0)], F32(0.0))
                 s = s + sg[0]
-                sgam[i] = cute.math.exp(s)         # s = G_i
+                sgam[i] = cute.math.exp(s, fastmath=True)          # s = G_i
             elif tidx < 2 * C:
                 i = tidx - C
                 t = F32(0.0)                       # G_last - G_i = g_{i+1} + ... + g_{C-1}
                 for l in cutlass.range_constexpr(1, C):
                     t = t + pick(l > i, sg[l], F32(0.0))
-                set_[i] = cute.math.exp(t)
+                set_[i] = cute.math.exp(t, fastmath=True)
         tXc = thr_mma.partition_C(sX)
         for e in cutlass.range_constexpr(cute.size(acc_x)):
             tXc[e] = acc_x[e]
@@ -274,7 +282,7 @@ class ChunkGradSm90:
         r0, _ = crd_x[0]                       # this thread's accumulator rows r0, r0 + 8
         acc_cc = make_acc(thr_mma, (C, C))
         acc_cc.fill(0.0)
-        mma_split_b_(tiled_mma, K // MMA_K, [(acc_cc, A_(sQ))], B_(sK), None, False)
+        mma_(tiled_mma, K // MMA_K, acc_cc, A_(sQ), B_(sK))
         tQGc = thr_mma.partition_C(sQG)
         tGc = thr_mma.partition_C(sGam)
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
@@ -300,13 +308,13 @@ class ChunkGradSm90:
         crd_k = thr_mma.partition_C(cute.make_identity_tensor((C, K)))
         acc_v = make_acc(thr_mma, (C, V))
         acc_v.fill(0.0)
-        mma_split_b_(tiled_mma, K // MMA_K, [(acc_v, A_(sW))], Bt(sS0, K, V), None, False)
+        mma_(tiled_mma, K // MMA_K, acc_v, A_(sW), Bt(sS0, K, V))
         toV = acc_to_smem(tiled_mma, tidx, acc_v, ab)
         toV.store((u - acc_v.load()).to(ab), toV.dest(sDelta))
 
         # ---- phase 3: ddelta = diag(et) K dS_end + scale QG^T doc -> smem (16-bit)
         acc_v.fill(0.0)
-        mma_split_b_(tiled_mma, K // MMA_K, [(acc_v, A_(sK))], Bt(sDS, K, V), None, False)
+        mma_(tiled_mma, K // MMA_K, acc_v, A_(sK), Bt(sDS, K, V))
         for e in cutlass.range_constexpr(cute.size(acc_v)):
             i, _ = crd_v[e]
             acc_v[e] = acc_v[e] * set_[i]
@@ -326,7 +334,7 @@ class ChunkGradSm90:
         # through their global outputs instead, the first version, for A/B timing)
         acc_dk = make_acc(thr_mma, (C, K))
         acc_dk.fill(0.0)
-        mma_split_b_(tiled_mma, V // MMA_K, [(acc_dk, A_(sDelta))], B_(sDS), None, False)
+        mma_(tiled_mma, V // MMA_K, acc_dk, A_(sDelta), B_(sDS))
         tKc = thr_mma.partition_C(sK)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             i, _ = crd_k[e]
@@ -343,14 +351,14 @@ class ChunkGradSm90:
         # ---- phase 5: dW = -ddelta S0^T -> smem (16-bit, where w was)
         acc_k = make_acc(thr_mma, (C, K))
         acc_k.fill(0.0)
-        mma_split_b_(tiled_mma, V // MMA_K, [(acc_k, A_(sDD))], B_(sS0), None, False)
+        mma_(tiled_mma, V // MMA_K, acc_k, A_(sDD), B_(sS0))
         toK = acc_to_smem(tiled_mma, tidx, acc_k, ab)
         toK.store((acc_k.load() * -1.0).to(ab), toK.dest(sW))
 
         # ---- phase 6: diag(scale gam) doS0 -> dq (partial, registers); rq = rows(q, doS0)
         acc_dq = make_acc(thr_mma, (C, K))
         acc_dq.fill(0.0)
-        mma_split_b_(tiled_mma, V // MMA_K, [(acc_dq, A_(sDo))], B_(sS0), None, False)
+        mma_(tiled_mma, V // MMA_K, acc_dq, A_(sDo), B_(sS0))
         tQc = thr_mma.partition_C(sQ)
         _row_sums(acc_dq, crd_k, r0, lambda e: acc_dq[e] * tQc[e].to(F32), srq, wn)
         for e in cutlass.range_constexpr(cute.size(acc_dq)):
@@ -367,8 +375,8 @@ class ChunkGradSm90:
         acc_cc.fill(0.0)
         acc_c2 = make_acc(thr_mma, (C, C))
         acc_c2.fill(0.0)
-        mma_split_b_(tiled_mma, K // MMA_K, [(acc_cc, A_(sW))], B_(sK), None, False)
-        mma_split_b_(tiled_mma, V // MMA_K, [(acc_c2, A_(sDD))], B_(sV), None, False)
+        mma_(tiled_mma, K // MMA_K, acc_cc, A_(sW), B_(sK))
+        mma_(tiled_mma, V // MMA_K, acc_c2, A_(sDD), B_(sV))
         t1 = thr_mma.partition_C(F1)
         t2 = thr_mma.partition_C(F2)
         t3 = thr_mma.partition_C(F3)
@@ -389,7 +397,7 @@ class ChunkGradSm90:
 
         # ---- phase 8: dP = scale tril(doc Delta^T); dqk = dP Gam -> F2; dseg = dP QG -> F3
         acc_cc.fill(0.0)
-        mma_split_b_(tiled_mma, V // MMA_K, [(acc_cc, A_(sDo))], B_(sDelta), None, False)
+        mma_(tiled_mma, V // MMA_K, acc_cc, A_(sDo), B_(sDelta))
         tQGc2 = thr_mma.partition_C(sQG)
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_x[e]
@@ -418,7 +426,7 @@ class ChunkGradSm90:
         acc_cc.fill(0.0)
         acc_c2.fill(0.0)
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(sQG, True), None, R(sX, False))
-        mma_split_b_(tiled_mma, K // MMA_K, [(acc_c2, A_(sK))], B_(sK), None, False)
+        mma_(tiled_mma, K // MMA_K, acc_c2, A_(sK), B_(sK))
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_x[e]
             strict = j < i                    # dA = -T X^T below the diagonal, else 0
@@ -500,6 +508,15 @@ class ChunkGradSm90:
             if tidx == 0:
                 for m in cutlass.range_constexpr(len(marks) - 1):
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
+
+    @cute.jit
+    def _mma_loop(self, tiled_mma: cute.TiledMma, k_blocks: cutlass.Constexpr, acc, a, b):
+        """acc += A B over ``k_blocks`` k-blocks of the ldmatrix ``Operand``s a, b as a
+        dynamic loop: each k-block goes through the fragments' first k-block slot."""
+        for kb in cutlass.range(k_blocks, unroll=1):
+            cute.copy(a.copy, a.src[None, None, kb], a.dst[None, None, 0])
+            cute.copy(b.copy, b.src[None, None, kb], b.dst[None, None, 0])
+            cute.gemm(tiled_mma, acc, a.frag[None, None, 0], b.frag[None, None, 0], acc)
 
     @cute.jit
     def _copy_rows(self, cp, s, mOut, mRows, b, c, hv, N: cutlass.Constexpr,

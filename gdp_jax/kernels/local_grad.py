@@ -30,8 +30,14 @@ TOKEN_GRADS = True
 # and that kernel's CTAs in (head, chunk, row) order, where the chunks fit grid y
 # (binding.MAX_GRID_Y): those resident at once write whole token rows [.., HV, K]
 TOKEN_HEAD_MAJOR = True
-# warps along N of the kernel's CTA (4 along M): 1, 2 or 4 (4, 8 or 16 warps)
+# warps along N of the kernel's CTA (4 along M): 1, 2 or 4 (4, 8 or 16 warps; 16 made the
+# kernel 18% slower, s20-1: 128 registers and every warp converting its [C, C] operands)
 WARPS_N = 2
+# the [C, C] float32 factors entering the MMAs as hi + lo (True: an opt-in precision mode)
+# or in one 16-bit rounding (False, a third fewer MMAs: fwd+bwd 9.72 -> 9.23 ms at
+# (8, 4096, 16, 2), s20-2, with every gradient still closer to float64 than FLA's:
+# benchmarks/results/CURRENT.md). The prebuilt variants are this setting's.
+SPLIT = False
 
 
 class LocalGradKernel:
@@ -60,7 +66,8 @@ class LocalGradKernel:
 
     @classmethod
     def call(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, *, scale: float, ab_dtype,
-             split: bool = True, ablate: str = "", warps_n: Optional[int] = None):
+             split: Optional[bool] = None, ablate: str = "",
+             warps_n: Optional[int] = None):
         """-> (dq, dk [B, NC, HV, C, K], dv [B, NC, HV, C, V], dg, dbeta [B, NC, HV, C]),
         float32; ``jax.vmap``-able.
 
@@ -79,9 +86,10 @@ class LocalGradKernel:
 
     @staticmethod
     def raw_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
-                 split: bool = True, ablate: str = "", warps_n: int = 2):
+                 split: Optional[bool] = None, ablate: str = "", warps_n: int = 2):
         """:meth:`call` on its operands in the kernel's order, ``scale`` [B] float32 (one
-        per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo;
+        per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo (None:
+        :data:`SPLIT`);
         ``warps_n``: warps along N (4, 8 or 16 warps a CTA); ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
@@ -95,7 +103,8 @@ class LocalGradKernel:
             _launcher, "gdp_chunk_grad_sm90", outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
-            K=K, V=V, ab_name=ab.name, split=bool(split), ablate=ablate, warps_n=int(warps_n))
+            K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
+            ablate=ablate, warps_n=int(warps_n))
 
     @staticmethod
     def can_write_tokens(spec, ch) -> bool:
@@ -116,7 +125,7 @@ class LocalGradKernel:
 
     @classmethod
     def call_tokens(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, rows, *, n: int,
-                    T: int, scale: float, ab_dtype, split: bool = True):
+                    T: int, scale: float, ab_dtype, split: Optional[bool] = None):
         """:meth:`call` with dq, dk, dv written in the op's token-major layout, in
         ``ab_dtype``: -> (dq [B, T, HV, K], dk [B, T, n, HV, K], dv [B, T, n, HV, V],
         dg, dbeta [B, NC, HV, C] float32). ``rows`` [B, NC, 4]: the chunk grid's row table
@@ -136,7 +145,7 @@ class LocalGradKernel:
 
     @staticmethod
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
-                        T: int, ab_dtype, split: bool = True, warps_n: int = 2):
+                        T: int, ab_dtype, split: Optional[bool] = None, warps_n: int = 2):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
@@ -156,7 +165,7 @@ class LocalGradKernel:
             _launcher_tokens, "gdp_chunk_grad_sm90_tokens", outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
-            K=K, V=V, ab_name=ab.name, split=bool(split),
+            K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
             warps_n=int(warps_n))
 

@@ -160,9 +160,6 @@ class BackwardWork:
 # factors with the differentiated forward's operands).
 LOCAL_GRAD_KERNEL = True
 KERNEL_FACTORS = True
-# and the local-gradient kernel's [C, C] float32 factors entering its MMAs as hi + lo
-# (False: one 16-bit rounding, fewer MMAs)
-LOCAL_GRAD_SPLIT = True
 # and the differentiated forward keeping its operands and X for the backward (one operands
 # kernel pass fewer, ~100 KB more kept per chunk at K = V = 128) instead of recomputing them
 SAVE_OPERANDS = False
@@ -204,15 +201,14 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
         rows = token_rows(layout, spec.n, spec.T)
         dq, dk, dv, dg, dbeta = LocalGradKernel.call_tokens(
             ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.operands[4],
-            ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype,
-            split=LOCAL_GRAD_SPLIT)
+            ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype)
         gates = _vma.cotangent_like((dg.astype(ch.g.dtype), dbeta.astype(ch.beta.dtype)),
                                     (ch.g, ch.beta))
         return TokenCotangents(dq, dk, dv, *gates)
     if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
                                      work.X, S0, work.operands[4], ds_end, scale=spec.scale,
-                                     ab_dtype=spec.ab_dtype, split=LOCAL_GRAD_SPLIT)
+                                     ab_dtype=spec.ab_dtype)
         dch = grid.ChunkInputs(*(d.astype(x.dtype) for d, x in zip(grads, ch)))
         return _vma.cotangent_like(dch, ch)
     return chunked.local_grads_direct(ch, work.it, work.X, S0, doc, ds_end.astype(ch.k.dtype),
