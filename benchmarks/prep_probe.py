@@ -59,7 +59,7 @@ def main(argv=None):
                    help="local-gradient kernel: warps along N to time (comma list)")
     p.add_argument("--lg-variants", default="",
                    help="local-gradient kernel: more chunk-major variants to time and probe "
-                        "(';' list of ablate strings whose results are right, e.g. kloop)")
+                        "(';' list of ablate strings whose results are right, e.g. roundtrip)")
     a = p.parse_args(argv)
 
     import jax
