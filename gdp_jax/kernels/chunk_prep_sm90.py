@@ -187,16 +187,15 @@ class ChunkPrepSm90:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
         cute.arch.sync_threads()
-        # exp as ex2.approx (2^-22 relative; below ~1e-38 it flushes to 0). The sums go
-        # from the diagonal outwards (no difference of cumsums), unrolled without branches
-        # so the loads of g and the exps of successive entries overlap: past the row's
-        # first entry (jj > i) the store goes to the row's padding column C, unread.
+        # exp as ex2.approx (2^-22 relative; below ~1e-38 it flushes to 0): a short
+        # dependency chain in these serial loops
         if tidx < C:
             i = tidx
             s = F32(0.0)                          # seg_ij, j from i down to 0
-            for jj in cutlass.range_constexpr(C):
-                sA[i, cutlass.select_(jj <= i, i - jj, C)] = cute.math.exp(s, fastmath=True)
-                s = s + _pick(jj <= i, sg[cutlass.select_(jj <= i, i - jj, 0)], F32(0.0))
+            for jj in cutlass.range(i + 1, unroll=1):
+                j = i - jj
+                sA[i, j] = cute.math.exp(s, fastmath=True)
+                s = s + sg[j]
             sgam[i] = cute.math.exp(s, fastmath=True)            # s = G_i
             if i == C - 1:
                 mDecay[b, c, hv] = cute.math.exp(s, fastmath=True)
