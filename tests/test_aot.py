@@ -241,9 +241,9 @@ def test_engine_runs_only_listed_variants(fresh, scale, HV):
     bf16, K = V = 128, any scale) for a call that fills the GPU (rows x heads x V / 64 >=
     132 CTAs of the recursion kernels) is one of the variants ffi/build.py prebuilds: a
     prebuilt directory then compiles nothing (the prep kernel once had the scale compiled
-    in, so a non-default scale compiled it at trace time). A smaller call (HV = 2) runs
-    the recursion kernels on value tiles of 32 (``ChunkForwardKernel.pick_bv``), which
-    compile at first use: exactly those, nothing else."""
+    in, so a non-default scale compiled it at trace time). So does a smaller call (HV = 2),
+    which runs the recursion kernels on value tiles of 32 (``ChunkForwardKernel.pick_bv``:
+    both tiles are prebuilt)."""
     from gdp_jax import _checks, grid
     from gdp_jax.kernels.pipeline import CUTEDSL
 
@@ -287,12 +287,8 @@ def test_engine_runs_only_listed_variants(fresh, scale, HV):
     _lower(lambda c, d, df: CUTEDSL.backward_summaries(spec, c, layout, d, df)[0],
            ch, doc, dfinal)
     unlisted = set(seen) - listed_keys
-    assert seen
-    if HV >= 66:
-        assert not unlisted, [k[0] for k in unlisted]
-    else:
-        assert unlisted and all(k[0] in ("gdp_chunk_fwd_sm90", "gdp_chunk_bwd_dh_sm90")
-                                and ("BV", 32) in k[-1] for k in unlisted), unlisted
+    assert seen and any(("BV", 32 if HV < 66 else 64) in k[-1] for k in seen)
+    assert not unlisted, [k[0] for k in unlisted]
 
 
 def test_build_every_variant(every_kernel_variant, fresh, tmp_path):

@@ -507,17 +507,19 @@ def test_token_major_local_grad_call_rejects_bad_inputs():
 
 def test_value_tile_fills_the_gpu():
     """The recursion kernels' value tile: 64 when rows x heads x V / 64 gives every SM a
-    CTA, else 32 (twice the CTAs); the prebuilt variants carry the large calls' tile."""
+    CTA, else 32 (twice the CTAs); the prebuilt variants carry both tiles."""
     pick = ChunkForwardKernel.pick_bv
     assert pick(8, 16, 128) == 64 and pick(1, 66, 128) == 64 and pick(1, 132, 64) == 64
     assert pick(1, 16, 128) == 32 and pick(1, 65, 128) == 32 and pick(2, 2, 64) == 32
     assert pick(1, 33, 256) == 64 and pick(1, 33, 192) == 32       # CP: V + K columns
     names = [v.what for v in ChunkForwardKernel.variants()]
     assert names and all(" ckpt=" in n for n in names)
-    keys = []
-    for v in ChunkForwardKernel.variants()[:1] + StateGradKernel.variants()[:1]:
-        keys.append(v.fn.keywords["BV"])
-    assert keys == [64, 64]
+    assert ChunkForwardKernel.value_tiles(128) == [32, 64]
+    for kernel in (ChunkForwardKernel, StateGradKernel):
+        tiles = {}
+        for v in kernel.variants():
+            tiles.setdefault(v.what.rsplit(" BV=", 1)[0], set()).add(v.fn.keywords["BV"])
+        assert tiles and all(t == {32, 64} for t in tiles.values()), kernel
 
 
 def test_operands_kernel_holds_three_ctas_per_sm():

@@ -130,8 +130,8 @@ class ChunkForwardKernel:
         """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
         checkpoints of each ``recompute_chunk_nums``) and the CP rank's one pass (V + K
-        columns, the same checkpoints); each with the value tile of calls that fill the
-        GPU (``pick_bv``: 64; calls of few rows x heads compile their BV = 32 at first use)."""
+        columns, the same checkpoints); each with both value tiles ``pick_bv`` picks (64
+        for calls that fill the GPU, 32 for few rows x heads)."""
         from gdp_jax.kernels import aot
         out = []
         for name in cls.DTYPES:
@@ -139,12 +139,19 @@ class ChunkForwardKernel:
                 for V in cls.HEAD_DIMS:
                     runs = [(V, 0)] + [(Vx, r + 1) for Vx in (V, V + K)
                                        for r in recompute_chunk_nums]
-                    for Vx, ckpt in runs:
-                        fn = functools.partial(cls.raw_call, BV=cls.pick_bv(cls.SMS, 1, Vx),
-                                               ckpt=ckpt, states_dtype=checkpoint_dtype(name))
-                        out.append(aot.Variant(f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} "
-                                               f"ckpt={ckpt}", fn, _avals(name, K, Vx)))
+                    for (Vx, ckpt) in runs:
+                        for BV in cls.value_tiles(Vx):
+                            fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
+                                                   states_dtype=checkpoint_dtype(name))
+                            out.append(aot.Variant(
+                                f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt} BV={BV}",
+                                fn, _avals(name, K, Vx)))
         return out
+
+    @classmethod
+    def value_tiles(cls, V: int):
+        """Every value tile :meth:`pick_bv` may pick for V state columns."""
+        return sorted({cls.pick_bv(cls.SMS, 1, V), cls.pick_bv(1, 1, V)})
 
 
 def _avals(dtype, K, V):

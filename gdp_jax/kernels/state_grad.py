@@ -76,8 +76,8 @@ class StateGradKernel:
     def variants(cls):
         """The variants the cutedsl engine runs: per dtype and head dims, the backward
         (dS_end in the 16-bit dtype, and float32 for the XLA local gradients) and the CP
-        summary (V + K columns, float32 dS_end); the value tile as the forward's
-        (``ChunkForwardKernel.variants``)."""
+        summary (V + K columns, float32 dS_end), ddo formed in the kernel or read; the value
+        tiles as the forward's (``ChunkForwardKernel.value_tiles``)."""
         from gdp_jax.kernels import aot
         out = []
         for name in ChunkForwardKernel.DTYPES:
@@ -86,12 +86,13 @@ class StateGradKernel:
                     for Vx, ds, fused in ((V, name, True), (V, name, False),
                                           (V, "float32", False), (V + K, "float32", True),
                                           (V + K, "float32", False)):
-                        fn = functools.partial(cls.raw_call,
-                                               BV=ChunkForwardKernel.pick_bv(ChunkForwardKernel.SMS, 1, Vx),
-                                               ds_dtype=ds, fuse_ddo=fused)
-                        out.append(aot.Variant(f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
-                                               f"dS_end {ds}" + (" fused ddo" if fused else ""),
-                                               fn, _avals(name, K, Vx, fused)))
+                        for BV in ChunkForwardKernel.value_tiles(Vx):
+                            fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
+                                                   fuse_ddo=fused)
+                            out.append(aot.Variant(
+                                f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} dS_end {ds}"
+                                + (" fused ddo" if fused else "") + f" BV={BV}",
+                                fn, _avals(name, K, Vx, fused)))
         return out
 
 
