@@ -1,12 +1,11 @@
 """cutedsl forward AND backward on an sm_90 GPU vs the xla backend and the float64 reference.
 
 Run on the lent H200 only (``pytest -m gpu tests/test_cutedsl_gpu.py``); CI has no GPU.
-Last real runs: 2026-12-04 on nvidia-h200 (nineteenth session; tests/gpu_results/
-GPU_TESTS.md): s19-2 every case passed (forward / packed / long 17, gradients 15, the
-rest 13 and 2 skipped: 2 GPUs) with the first token-major local-gradient kernel; its
-final form (staged stores, head-major CTAs) passed `test_token_major_gradients_kernel` x 4
-and the packed gradients in s19-3, the rest and 15 of 17 forward cases in s19-4, and 8 of
-the 11 `test_gradients_match` cases in s19-5 (the other 3: time, not failures). The
+Last real runs: 2026-12-04 on nvidia-h200 (twentieth session; tests/gpu_results/
+GPU_TESTS.md): s20-3 every case passed on the final device code (FUSED_DDO on, one
+rounding of the local-gradient kernel's [C, C] factors): fused ddo / token-major
+gradients / local-grad kernel / packed gradients 13, gradients_match 9, forward / packed /
+long / inverse 18, the rest 7 and 2 skipped (2 GPUs). The
 2-GPU cases last passed on nvidia-h200-x2 on 2026-11-29
 (tests/gpu_results/history/2026-11-29/gpu_tests_2026-11-29_run6_final.log).
 Tolerance: FLA-style relative RMS error ||x - ref|| / ||ref|| < 6e-3 (TOL; FLA's own error

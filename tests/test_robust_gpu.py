@@ -6,8 +6,7 @@ packed sequences, invalid traced offsets (all NaN), unnormalised keys (finite as
 the recurrence), a loss masked over inf padding (finite). The XLA glue around the kernels
 (kernels.pipeline.causal_operands, the row-causal WY inverse wrapper) is tested on CPU with
 emulated kernels (tests/test_robust.py); this file checks the kernels themselves. Last real run: 2026-12-04, nvidia-h200: all 48 passed
-(tests/gpu_results/GPU_TESTS.md, run s19-4: the local-gradient kernel writing dq, dk, dv
-token-major).
+(tests/gpu_results/GPU_TESTS.md, run s20-3: the twentieth session's final device code).
 
 Run on the H200:
     python tests/test_robust_gpu.py --out "$OUT"          # or: pytest -m gpu -s <this file>

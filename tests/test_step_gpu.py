@@ -5,9 +5,10 @@ Run on the lent H200 only: ``pytest -m gpu -v -s tests/test_step_gpu.py``; CI ha
 Everything is checked against the float64 token recurrence. Tolerances (FLA-style relative
 RMS): 5e-3 for 16-bit outputs, 1e-4 for float32 states / float32 outputs, 1e-2 for
 gradients of 16-bit inputs.
-Last real run: 2026-12-04, nvidia-h200, code 3b7b783 (s16-4): 58 passed (the small-T xla
-cases cut by the call's time limit after 16 of 20, none failed); all 62 passed on 713534b
-(2026-12-01, s2-1; tests/gpu_results/GPU_TESTS.md).
+Last real run: 2026-12-04, nvidia-h200, code 8560c17 (s20-5; the final tree differs only
+in the operands kernel's gate loop, reverted after): 22 small-T cases passed before the
+call's time limit, none failed; 58 passed on
+3b7b783 (s16-4), all 62 on 713534b (2026-12-01, s2-1; tests/gpu_results/GPU_TESTS.md).
 """
 import functools
 

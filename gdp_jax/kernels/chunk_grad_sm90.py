@@ -33,12 +33,14 @@ made of.
 Precision: the 16-bit operands and the float32 accumulation of the forward kernels. Delta,
 ddelta, dW and dS_end enter the MMAs rounded to 16 bits (as FLA's kernels keep them); the
 [C, C] factors (X, QG, dX, X^T dX, dqk, dkk + dkk^T) are float32 in shared memory and enter
-the MMAs split hi + lo (``split``): X's entries reach ~1e2 when beta ~ 2.
+the MMAs in one 16-bit rounding, or split hi + lo with ``split`` (a third more MMAs; X's
+entries reach ~1e2 when beta ~ 2). The gate exps are ex2.approx (2^-22 relative).
 
 Inputs are finite (the forward's non-finite rows give NaN gradients for their chunk, as in
 XLA). Phases are separated by CTA barriers; the [C, C] float32 scratch tiles live where
 dS_end and S0 were once those are dead (~218 KB of shared memory at K = V = 128: one CTA
-an SM).
+an SM). The loads come in two cp.async groups, q and k first, so that QG runs while w,
+doc, S0 and a 16-bit dS_end (straight into shared memory) land.
 
 Results: dq, dk, dv as float32 chunk tiles [B, NC, HV, C, K or V], or with ``tokens``
 16-bit straight into the op's token-major layout - dk, dv [B, n T, HV, K or V] (chunk row

@@ -17,8 +17,9 @@ Backward:
   kernel (``ChunkPrepKernel`` with X): the forward's operands again and the WY inverse X
     (recomputed: nothing more is kept from the forward);
     where the kernels cannot take the backward, XLA's factors (``chunked.wy_factors``);
-  XLA: chunk states from the checkpoints (N recompute steps, all groups at once) and the
-    reverse kernel's operand ddo = P^T dO;
+  XLA: chunk states from the checkpoints (N recompute steps, all groups at once) and,
+    where the reverse kernel does not form it from P (``FUSED_DDO``), its operand
+    ddo = P^T dO;
   kernel (:class:`~gdp_jax.kernels.state_grad.StateGradKernel`): the reverse state-gradient
     recursion, dS_end of every chunk and the initial-state gradients;
   kernel (:class:`~gdp_jax.kernels.local_grad.LocalGradKernel`): the chunk-local backward
