@@ -7,8 +7,8 @@ Occupancy on the H200 is set by registers as often as by shared memory: an SM ho
 thread fits floor(65536 / (4 * 32 * ceil8(R))) times. This compiles each prebuilt variant
 (``gdp_jax.kernels.aot``'s list, K = V = 128 unless ``--dims``) with the CuTe DSL keeping its
 cubin, and reads the register count the assembler recorded in the cubin's ``.nv.info``
-(attribute 0x2f, EIATTR_REGCOUNT; 0x11, the frame: spills), the launch's thread count and
-how many CTAs an SM's registers hold.
+(attribute 0x2f, EIATTR_REGCOUNT; 0x11, the frame: spills), the launch's thread count,
+how many CTAs an SM's registers hold, and the size of the machine code.
 """
 from __future__ import annotations
 
@@ -55,6 +55,21 @@ def cubin_registers(path: str) -> tuple[int, int]:
     return found[EIATTR_REGCOUNT], found.get(EIATTR_FRAME_SIZE, 0)
 
 
+def cubin_code_bytes(path: str) -> int:
+    """Bytes of machine code (the .text sections) in a cubin: the instructions an SM
+    fetches while a CTA runs (straight-line kernels fetch all of them once a CTA)."""
+    b = open(path, "rb").read()
+    shoff = struct.unpack_from("<Q", b, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
+    stroff = secs[shstrndx][4]
+
+    def name(o):
+        return b[stroff + o:b.index(b"\0", stroff + o)].decode()
+
+    return sum(s[5] for s in secs if name(s[0]).startswith(".text"))
+
+
 def ctas_by_registers(regs: int, threads: int) -> int:
     warps = -(-threads // 32)
     per_warp = -(-regs // 8) * 8 * 32
@@ -66,6 +81,9 @@ def main(argv=None):
     p.add_argument("--match", default="", help="substring of the variant names to compile")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--dims", default="K=128 V=128")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a gdp_jax module constant first (as benchmarks.run's --set), "
+                        "e.g. kernels.chunk_prep.COMPACT=True")
     a = p.parse_args(argv)
 
     d = tempfile.mkdtemp(prefix="gdp_cubins_")
@@ -75,6 +93,8 @@ def main(argv=None):
     import importlib.util
 
     import jax
+    from benchmarks.run import apply_settings
+    apply_settings(a.set)
     spec = importlib.util.spec_from_file_location(
         "gdp_ffi_build", os.path.join(os.path.dirname(__file__), "..", "ffi", "build.py"))
     build = importlib.util.module_from_spec(spec)
@@ -99,7 +119,8 @@ def main(argv=None):
                 threads = math.prod(int(x) for x in line.split(".reqntid")[1].split(","))
                 break
         print(f"{v.what}: {regs} registers x {threads} threads, frame {frame} B -> "
-              f"{ctas_by_registers(regs, threads)} CTAs / SM by registers", flush=True)
+              f"{ctas_by_registers(regs, threads)} CTAs / SM by registers; "
+              f"{cubin_code_bytes(cubins[0]) // 1024} KB of code", flush=True)
 
 if __name__ == "__main__":
     main()

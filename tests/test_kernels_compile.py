@@ -538,7 +538,33 @@ def test_operands_kernel_holds_three_ctas_per_sm():
     assert r.returncode == 0 and len(lines) == 4, r.stdout[-2000:] + r.stderr[-2000:]
     for ln in lines:
         regs = int(ln.split(": ")[1].split(" registers")[0])
-        assert regs <= 168 and ln.endswith("3 CTAs / SM by registers"), ln
+        assert regs <= 168 and "3 CTAs / SM by registers" in ln, ln
+
+
+def _code_kb(match, *settings):
+    """{variant: KB of machine code} from benchmarks.kernel_resources (K = V = 128)."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    args = [sys.executable, "-m", "benchmarks.kernel_resources", "--match", match]
+    for item in settings:
+        args += ["--set", item]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return {ln.split(":")[0]: int(ln.rsplit("; ", 1)[1].split(" KB")[0])
+            for ln in r.stdout.splitlines() if ln.startswith(match)}
+
+
+def test_compact_operands_kernel_is_smaller():
+    """``chunk_prep.COMPACT`` (the WY inverse's off-diagonal rows as dynamic loops) makes
+    the token-major operands kernel with the norm - the largest kernel, 130 KB of code -
+    at least 8 KB smaller (why that may matter: the switch's comment)."""
+    plain = _code_kb("gdp_chunk_prep_sm90_tokens")
+    compact = _code_kb("gdp_chunk_prep_sm90_tokens", "kernels.chunk_prep.COMPACT=True")
+    name = "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm"
+    assert plain.keys() == compact.keys() and name in plain, (plain, compact)
+    assert compact[name] <= plain[name] - 8, (plain, compact)
 
 
 def test_probe_variants_compile():

@@ -85,11 +85,31 @@ def _nonfinite(z, lanes: int):
     return I32(cutlass.select_((good & group) == group, I32(0), I32(1)))
 
 
+def _t_row(sA, sT, col, i, j):
+    """T[i, j] = A21[i, :] X11[:, j] (``col``: X11[:, j] in registers; two partial sums)."""
+    acc0, acc1 = F32(0.0), F32(0.0)
+    for l in range(0, HB, 2):
+        acc0 = acc0 + sA[HB + i, l] * col[l]
+    for l in range(1, HB, 2):
+        acc1 = acc1 + sA[HB + i, l] * col[l]
+    sT[i, j] = acc0 + acc1
+
+
+def _x21_row(sX, col, i, j):
+    """X21[i, j] = -X22[i, :] T[:, j] (``col``: T[:, j]; X22 lower: m <= i only)."""
+    acc0, acc1 = F32(0.0), F32(0.0)
+    for m in range(0, HB, 2):
+        acc0 = acc0 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
+    for m in range(1, HB, 2):
+        acc1 = acc1 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
+    sX[HB + i, j] = acc0 + acc1
+
+
 class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
-                 tokens: bool = False, l2norm: bool = False):
+                 tokens: bool = False, l2norm: bool = False, compact: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -102,6 +122,8 @@ class ChunkPrepSm90:
         self.tokens = tokens
         self.l2norm = l2norm
         assert tokens or not l2norm
+        # the inverse's off-diagonal rows as dynamic loops: less code (``chunk_prep.COMPACT``)
+        self.compact = compact
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -494,25 +516,22 @@ class ChunkPrepSm90:
         col = cute.make_rmem_tensor((HB,), F32)
         for l in cutlass.range_constexpr(HB):
             col[l] = sX[l, j]                     # X11[:, j]
-        for s in cutlass.range_constexpr(HB // 4):
-            i = w0 + 4 * s
-            acc0, acc1 = F32(0.0), F32(0.0)
-            for l in cutlass.range_constexpr(0, HB, 2):
-                acc0 = acc0 + sA[HB + i, l] * col[l]
-            for l in cutlass.range_constexpr(1, HB, 2):
-                acc1 = acc1 + sA[HB + i, l] * col[l]
-            sT[i, j] = acc0 + acc1
+        # ``compact``: the rows as a dynamic loop (a ~12 KB smaller kernel), else unrolled
+        if cutlass.const_expr(self.compact):
+            for s in cutlass.range(HB // 4, unroll=1):
+                _t_row(sA, sT, col, w0 + 4 * s, j)
+        else:
+            for s in cutlass.range_constexpr(HB // 4):
+                _t_row(sA, sT, col, w0 + 4 * s, j)
         cute.arch.sync_threads()
         for m in cutlass.range_constexpr(HB):
             col[m] = sT[m, j]                     # T[:, j]
-        for s in cutlass.range_constexpr(HB // 4):
-            i = w0 + 4 * s
-            acc0, acc1 = F32(0.0), F32(0.0)
-            for m in cutlass.range_constexpr(0, HB, 2):
-                acc0 = acc0 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
-            for m in cutlass.range_constexpr(1, HB, 2):
-                acc1 = acc1 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
-            sX[HB + i, j] = acc0 + acc1
+        if cutlass.const_expr(self.compact):
+            for s in cutlass.range(HB // 4, unroll=1):
+                _x21_row(sX, col, w0 + 4 * s, j)
+        else:
+            for s in cutlass.range_constexpr(HB // 4):
+                _x21_row(sX, col, w0 + 4 * s, j)
         cute.arch.sync_threads()
 
     @cute.jit
@@ -571,10 +590,10 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 
 
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
-               probe: bool = False, tokens: bool = False, l2norm: bool = False
-               ) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm)
+               probe: bool = False, tokens: bool = False, l2norm: bool = False,
+               compact: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm, compact)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm)
+                                      l2norm, compact)
     return _KERNELS[key]
