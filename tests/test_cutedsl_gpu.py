@@ -464,7 +464,7 @@ def test_local_grad_kernel_matches_float64(K, V, strong):
     same random chunks (benchmarks/local_grad.py: unit q, k, beta in (0.05, 1.95),
     moderate or strong gates): every cotangent finite and within 1e-2 relative RMS, with
     the [C, C] factors split hi + lo and in one 16-bit rounding (``nosplit``: the
-    engine's default, ``pipeline.LOCAL_GRAD_SPLIT``)."""
+    engine's default, ``kernels.local_grad.SPLIT``)."""
     from benchmarks.local_grad import precision
     row = precision([(K, V, strong)], variants=("nosplit",))[0]
     assert row["finite"]
