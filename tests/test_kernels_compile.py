@@ -558,8 +558,8 @@ def _code_kb(match, *settings):
 
 def test_compact_operands_kernel_is_smaller():
     """``chunk_prep.COMPACT`` (the WY inverse's off-diagonal rows as dynamic loops) makes
-    the token-major operands kernel with the norm - the largest kernel, 130 KB of code -
-    at least 8 KB smaller (why that may matter: the switch's comment)."""
+    the token-major operands kernel with the norm - the largest kernel, 127 KiB of machine
+    code - at least 8 KiB smaller (why that may matter: the switch's comment)."""
     plain = _code_kb("gdp_chunk_prep_sm90_tokens")
     compact = _code_kb("gdp_chunk_prep_sm90_tokens", "kernels.chunk_prep.COMPACT=True")
     name = "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm"

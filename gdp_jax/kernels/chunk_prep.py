@@ -35,9 +35,10 @@ from gdp_jax.spec import Unsupported
 # an A/B switch).
 TOKEN_LAYOUT = True
 # the WY inverse's off-diagonal rows as dynamic loops (the token-major kernel with the norm
-# 131 -> 119 KB of code; s20-5 saw that kernel run 1.9x slower with 13 KB more code, and
-# suspect the SM's instruction cache). PREPARED, NOT MEASURED on the GPU: off. Results are
-# the same bits either way (the same sums in the same order).
+# 127 -> 115 KiB of machine code; s20-5 saw it run 1.9x slower at ~140 KiB, where the
+# smaller variants took the same 13 KiB at +1%: docs/KERNELS.md suspects a 128 KiB
+# instruction cache). PREPARED, NOT MEASURED on the GPU: off. Results are the same bits
+# either way (the same sums in the same order).
 COMPACT = False
 
 
