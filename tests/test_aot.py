@@ -94,9 +94,11 @@ def test_build_lists_every_kernel_class():
     assert names == {"ChunkForwardKernel", "ChunkPrepKernel", "StateGradKernel", "WYInverseKernel",
                      "StepKernel", "LocalGradKernel"}
     whats = [v.what for v in build.all_variants(recompute=(0, 3))]
-    assert "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=4" in whats      # --recompute 3
-    assert "gdp_chunk_bwd_dh_sm90 float16 K=64 V=192 dS_end float32" in whats   # CP summary
-    assert "gdp_chunk_bwd_dh_sm90 float16 K=64 V=64 dS_end float16" in whats    # 1 device
+    for BV in (32, 64):                                  # both value tiles (pick_bv)
+        assert f"gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=4 BV={BV}" in whats  # --recompute 3
+        assert f"gdp_chunk_bwd_dh_sm90 float16 K=64 V=192 dS_end float32 BV={BV}" in whats  # CP
+        assert (f"gdp_chunk_bwd_dh_sm90 float16 K=64 V=64 dS_end float16 fused ddo BV={BV}"
+                in whats)                                                         # 1 device
     assert "gdp_chunk_prep_sm90 bfloat16 K=128 V=64 inverse" in whats          # backward
     for bad in (["--jobs", "0"], ["--recompute", "65"], ["--recompute", "a"]):
         with pytest.raises(SystemExit):
