@@ -44,8 +44,8 @@ def _release_compiled_programs():
 def every_kernel_variant(tmp_path_factory):
     """``python ffi/build.py --jobs 2`` (every kernel variant, for sm_90a) run ONCE per test
     session, shared by the pytest-xdist workers: the first test that asks for it builds
-    (171 s on 2 cores in CI, 2026-12-04: the largest single cost of the suite), the others wait for it on a
-    file lock and read the same directory. ``(out_dir, result)``; ``result`` has the
+    (171 s on 2 cores in CI, 2026-12-04: the largest single cost of the suite), the
+    others wait for it on a file lock and read the same directory. ``(out_dir, result)``; ``result`` has the
     build's returncode, stdout and stderr (each user asserts on them)."""
     import fcntl
     import json
