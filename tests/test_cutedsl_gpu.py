@@ -349,6 +349,61 @@ def test_deterministic():
             assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("mode", ["batch", "packed"])
+def test_sequence_alone_equals_in_company(mode):
+    """Batch invariance today (issue 20 asks for it as a guarantee): a sequence's outputs,
+    final state and the gradients of its inputs are the same bits alone (B = 1) as in the
+    middle of a batch of 3 (``batch``) or of a pack of 3 sequences (``packed``). The loss
+    weights only its own outputs; the kernels run one CTA per (row, chunk, head) in a fixed
+    order, so any difference comes from the XLA glue's reductions. Written 2026-12-04
+    (twentieth session) after the device time was spent: NOT YET RUN on a GPU."""
+    n, H, HV, K, V, T = 2, 2, 2, 128, 128, 300
+    alone = make(21, 1, T, n, H, HV, K, V, jnp.bfloat16)
+    others = make(22, 2, T, n, H, HV, K, V, jnp.bfloat16)
+
+    def with_others(a, o, axis):                   # [other 0, a, other 1] along axis
+        take = lambda x, i: jax.lax.slice_in_dim(x, i, i + 1, axis=0)
+        parts = [take(o, 0), a, take(o, 1)]
+        if axis == 0:
+            return jnp.concatenate(parts, 0)
+        lens = (100, T, 250)                       # packed: cut the others' rows to length
+        parts = [jax.lax.slice_in_dim(x, 0, L, axis=1) for x, L in zip(parts, lens)]
+        return jnp.concatenate(parts, 1)
+
+    if mode == "batch":
+        args = tuple(with_others(a, o, 0) for a, o in zip(alone, others))
+        cu, row, span = None, 1, slice(0, T)
+    else:
+        args = tuple(with_others(a, o, 1) if i < 5 else with_others(a, o, 0)
+                     for i, (a, o) in enumerate(zip(alone, others)))
+        cu, row, span = jnp.asarray([0, 100, 100 + T, 350 + T], jnp.int32), 0, slice(100, 100 + T)
+
+    def loss_grads(q, k, v, g, beta, s0, cu, wo, ws):
+        def loss(q, k, v, g, beta, s0):
+            o, s = gated_delta_product(q, k, v, g, beta, initial_state=s0,
+                                       output_final_state=True, cu_seqlens=cu,
+                                       use_qk_l2norm=True, backend="cutedsl")
+            return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s * ws), (o, s)
+        (_, (o, s)), gr = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)(
+            q, k, v, g, beta, s0)
+        return (o, s) + gr
+
+    wo1 = jax.random.normal(jax.random.PRNGKey(23), (1, T, HV, V), jnp.float32)
+    ws1 = jax.random.normal(jax.random.PRNGKey(24), (1, HV, K, V), jnp.float32)
+    ref = jax.jit(loss_grads)(*alone, None, wo1, ws1)
+    B, L = args[0].shape[:2]
+    wo = jnp.zeros((B, L, HV, V), jnp.float32).at[row, span].set(wo1[0])
+    ws = jnp.zeros(args[5].shape, jnp.float32).at[1].set(ws1[0])
+    got = jax.jit(loss_grads)(*args, cu, wo, ws)
+    # this sequence's part of each result: tokens [row, span] (o, q, k, v, g, beta) and
+    # state 1 (final, initial-state gradient)
+    part = lambda x, i: x[1:2] if i in (1, 7) else x[row:row + 1, span]
+    names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    differ = [nm for i, (nm, a, b) in enumerate(zip(names, got, ref))
+              if np.asarray(part(a, i)).tobytes() != np.asarray(b).tobytes()]
+    assert not differ, f"{mode}: not the same bits: {differ}"
+
+
 def test_long_sequence_gradients():
     """8192 steps: the reverse recursion's errors must not grow over many chunks."""
     args = make(2, 1, 4096, 2, 2, 2, 128, 128, jnp.bfloat16)
