@@ -22,9 +22,8 @@ EIATTR_REGCOUNT = 0x2F
 EIATTR_FRAME_SIZE = 0x11       # local memory per thread (spills)
 
 
-def cubin_registers(path: str) -> tuple[int, int]:
-    """(registers, frame bytes) of the (one) kernel in a cubin, from its .nv.info
-    attributes (a frame above 0 means spills to local memory)."""
+def _sections(path: str):
+    """(file bytes, [(name, offset, size)] of the cubin's ELF sections)."""
     b = open(path, "rb").read()
     shoff = struct.unpack_from("<Q", b, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
@@ -34,18 +33,25 @@ def cubin_registers(path: str) -> tuple[int, int]:
     def name(o):
         return b[stroff + o:b.index(b"\0", stroff + o)].decode()
 
+    return b, [(name(s[0]), s[4], s[5]) for s in secs]
+
+
+def cubin_registers(path: str) -> tuple[int, int]:
+    """(registers, frame bytes) of the (one) kernel in a cubin, from its .nv.info
+    attributes (a frame above 0 means spills to local memory)."""
+    b, secs = _sections(path)
     found = {}
-    for s in secs:
-        if name(s[0]) != ".nv.info":
+    for name, start, size in secs:
+        if name != ".nv.info":
             continue
-        p, end = s[4], s[4] + s[5]
+        p, end = start, start + size
         while p < end:
             fmt, attr = b[p], b[p + 1]
             if fmt == 4:                             # EIFMT_SVAL: u16 size, then data
-                size = struct.unpack_from("<H", b, p + 2)[0]
+                size_ = struct.unpack_from("<H", b, p + 2)[0]
                 if attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
                     found[attr] = struct.unpack_from("<II", b, p + 4)[1]  # (function, value)
-                p += 4 + size
+                p += 4 + size_
             elif fmt in (2, 3):                      # EIFMT_BVAL / HVAL
                 p += 4
             else:                                    # EIFMT_NVAL
@@ -58,16 +64,7 @@ def cubin_registers(path: str) -> tuple[int, int]:
 def cubin_code_bytes(path: str) -> int:
     """Bytes of machine code (the .text sections) in a cubin: the instructions an SM
     fetches while a CTA runs (straight-line kernels fetch all of them once a CTA)."""
-    b = open(path, "rb").read()
-    shoff = struct.unpack_from("<Q", b, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
-    secs = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
-    stroff = secs[shstrndx][4]
-
-    def name(o):
-        return b[stroff + o:b.index(b"\0", stroff + o)].decode()
-
-    return sum(s[5] for s in secs if name(s[0]).startswith(".text"))
+    return sum(size for name, _, size in _sections(path)[1] if name.startswith(".text"))
 
 
 def ctas_by_registers(regs: int, threads: int) -> int:

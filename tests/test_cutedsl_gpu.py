@@ -127,6 +127,16 @@ def test_long_sequence_state_stays_accurate():
     _assert_errors(e, (rel_rms(o_x, o_r), rel_rms(s_x, s_r)))
 
 
+def _rows_or_pack(seed, packed, n, H, HV, K, V, dtype):
+    """(inputs, cu_seqlens): 2 rows of T = 203, or one row packing sequences of 70, 0, 1,
+    130 and 2 tokens (an empty and a one-token one among them)."""
+    if not packed:
+        return make(seed, 2, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
+    lens = [70, 0, 1, 130, 2]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    return make(seed, 1, int(cu[-1]), n, H, HV, K, V, jnp.dtype(dtype), N=len(lens)), cu
+
+
 @pytest.mark.parametrize("dtype,K,V,n,H,HV,l2norm,packed", [
     ("bfloat16", 128, 128, 1, 2, 2, True, False),
     ("bfloat16", 64, 128, 3, 1, 3, False, False),     # GVA, K != V, no in-op norm
@@ -140,12 +150,7 @@ def test_token_major_operands_kernel(monkeypatch, dtype, K, V, n, H, HV, l2norm,
     norm) to rounding, and both stay within TOL of float64."""
     from gdp_jax.kernels import chunk_prep
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    lens = [70, 0, 1, 130, 2] if packed else None
-    cu = None if lens is None else jnp.asarray(np.concatenate([[0], np.cumsum(lens)]),
-                                               jnp.int32)
-    B, T = (1, int(cu[-1])) if packed else (2, 203)
-    q, k, v, g, beta, s0 = make(5, B, T, n, H, HV, K, V, jnp.dtype(dtype),
-                                N=None if lens is None else len(lens))
+    (q, k, v, g, beta, s0), cu = _rows_or_pack(5, packed, n, H, HV, K, V, dtype)
     if not l2norm:                   # unit keys and queries without the in-op norm
         unit = lambda x: (x.astype(jnp.float32) / jnp.linalg.norm(
             x.astype(jnp.float32), axis=-1, keepdims=True)).astype(x.dtype)
@@ -255,17 +260,10 @@ def test_token_major_gradients_kernel(monkeypatch, dtype, K, V, n, H, HV, packed
     layout (16-bit, row table, read-out rows for dq) gives the gradients of the
     chunk-major path (``local_grad.TOKEN_GRADS = False``: float32 results relaid by XLA)
     to the 16-bit rounding, and both stay within GRAD_TOL of float64. (bfloat16 only:
-    float16 calls keep the chunk-major path. s19-2 / s19-3 ran the third case in float16
-    through the token-major kernel, which it no longer takes; its bfloat16 form has not
-    run on a GPU yet.)"""
+    float16 calls keep the chunk-major path.)"""
     from gdp_jax.kernels import local_grad
     from gdp_jax.kernels.local_grad import LocalGradKernel
-    lens = [70, 0, 1, 130, 2] if packed else None
-    cu = None if lens is None else jnp.asarray(np.concatenate([[0], np.cumsum(lens)]),
-                                               jnp.int32)
-    B, T = (1, int(cu[-1])) if packed else (2, 203)
-    args = make(5, B, T, n, H, HV, K, V, jnp.dtype(dtype),
-                N=None if lens is None else len(lens))
+    args, cu = _rows_or_pack(5, packed, n, H, HV, K, V, dtype)
     calls = []
     raw = LocalGradKernel.raw_call_tokens
     monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
@@ -294,12 +292,7 @@ def test_fused_ddo_gradients(monkeypatch, dtype, K, V, n, H, HV, packed):
     the gradients of XLA's ddo to float32 summation order, and stays within GRAD_TOL of
     float64."""
     from gdp_jax.kernels import pipeline
-    lens = [70, 0, 1, 130, 2] if packed else None
-    cu = None if lens is None else jnp.asarray(np.concatenate([[0], np.cumsum(lens)]),
-                                               jnp.int32)
-    B, T = (1, int(cu[-1])) if packed else (2, 203)
-    args = make(6, B, T, n, H, HV, K, V, jnp.dtype(dtype),
-                N=None if lens is None else len(lens))
+    args, cu = _rows_or_pack(6, packed, n, H, HV, K, V, dtype)
     monkeypatch.setattr(pipeline, "FUSED_DDO", False)
     _grad_fn.cache_clear()
     base = grads("cutedsl", args, cu=cu, N=0)
