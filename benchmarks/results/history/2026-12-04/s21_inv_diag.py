@@ -4,8 +4,6 @@ largest |difference| of each differing result with it on. Run on the GPU after
 ``source .gpu-deps/install.sh``."""
 import sys
 
-import numpy as np
-
 sys.path.insert(0, ".")
 import tests.test_cutedsl_gpu as t  # noqa: E402
 
