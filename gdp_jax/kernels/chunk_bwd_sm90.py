@@ -29,7 +29,7 @@ import cutlass.memory
 import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
-                                  g2s_copy, ldmatrix_copies, load_group, make_acc, mma_split_b,
+                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
                                   operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
@@ -117,19 +117,15 @@ class ChunkBwdDhSm90:
             gP = g2s(copy_C, tidx)
             tPsP = gP.dest(sP)
 
-        # Operands arrive one chunk ahead, in two cp.async groups: Kt (and P) read by the
-        # first product, w, qg by the second. A group's next-chunk load is issued as soon
-        # as every warp is done with its buffers, so it overlaps the other product of this
-        # chunk instead of stalling the chain at each chunk's start.
-        ktp = [(gK, mKt, (C, K), tKsKt)]
-        if cutlass.const_expr(self.fuse_ddo):
-            ktp = ktp + [(gP, mDdo, (C, C), tPsP)]
-        wq = [(gK, mW, (C, K), tKsW), (gK, mQg, (C, K), tKsQ)]
-        load_group(ktp, b, NC - 1, hv)
-        load_group(wq, b, NC - 1, hv)
         for i in cutlass.range(NC, unroll=1):
             c = NC - 1 - i
-            c_next = c - 1 + (i + 1) // NC      # the first chunk reloads itself (unread)
+            # ---- operands of chunk c -> smem (async)
+            gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
+            gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
+            gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
+            if cutlass.const_expr(self.fuse_ddo):
+                gP.load(mDdo[b, c, hv, None, None], (C, C), tPsP)
+            cute.arch.cp_async_commit_group()
 
             # ---- gradient w.r.t. the chunk's end state
             seq = mSeq[b, c]
@@ -143,7 +139,7 @@ class ChunkBwdDhSm90:
             if cutlass.const_expr(not self.fuse_ddo):
                 ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
                     cutlass.Float32)
-            cute.arch.cp_async_wait_group(1)        # Kt (P) of chunk c (w, qg may be in flight)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # ---- dDelta = ddo + Kt dS   (kept negated in smem: the next MMA subtracts it)
@@ -155,9 +151,6 @@ class ChunkBwdDhSm90:
                 toD.store_split(-acc_D.load(), tCsD, tCsDl, self.split)
             else:
                 toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
-            cute.arch.sync_threads()                # Kt (P) read by every warp
-            load_group(ktp, b, c_next, hv)
-            cute.arch.cp_async_wait_group(1)        # w, qg of chunk c
             cute.arch.sync_threads()
 
             # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
@@ -169,10 +162,8 @@ class ChunkBwdDhSm90:
             if mReset[b, c] != 0:
                 c_tile(thr_mma, mDh0[seq, hv, None, None], (K, BV), (0, vt)).store(acc_S.load())
                 acc_S.fill(0.0)
-            # w, qg, dS, dDelta and dO are overwritten for the next chunk
+            # smem is overwritten by the next chunk's loads
             cute.arch.sync_threads()
-            load_group(wq, b, c_next, hv)
-        cute.arch.cp_async_wait_group(0)
 
 
 def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):

@@ -36,7 +36,7 @@ import cutlass.memory
 import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
-                                  g2s_copy, ldmatrix_copies, load_group, make_acc, mma_split_b,
+                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
                                   operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
@@ -131,16 +131,13 @@ class ChunkFwdSm90:
         tKsW, tKsKt, tKsQ = gK.dest(sW), gK.dest(sKt), gK.dest(sQ)
         tPsP = gP.dest(sP)
 
-        # Operands arrive one chunk ahead, in two cp.async groups: w, qg (read by the
-        # first products) and Kt, P (read by the second). A group's next-chunk load is
-        # issued as soon as every warp is done with its buffers, so it overlaps the other
-        # product of this chunk instead of stalling the chain at each chunk's start.
-        wq = [(gK, mW, (C, K), tKsW), (gK, mQg, (C, K), tKsQ)]
-        ktp = [(gK, mKt, (C, K), tKsKt), (gP, mP, (C, C), tPsP)]
-        load_group(wq, b, 0, hv)
-        load_group(ktp, b, 0, hv)
         for c in cutlass.range(NC, unroll=1):
-            c_next = c + 1 - (c + 1) // NC      # the last chunk reloads itself (unread)
+            # ---- operands of chunk c -> smem (async)
+            gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
+            gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
+            gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
+            gP.load(mP[b, c, hv, None, None], (C, C), tPsP)
+            cute.arch.cp_async_commit_group()
 
             # ---- chunk start state (reset -> the sequence's initial state)
             seq = mSeq[b, c]
@@ -154,7 +151,7 @@ class ChunkFwdSm90:
             toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
             u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
                 cutlass.Float32)
-            cute.arch.cp_async_wait_group(1)        # w, qg of chunk c (Kt, P may be in flight)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
@@ -162,9 +159,6 @@ class ChunkFwdSm90:
             acc_O.fill(0.0)
             mma_split_b(tiled_mma, K // MMA_K, [(acc_D, W), (acc_O, Q)], S, Sl, self.split)
             toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
-            cute.arch.sync_threads()                # w, qg read by every warp
-            load_group(wq, b, c_next, hv)
-            cute.arch.cp_async_wait_group(1)        # Kt, P of chunk c
             cute.arch.sync_threads()
 
             # ---- S <- decay S + Kt^T Delta ;  o += P Delta  (shared B operand Delta)
@@ -177,10 +171,8 @@ class ChunkFwdSm90:
             if mLast[b, c] != 0:
                 c_tile(thr_mma, mFinal[seq, hv, None, None], (K, BV), (0, vt)).store(
                     acc_S.load())
-            # Kt, P, S and Delta are overwritten for the next chunk
+            # smem is overwritten by the next chunk's loads
             cute.arch.sync_threads()
-            load_group(ktp, b, c_next, hv)
-        cute.arch.cp_async_wait_group(0)
 
 
 _KERNELS = {}

@@ -193,15 +193,6 @@ class G2S:
         cute.copy(self.copy, self.thr.partition_S(cute.local_tile(g, shape, (0, 0))), dst)
 
 
-def load_group(loads, b, c, hv):
-    """One cp.async group: each (G2S, gmem tensor m, tile shape, smem dest) of ``loads``
-    copies m[b, c, hv] (a [rows, cols] tile) to its destination, then the group is
-    committed (wait for it with ``cute.arch.cp_async_wait_group``)."""
-    for g, m, shape, dst in loads:
-        g.load(m[b, c, hv, None, None], shape, dst)
-    cute.arch.cp_async_commit_group()
-
-
 def g2s(tiled_copy, tidx) -> G2S:
     """This thread's ``G2S`` of the tiled copy ``tiled_copy`` (a ``g2s_copy``)."""
     return G2S(tiled_copy, tiled_copy.get_slice(tidx))
