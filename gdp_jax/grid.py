@@ -26,7 +26,7 @@ from jax import lax
 
 from gdp_jax import _vma
 from gdp_jax._prefix import prefix_sum
-from gdp_jax.reference import l2_normalize
+from gdp_jax.norm import l2_normalize
 from gdp_jax.spec import CallSpec
 
 CHUNK = 64
