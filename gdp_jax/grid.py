@@ -26,7 +26,7 @@ from jax import lax
 
 from gdp_jax import _vma
 from gdp_jax._prefix import prefix_sum
-from gdp_jax.norm import l2_normalize
+from gdp_jax.norm import op_l2_normalize
 from gdp_jax.spec import CallSpec
 
 CHUNK = 64
@@ -251,7 +251,7 @@ def token_inputs(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm):
     cdt = compute_dtype
     qf, kf = q.astype(cdt), k.astype(cdt)
     if use_qk_l2norm:
-        qf, kf = l2_normalize(qf), l2_normalize(kf)
+        qf, kf = op_l2_normalize(qf), op_l2_normalize(kf)
     group = HV // H
     qf = jnp.repeat(qf, group, axis=2)
     kf = jnp.repeat(kf, group, axis=3)
