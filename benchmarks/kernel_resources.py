@@ -80,7 +80,7 @@ def main(argv=None):
     p.add_argument("--dims", default="K=128 V=128")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a gdp_jax module constant first (as benchmarks.run's --set), "
-                        "e.g. kernels.chunk_prep.COMPACT=True")
+                        "e.g. kernels.local_grad.SPLIT=True")
     a = p.parse_args(argv)
 
     d = tempfile.mkdtemp(prefix="gdp_cubins_")

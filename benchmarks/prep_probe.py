@@ -55,8 +55,6 @@ def main(argv=None):
     p.add_argument("--local-grad", action="store_true")
     p.add_argument("--skip-prep-probe", action="store_true")
     p.add_argument("--tokens", action="store_true")
-    p.add_argument("--compact", action="store_true",
-                   help="also time the operands kernel's compact form (chunk_prep.COMPACT)")
     p.add_argument("--warps-n", default="2",
                    help="local-gradient kernel: warps along N to time (comma list)")
     p.add_argument("--lg-variants", default="",
@@ -123,21 +121,8 @@ def main(argv=None):
         targs = (tq, tk, tv, ch.g, ch.beta, scale, rows)
         for l2 in (False, True):
             timed(f"prep tokens l2norm={int(l2)}", lambda *x, l2=l2:
-                  ChunkPrepKernel.raw_call_tokens(*x, ab_dtype="bfloat16", l2norm=l2,
-                                                  compact=False), *targs)
-        if a.compact:
-            for l2 in (False, True):
-                timed(f"prep tokens l2norm={int(l2)} compact", lambda *x, l2=l2:
-                      ChunkPrepKernel.raw_call_tokens(*x, ab_dtype="bfloat16", l2norm=l2,
-                                                      compact=True), *targs)
-            timed("prep+X compact", lambda *x: ChunkPrepKernel.raw_call(
-                *x, ab_dtype="bfloat16", inverse=True, compact=True), *args)
-            if not a.skip_prep_probe:
-                res = timed("probe tokens l2norm=1 compact",
-                            lambda *x: ChunkPrepKernel.raw_call_tokens(
-                                *x, ab_dtype="bfloat16", l2norm=True, probe=True,
-                                compact=True), *targs)
-                report("probe tokens l2norm=1 compact", res[6], PROBE_PHASES)
+                  ChunkPrepKernel.raw_call_tokens(*x, ab_dtype="bfloat16", l2norm=l2),
+                  *targs)
         if not a.skip_prep_probe:
             res = timed("probe tokens l2norm=1", lambda *x: ChunkPrepKernel.raw_call_tokens(
                 *x, ab_dtype="bfloat16", l2norm=True, probe=True), *targs)
@@ -177,7 +162,7 @@ def main(argv=None):
                              / (float(jnp.max(jnp.abs(y.astype(jnp.float32)))) + 1e-30))
                         for x, y in zip(res, first)]
                 out[f"local grad tokens {tag} split={int(split)} rel diff"] = diff
-                log(f"  vs the first warp count: max |diff| / max |x| of dq, dk, dv, dg, "
+                log("  vs the first warp count: max |diff| / max |x| of dq, dk, dv, dg, "
                     f"dbeta: " + " ".join(f"{d:.1e}" for d in diff))
 
         for v in (x for x in a.lg_variants.split(";") if x):

@@ -556,15 +556,15 @@ def _code_kb(match, *settings):
             for ln in r.stdout.splitlines() if ln.startswith(match)}
 
 
-def test_compact_operands_kernel_is_smaller():
-    """``chunk_prep.COMPACT`` (the WY inverse's off-diagonal rows as dynamic loops) makes
-    the token-major operands kernel with the norm - the largest kernel, 127 KiB of machine
-    code - at least 8 KiB smaller (why that may matter: the switch's comment)."""
-    plain = _code_kb("gdp_chunk_prep_sm90_tokens")
-    compact = _code_kb("gdp_chunk_prep_sm90_tokens", "kernels.chunk_prep.COMPACT=True")
-    name = "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm"
-    assert plain.keys() == compact.keys() and name in plain, (plain, compact)
-    assert compact[name] <= plain[name] - 8, (plain, compact)
+def test_largest_kernels_stay_below_128_kib():
+    """The two largest kernels (the operands kernel reading tokens, the chunk-local
+    gradients) stay below 128 KiB of machine code: s20-5 saw the operands kernel run 1.9x
+    slower at ~140 KiB with the same registers (docs/KERNELS.md: an instruction-cache
+    limit is suspected). Grow one past it only with a GPU measurement."""
+    sizes = _code_kb("gdp_chunk_prep_sm90_tokens")
+    sizes.update(_code_kb("gdp_chunk_grad_sm90_tokens"))
+    assert len(sizes) >= 3, sizes
+    assert max(sizes.values()) < 128, sizes
 
 
 def test_probe_variants_compile():

@@ -34,12 +34,6 @@ from gdp_jax.spec import Unsupported
 # in the kernel) instead of their chunk-major copies laid out by XLA (False: the latter,
 # an A/B switch).
 TOKEN_LAYOUT = True
-# the WY inverse's off-diagonal rows as dynamic loops (the token-major kernel with the norm
-# 127 -> 115 KiB of machine code; s20-5 saw it run 1.9x slower at ~140 KiB, where the
-# smaller variants took the same 13 KiB at +1%: docs/KERNELS.md suspects a 128 KiB
-# instruction cache). PREPARED, NOT MEASURED on the GPU: off. Results are the same bits
-# either way (the same sums in the same order).
-COMPACT = False
 
 
 def as_read(ch, ab_dtype, dtype=None):
@@ -90,15 +84,14 @@ class ChunkPrepKernel:
 
     @staticmethod
     def raw_call(q, k, v, g, beta, scale, *, ab_dtype, inverse: bool = False,
-                 probe: bool = False, compact: Optional[bool] = None):
+                 probe: bool = False):
         """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V] (cast to ``ab_dtype``), g, beta
         [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
         w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V],
         decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
         row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
         placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM clock cycles
-        of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags.
-        ``compact`` (None: :data:`COMPACT`): the kernel's smaller form, same results."""
+        of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags."""
         B, NC, HV, C_, K = k.shape
         V = v.shape[-1]
         if C_ != C:
@@ -119,8 +112,7 @@ class ChunkPrepKernel:
                                    tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1,
                                               2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, inverse=inverse,
-                                   **({"probe": True} if probe else {}),
-                                   **({"compact": True} if _compact(compact) else {}))
+                                   **({"probe": True} if probe else {}))
 
     @staticmethod
     def can_read_tokens(spec, q, k, v) -> bool:
@@ -155,13 +147,12 @@ class ChunkPrepKernel:
 
     @staticmethod
     def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool,
-                        probe: bool = False, compact: Optional[bool] = None):
+                        probe: bool = False):
         """q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] (``ab_dtype``; L = n T
         interleaved steps), g, beta [B, NC, HV, C] float32, scale [B], rows [B, NC, 4]
         int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs (X: the [1] placeholder)
         for the chunk inputs those tensors lay out to, with q, k L2-normalised (then
-        rounded to ``ab_dtype``) when ``l2norm``; ``probe``, ``compact``: as
-        :meth:`raw_call`'s."""
+        rounded to ``ab_dtype``) when ``l2norm``; ``probe``: as :meth:`raw_call`'s."""
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
         if C_ != C:
@@ -188,8 +179,7 @@ class ChunkPrepKernel:
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
                                    tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 1),
                                    K=K, V=V, ab_name=ab.name, l2norm=l2norm,
-                                   **({"probe": True} if probe else {}),
-                                   **({"compact": True} if _compact(compact) else {}))
+                                   **({"probe": True} if probe else {}))
 
     @classmethod
     def variants(cls):
@@ -250,10 +240,6 @@ def token_rows(layout, n: int, T: int):
     return jnp.stack([base, count, base // n, jnp.full_like(base, n)], axis=-1)
 
 
-def _compact(compact: Optional[bool]) -> bool:
-    return COMPACT if compact is None else bool(compact)
-
-
 @functools.lru_cache(maxsize=None)
 def _launcher():
     binding.import_cutlass()
@@ -264,10 +250,9 @@ def _launcher():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False,
-               compact: cutlass.Constexpr = False):
+               inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False):
         # (no row table: ``scale`` fills its slot, unread)
-        mod.get_kernel(K, V, ab_name, inverse, probe, compact=compact)(
+        mod.get_kernel(K, V, ab_name, inverse, probe)(
             stream, q, k, v, g, beta, scale, scale, w, kt, qg, p, u, decay, bad, X)
 
     return launch
@@ -283,10 +268,8 @@ def _launcher_tokens():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               l2norm: cutlass.Constexpr, probe: cutlass.Constexpr = False,
-               compact: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, ab_name, probe=probe, tokens=True, l2norm=l2norm,
-                       compact=compact)(
+               l2norm: cutlass.Constexpr, probe: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, probe=probe, tokens=True, l2norm=l2norm)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

@@ -109,7 +109,7 @@ class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
-                 tokens: bool = False, l2norm: bool = False, compact: bool = False):
+                 tokens: bool = False, l2norm: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -122,8 +122,6 @@ class ChunkPrepSm90:
         self.tokens = tokens
         self.l2norm = l2norm
         assert tokens or not l2norm
-        # the inverse's off-diagonal rows as dynamic loops: less code (``chunk_prep.COMPACT``)
-        self.compact = compact
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -516,22 +514,13 @@ class ChunkPrepSm90:
         col = cute.make_rmem_tensor((HB,), F32)
         for l in cutlass.range_constexpr(HB):
             col[l] = sX[l, j]                     # X11[:, j]
-        # ``compact``: the rows as a dynamic loop (a ~12 KB smaller kernel), else unrolled
-        if cutlass.const_expr(self.compact):
-            for s in cutlass.range(HB // 4, unroll=1):
-                _t_row(sA, sT, col, w0 + 4 * s, j)
-        else:
-            for s in cutlass.range_constexpr(HB // 4):
-                _t_row(sA, sT, col, w0 + 4 * s, j)
+        for s in cutlass.range_constexpr(HB // 4):
+            _t_row(sA, sT, col, w0 + 4 * s, j)
         cute.arch.sync_threads()
         for m in cutlass.range_constexpr(HB):
             col[m] = sT[m, j]                     # T[:, j]
-        if cutlass.const_expr(self.compact):
-            for s in cutlass.range(HB // 4, unroll=1):
-                _x21_row(sX, col, w0 + 4 * s, j)
-        else:
-            for s in cutlass.range_constexpr(HB // 4):
-                _x21_row(sX, col, w0 + 4 * s, j)
+        for s in cutlass.range_constexpr(HB // 4):
+            _x21_row(sX, col, w0 + 4 * s, j)
         cute.arch.sync_threads()
 
     @cute.jit
@@ -590,10 +579,10 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 
 
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
-               probe: bool = False, tokens: bool = False, l2norm: bool = False,
-               compact: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm, compact)
+               probe: bool = False, tokens: bool = False,
+               l2norm: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, compact)
+                                      l2norm)
     return _KERNELS[key]
