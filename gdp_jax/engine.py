@@ -6,7 +6,7 @@ only chunk tensors (:class:`gdp_jax.grid.ChunkInputs`, [B, NC, HV, C, X]), the l
 per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax.grid`.
 
     forward(spec, ch, layout, h0, keep_states, work, tokens) -> (o rows, final, states)
-    backward(spec, ch, layout, h0, doc, dfinal, states, work) -> (cotangents, dh0)
+    backward(spec, ch, layout, h0, doc, dfinal, states, work, tokens) -> (cotangents, dh0)
     forward_summaries(spec, ch, layout)                    -> ((E, M), work)
     backward_summaries(spec, ch, layout, doc, dfinal)      -> ((gamma, M^T), work)
     input_dtypes(spec)   -> {ChunkInputs field: dtype} read narrower than the compute dtype
@@ -24,9 +24,9 @@ chunk, or only its read-out rows (Cr = C // every, every = ``grid.readout_every(
 :func:`gdp_jax.grid.readout_rows`). :func:`backward_problem` gives read-out rows; an
 engine's forward may return either (:func:`outputs` takes both) and its backward must take
 either (the stride is ``grid.every_of(doc.shape[-2])``).
-``tokens``: the single-device op's own (q, k, v) [B, T, (n,) H or HV, K or V], for an
-engine that reads them directly (the chunk tensors it then leaves unread cost nothing:
-XLA drops them).
+``tokens``: the single-device op's token-major inputs (:class:`OpTokens`: q, k, v as
+given and the per-token operands ``ch`` is laid out from), for an engine that reads them
+directly (the chunk tensors it then leaves unread cost nothing: XLA drops them).
 Cotangents: :class:`gdp_jax.grid.ChunkInputs` of the chunk inputs, or from the
 single-device ``backward`` a :class:`TokenCotangents` (q, k, v already token-major).
 ``states``: what the forward keeps for the backward under differentiation (the start
@@ -75,7 +75,7 @@ class Engine:
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None, tokens=None):
         raise NotImplementedError
 
-    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
+    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None, tokens=None):
         raise NotImplementedError
 
     def forward_summaries(self, spec, ch, layout):
@@ -322,7 +322,7 @@ class XlaEngine(Engine):
                                               batched, walk_dtype(spec) if narrow_states else None)
         return jnp.where(bad[..., None], jnp.asarray(jnp.nan, o.dtype), o), final, states
 
-    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
+    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None, tokens=None):
         blk, Ls = self._blocking(spec, ch)
         nd, wd = narrow_dtype(spec), walk_dtype(spec)
         # dO in the 16-bit input dtype: exact (o, so its cotangent, has q's dtype)
@@ -442,6 +442,16 @@ XLA = XlaEngine()
 
 # --- the grid around an engine: shared by the single-device op and the CP backends --------
 
+class OpTokens(NamedTuple):
+    """The single-device op's inputs token-major, for an engine that reads them itself:
+    ``raw`` = (q [B, T, H, K], k [B, T, n, H, K], v [B, T, n, HV, V]) as the caller gave
+    them; ``tok`` = :func:`gdp_jax.grid.tokens_of`'s per-token operands (q, k, v, g,
+    beta: L2-normalised, GVA-repeated to HV heads, in the compute dtype) - the values the
+    chunk inputs are laid out from."""
+    raw: tuple
+    tok: tuple
+
+
 class TokenCotangents(NamedTuple):
     """Cotangents an engine's backward may return instead of chunk-input ones: q, k, v
     already in the token-major layout of :func:`gdp_jax.grid.token_inputs`' operands -
@@ -465,6 +475,7 @@ class BackwardProblem(NamedTuple):
     pull_inputs: object          # ChunkInputs / TokenCotangents -> (dq, dk, dv, dg, dbeta)
     doc: jax.Array               # [B, NC, HV, C // every, V] read-out-row cotangents
     dfinal: jax.Array            # [N, HV, K, V] final-state cotangents (compute dtype)
+    tokens: OpTokens             # the inputs token-major (Engine.backward's ``tokens``)
 
 
 def _cast_fields(tok, dtypes):
@@ -506,7 +517,8 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
         return pull_tokens(pull_steps(dch))
 
     doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))
-    return BackwardProblem(layout, ch, pull_inputs, doc, dfinal.astype(spec.cdt))
+    return BackwardProblem(layout, ch, pull_inputs, doc, dfinal.astype(spec.cdt),
+                           OpTokens((q, k, v), tok))
 
 
 def outputs(layout, oc, dtype):

@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import _checks, _guard, backends, engine
+from gdp_jax import _checks, _guard, backends, engine, grid
 from gdp_jax.cp import split
 
 
@@ -20,8 +20,9 @@ def _forward(eng, spec, inputs, keep_states):
     q, k, v, g, beta, h0, cu_seqlens = inputs
     layout, ch = engine.forward_problem(spec, q, k, v, g, beta, cu_seqlens,
                                         eng.input_dtypes(spec))
+    tokens = engine.OpTokens((q, k, v), grid.tokens_of(spec, q, k, v, g, beta))
     oc, final, states = eng.forward(spec, ch, layout, engine.start_states(spec, h0),
-                                    keep_states=keep_states, tokens=(q, k, v))
+                                    keep_states=keep_states, tokens=tokens)
     return (engine.outputs(layout, oc, q.dtype), final.astype(spec.cdt)), states
 
 
@@ -41,7 +42,7 @@ def _op_bwd(eng, spec, res, cts):
     p = engine.backward_problem(spec, q, k, v, g, beta, cu_seqlens, *cts,
                                 eng.input_dtypes(spec))
     dch, dh0 = eng.backward(spec, p.ch, p.layout, engine.start_states(spec, h0), p.doc,
-                            p.dfinal, states)
+                            p.dfinal, states, tokens=p.tokens)
     dq, dk, dv, dg, dbeta = p.pull_inputs(dch)
     return dq, dk, dv, dg, dbeta, None if h0 is None else dh0.astype(h0.dtype), None
 

@@ -828,3 +828,49 @@ def test_fused_ddo_gradients_equal_xla_ddo(monkeypatch, packed):
     assert calls == [False, True]
     for name in want:
         assert rel_max(got[name], want[name]) < 1e-6, name
+
+
+@pytest.mark.parametrize("case", ["n1", "n2-gva", "n3-T2", "packed"])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
+    """``pipeline.TOKEN_BACKWARD``: the differentiated op's operands kernels (forward, and
+    backward with X) and the local-gradient kernel read q, k, v token-major (the
+    normalised per-token operands, through the row table) instead of the chunk tiles XLA
+    lays out: the same values reach the kernels, so outputs and every gradient are the
+    same bits (bf16, T not a multiple of 64, T = 2, n = 1..3, GVA, packed with empty and
+    one-token sequences); the plain forward keeps its raw-token path."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    calls = []
+    prep, lg = ChunkPrepKernel.raw_call_tokens, LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(("prep", kw["l2norm"], kw.get("inverse", False)))
+        or prep(*a, **kw)))
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(("grad", kw.get("tokens_in", False))) or lg(*a, **kw)))
+    B, T, n, H, HV, cu = {"n1": (2, 100, 1, 1, 1, None), "n2-gva": (1, 130, 2, 1, 2, None),
+                          "n3-T2": (2, 2, 3, 2, 2, None),
+                          "packed": (1, 150, 2, 1, 2, [0, 0, 1, 70, 70, 150])}[case]
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(41, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
+    run = lambda: loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl",
+                                 use_qk_l2norm=l2norm)
+    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", False)
+    want = run()
+    assert calls == [("grad", False)]
+    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", True)
+    jax.clear_caches()
+    calls.clear()
+    got = run()
+    assert sorted(calls) == [("grad", True), ("prep", False, False), ("prep", False, True)]
+    o, s, _, g = got
+    o2, s2, _, g2 = want
+    assert np.asarray(o).tobytes() == np.asarray(o2).tobytes()
+    assert np.asarray(s).tobytes() == np.asarray(s2).tobytes()
+    assert set(g) == set(g2)
+    for name in g:
+        assert np.asarray(g[name]).tobytes() == np.asarray(g2[name]).tobytes(), name
+    calls.clear()
+    jax.jit(lambda *a: OP(*a, use_qk_l2norm=l2norm, backend="cutedsl"))(*inp[:5])
+    assert calls == [("prep", l2norm, False)]       # the plain forward: raw tokens

@@ -61,7 +61,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warp
+from cutlass.cute.nvgpu import cpasync, warp
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, acc_to_smem,
                                   c_tile, g2s, g2s_copy, ldmatrix_copies, make_acc,
@@ -82,7 +82,8 @@ class ChunkGradSm90:
     float32 [C, C] factors."""
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
-                 warps_n: int = 2, tokens: bool = False, head_major: bool = False):
+                 warps_n: int = 2, tokens: bool = False, head_major: bool = False,
+                 tokens_in: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -101,6 +102,10 @@ class ChunkGradSm90:
         # CTAs in (head, chunk, row) order: the CTAs resident at once cover every head of
         # a few chunks, so token-major rows [.., HV, K] are written whole
         self.head_major = head_major
+        # q, k, v read from the op's token-major tensors by the row table too (no chunk
+        # grid of them in XLA): ``_load_rows``
+        self.tokens_in = tokens_in
+        assert tokens or not tokens_in
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -143,7 +148,7 @@ class ChunkGradSm90:
             sy: cute.struct.MemRange[F32, C]           # phase 14's row vector
             sred: cute.struct.MemRange[F32, NT // 32]
 
-        B, NC, HV = mK.shape[0], mK.shape[1], mK.shape[2]
+        B, NC, HV = mW.shape[0], mW.shape[1], mW.shape[2]
         self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mDq,
                     mDk, mDv, mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
                     g2s_copy(ab, V, NT), warp_mma(ab, WN),
@@ -197,8 +202,10 @@ class ChunkGradSm90:
         wn = tidx // NUM_THREADS               # this warp's N index (sm90.warp_mma)
         rsum = lambda t, i: _sum_n(t, i, WN)
 
-        gQ, gK, gW = mQ[b, c, hv, None, None], mK[b, c, hv, None, None], mW[b, c, hv, None, None]
-        gDo, gV = mDo[b, c, hv, None, None], mV[b, c, hv, None, None]
+        gW, gDo = mW[b, c, hv, None, None], mDo[b, c, hv, None, None]
+        if cutlass.const_expr(not self.tokens_in):
+            gQ, gK, gV = (mQ[b, c, hv, None, None], mK[b, c, hv, None, None],
+                          mV[b, c, hv, None, None])
         if cutlass.const_expr(roundtrip):
             gDq, gDk = mDq[b, c, hv, None, None], mDk[b, c, hv, None, None]
 
@@ -208,8 +215,13 @@ class ChunkGradSm90:
         # group; a float32 one (CP) is rounded on its way through registers.
         ds16 = cutlass.const_expr(mDS.element_type == ab)
         cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
-        cpK.load(gQ, (C, K), cpK.dest(sQ))
-        cpK.load(gK, (C, K), cpK.dest(sK))
+        if cutlass.const_expr(self.tokens_in):
+            hk = hv // (mV.shape[2] // mK.shape[2])          # the key head (GVA)
+            self._load_rows(cpK, sQ, mQ, mRows, b, c, hk, K, True)
+            self._load_rows(cpK, sK, mK, mRows, b, c, hk, K, False)
+        else:
+            cpK.load(gQ, (C, K), cpK.dest(sQ))
+            cpK.load(gK, (C, K), cpK.dest(sK))
         cute.arch.cp_async_commit_group()
         cpK.load(gW, (C, K), cpK.dest(sW))
         cpV.load(gDo, (C, V), cpV.dest(sDo))
@@ -344,7 +356,10 @@ class ChunkGradSm90:
         cute.arch.sync_threads()               # dS_end is dead: v takes its place
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
-        cpV.load(gV, (C, V), cpV.dest(sV))
+        if cutlass.const_expr(self.tokens_in):
+            self._load_rows(cpV, sV, mV, mRows, b, c, hv, V, False)
+        else:
+            cpV.load(gV, (C, V), cpV.dest(sV))
         cute.arch.cp_async_commit_group()
 
         # ---- phase 5: dW = -ddelta S0^T -> smem (16-bit, where w was)
@@ -509,6 +524,32 @@ class ChunkGradSm90:
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
 
     @cute.jit
+    def _load_rows(self, cp, s, mIn, mRows, b, c, h, N: cutlass.Constexpr,
+                   readout: cutlass.Constexpr):
+        """The mirror of ``_copy_rows``: a 16-bit [C, N] smem operand tile from its
+        token-major rows of ``mIn`` (head ``h``) by cp.async, 128 bits a piece (the caller
+        commits the group); chunk rows without a token row (i >= count; with ``readout``,
+        the rows i != n - 1 (mod n)) are zeros, as on the chunk grid."""
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.ab,
+            num_bits_per_copy=128)
+        t = cp.dest(s)
+        crd = cp.thr.partition_D(cute.make_identity_tensor((C, N)))
+        count, n = mRows[b, c, 1], mRows[b, c, 3]
+        zero = F32(0.0).to(self.ab)
+        for m in cutlass.range_constexpr(cute.size(t) // 8):
+            i, col = crd[8 * m]
+            ok, row = i < count, mRows[b, c, 0] + i
+            if cutlass.const_expr(readout):
+                ok, row = ok & (i % n == n - 1), mRows[b, c, 2] + i // n
+            if ok:
+                cute.copy(atom, cute.local_tile(mIn[b, row, h, None], (8,), (col // 8,)),
+                          t[None, m, 0])
+            else:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    t[e] = zero
+
+    @cute.jit
     def _copy_rows(self, cp, s, mOut, mRows, b, c, hv, N: cutlass.Constexpr,
                    readout: cutlass.Constexpr):
         """A 16-bit [C, N] smem result tile to its token-major rows: chunk row i < count
@@ -633,9 +674,9 @@ _KERNELS = {}
 
 def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
                warps_n: int = 2, tokens: bool = False,
-               head_major: bool = False) -> ChunkGradSm90:
-    key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major)
+               head_major: bool = False, tokens_in: bool = False) -> ChunkGradSm90:
+    key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
-                                      tokens, head_major)
+                                      tokens, head_major, tokens_in)
     return _KERNELS[key]

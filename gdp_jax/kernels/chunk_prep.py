@@ -128,31 +128,34 @@ class ChunkPrepKernel:
                 and max(q.size, k.size, v.size) <= binding.MAX_ELEMS)
 
     @classmethod
-    def call_tokens(cls, spec, q, k, v, ch, layout):
+    def call_tokens(cls, spec, q, k, v, ch, layout, *, inverse: bool = False,
+                    normalized: bool = False):
         """The forward operands as :meth:`call` gives them for ``ch`` (whose g and beta are
         read; its q, k, v are left to XLA's dead-code elimination), with q, k, v read by
         the kernel from the token-major inputs (:meth:`can_read_tokens`) and L2-normalised
-        in it when ``spec.use_qk_l2norm``; ``jax.vmap``-able."""
+        in it when ``spec.use_qk_l2norm`` and not ``normalized`` (q, k already are);
+        ``inverse``: X as well, as :meth:`call`'s. ``jax.vmap``-able."""
         B, T, n, H, K = k.shape
         rows = token_rows(layout, n, T)
         f = binding.vmappable(
-            lambda *a: cls.raw_call_tokens(*a, ab_dtype=spec.ab_dtype,
-                                           l2norm=spec.use_qk_l2norm),
-            out_kinds=("rows",) * 7 + ("dummy",))
+            lambda *a: cls.raw_call_tokens(*a, ab_dtype=spec.ab_dtype, inverse=inverse,
+                                           l2norm=spec.use_qk_l2norm and not normalized),
+            out_kinds=("rows",) * (8 if inverse else 7) + (() if inverse else ("dummy",)))
         scale_rows = jnp.full((B,), spec.scale, jnp.float32)
-        w, kt, qg, p, u, decay, bad, _ = f(
+        w, kt, qg, p, u, decay, bad, X = f(
             q, k.reshape(B, T * n, H, K), v.reshape((B, T * n) + v.shape[3:]), ch.g,
             ch.beta, scale_rows, rows)
-        return (w, kt, qg, p, u, decay), bad != 0
+        out = (w, kt, qg, p, u, decay), bad != 0
+        return out + (X,) if inverse else out
 
     @staticmethod
     def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool,
-                        probe: bool = False):
+                        inverse: bool = False, probe: bool = False):
         """q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] (``ab_dtype``; L = n T
         interleaved steps), g, beta [B, NC, HV, C] float32, scale [B], rows [B, NC, 4]
-        int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs (X: the [1] placeholder)
-        for the chunk inputs those tensors lay out to, with q, k L2-normalised (then
-        rounded to ``ab_dtype``) when ``l2norm``; ``probe``: as :meth:`raw_call`'s."""
+        int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs for the chunk inputs those
+        tensors lay out to, with q, k L2-normalised (then rounded to ``ab_dtype``) when
+        ``l2norm``; ``inverse``, ``probe``: as :meth:`raw_call`'s."""
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
         if C_ != C:
@@ -173,12 +176,14 @@ class ChunkPrepKernel:
         if HV % k.shape[2] or q.shape[2] != k.shape[2]:
             raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {HV}; expected "
                              f"q's = k's, dividing v's")
-        outputs = _outputs(B, NC, HV, K, V, ab, inverse=False)
+        outputs = _outputs(B, NC, HV, K, V, ab, inverse=inverse)
         f32 = lambda x: x.astype(jnp.float32)
         return binding.custom_call(_launcher_tokens, "gdp_chunk_prep_sm90_tokens", outputs,
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
-                                   tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 1),
+                                   tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1,
+                                              2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, l2norm=l2norm,
+                                   **({"inverse": True} if inverse else {}),
                                    **({"probe": True} if probe else {}))
 
     @classmethod
@@ -199,14 +204,17 @@ class ChunkPrepKernel:
                             + (" inverse" if inverse else ""), fn,
                             (S(K), S(K), S(V), S(), S(),
                              jax.ShapeDtypeStruct((1,), jnp.float32))))
-                    for l2norm in (False, True):
+                    # token-major q, k, v: the forward (normalised in the kernel or
+                    # not) and the backward's, with X (pipeline.TOKEN_BACKWARD)
+                    for l2norm, inverse in ((False, False), (True, False), (False, True)):
                         T = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1) + shape,
                                                                 jnp.dtype(name))
                         fn = functools.partial(cls.raw_call_tokens, ab_dtype=name,
-                                               l2norm=l2norm)
+                                               l2norm=l2norm, inverse=inverse)
                         out.append(aot.Variant(
                             f"gdp_chunk_prep_sm90_tokens {name} K={K} V={V}"
-                            + (" l2norm" if l2norm else ""), fn,
+                            + (" l2norm" if l2norm else "")
+                            + (" inverse" if inverse else ""), fn,
                             (T(K), T(K), T(V), S(), S(),
                              jax.ShapeDtypeStruct((1,), jnp.float32),
                              jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
@@ -268,8 +276,9 @@ def _launcher_tokens():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               l2norm: cutlass.Constexpr, probe: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, ab_name, probe=probe, tokens=True, l2norm=l2norm)(
+               l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
+               probe: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=True, l2norm=l2norm)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

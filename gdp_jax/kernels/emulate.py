@@ -127,14 +127,12 @@ def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype, inverse=False):
             X.astype(acc) if inverse else jnp.zeros((1,), acc))
 
 
-def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm):
-    """The token-major operands kernel's contract (``ChunkPrepKernel.raw_call_tokens``):
-    the chunk inputs gathered from q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] by the
-    row table ``rows`` [B, NC, 4] = (base, count, tok, n), q and k L2-normalised in
-    float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`."""
-    from gdp_jax.reference import l2_normalize
-    B, NC, HV, C = g.shape
-    H = k.shape[2]
+def _gather_token_rows(rows, C, q, k, v):
+    """The chunk tiles [B, NC, heads, C, X] of token-major q [B, T, H, K], k [B, L, H, K],
+    v [B, L, HV, V] (L = n T steps) by the row table ``rows`` [B, NC, 4] = (base, count,
+    tok, n): chunk row i < count is step base + i, q only on the read-out rows
+    i = n - 1 (mod n), token tok + i // n; other rows zero (as the kernels read them)."""
+    B, NC = rows.shape[:2]
     base, count, tok, n = (rows[..., j, None] for j in range(4))    # [B, NC, 1]
     i = jnp.arange(C, dtype=jnp.int32)
 
@@ -145,14 +143,25 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm):
         return jnp.moveaxis(y, 2, 3)
 
     valid = i < count
-    kc = gather(k, base + i, valid)
-    vc = gather(v, base + i, valid)
-    qc = gather(q, tok + i // n, valid & (i % n == n - 1))
+    return (gather(q, tok + i // n, valid & (i % n == n - 1)), gather(k, base + i, valid),
+            gather(v, base + i, valid))
+
+
+def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
+                           inverse=False):
+    """The token-major operands kernel's contract (``ChunkPrepKernel.raw_call_tokens``):
+    the chunk inputs gathered from q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] by the
+    row table ``rows`` [B, NC, 4] = (base, count, tok, n), q and k L2-normalised in
+    float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`."""
+    from gdp_jax.reference import l2_normalize
+    HV, C = g.shape[2:]
+    H = k.shape[2]
+    qc, kc, vc = _gather_token_rows(rows, C, q, k, v)
     if l2norm:
         norm = lambda x: l2_normalize(x.astype(jnp.float32)).astype(x.dtype)
         qc, kc = norm(qc), norm(kc)
     qc, kc = jnp.repeat(qc, HV // H, axis=2), jnp.repeat(kc, HV // H, axis=2)
-    return chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype)
+    return chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype, inverse=inverse)
 
 
 def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
@@ -175,14 +184,21 @@ def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dty
 
 
 def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n,
-                           T, ab_dtype, split=True, warps_n=2):
+                           T, ab_dtype, split=True, warps_n=2, tokens_in=False):
     """The token-major local-gradient kernel's contract (``LocalGradKernel.raw_call_tokens``):
     :func:`local_grad_call`'s dq, dk, dv moved to their token-major rows by the row table
     ``rows`` [B, NC, 4] = (base, count, tok, n) and rounded to ``ab_dtype``: chunk row
     i < count to step base + i of dk [B, n T, HV, K], dv; the read-out rows
     i = n - 1 (mod n) to token tok + i // n of dq [B, T, HV, K]. Rows no chunk row
-    covers are zero here (the kernel leaves them unwritten)."""
+    covers are zero here (the kernel leaves them unwritten). ``tokens_in``: q, k, v
+    token-major (q [B, T, H, K], k [B, n T, H, K], v [B, n T, HV, V]), gathered to the
+    chunk grid by the same rows."""
     del warps_n                         # a tuning knob
+    if tokens_in:
+        HV, C = g.shape[2:]
+        q, k, v = _gather_token_rows(rows, C, q, k, v)
+        H = k.shape[2]
+        q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
     dq, dk, dv, dg, dbeta = local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0,
                                             ds_end, ab_dtype=ab_dtype, split=split)
     B, NC, HV, C = g.shape

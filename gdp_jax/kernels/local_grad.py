@@ -125,18 +125,25 @@ class LocalGradKernel:
 
     @classmethod
     def call_tokens(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, rows, *, n: int,
-                    T: int, scale: float, ab_dtype, split: Optional[bool] = None):
+                    T: int, scale: float, ab_dtype, split: Optional[bool] = None,
+                    tokens_in: bool = False):
         """:meth:`call` with dq, dk, dv written in the op's token-major layout, in
         ``ab_dtype``: -> (dq [B, T, HV, K], dk [B, T, n, HV, K], dv [B, T, n, HV, V],
         dg, dbeta [B, NC, HV, C] float32). ``rows`` [B, NC, 4]: the chunk grid's row table
         (:func:`gdp_jax.kernels.chunk_prep.token_rows` for T tokens of n steps); every
         step of every row must be some chunk's row (true of every valid layout).
-        ``jax.vmap``-able."""
+        ``tokens_in``: q [B, T, H, K], k [B, T, n, H, K], v [B, T, n, HV, V] come
+        token-major too (in ``ab_dtype``; H divides HV), read by the kernel through
+        ``rows`` - else they are chunk tiles as :meth:`call`'s. ``jax.vmap``-able."""
         f = binding.vmappable(
             lambda *a: cls.raw_call_tokens(*a, n=n, T=T, ab_dtype=ab_dtype, split=split,
-                                           warps_n=WARPS_N),
+                                           warps_n=WARPS_N, tokens_in=tokens_in),
             out_kinds=("rows",) * 5)
-        scale_rows = jnp.full(k.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
+        scale_rows = jnp.full(w.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
+        if tokens_in:
+            B = q.shape[0]
+            k = k.reshape((B, n * T) + k.shape[3:])
+            v = v.reshape((B, n * T) + v.shape[3:])
         dq, dk, dv, dg, dbeta = f(q, k, w, doc, v, g, beta, scale_rows, X, u, S0, ds_end,
                                   rows)
         B, _, HV = g.shape[:3]
@@ -145,18 +152,25 @@ class LocalGradKernel:
 
     @staticmethod
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
-                        T: int, ab_dtype, split: Optional[bool] = None, warps_n: int = 2):
+                        T: int, ab_dtype, split: Optional[bool] = None, warps_n: int = 2,
+                        tokens_in: bool = False):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
-        [B, NC, HV, C] float32."""
-        B, NC, HV, K, V = _checked_dims(k, v, scale, ab_dtype)
+        [B, NC, HV, C] float32. ``tokens_in``: q [B, T, H, K], k [B, n T, H, K],
+        v [B, n T, HV, V] in ``ab_dtype``, read through the same rows (chunk rows without
+        a token row read as zeros)."""
+        B, NC, HV, K, V = _checked_dims(w, u, scale, ab_dtype)
         if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
             raise ValueError(f"rows: int32 ({B}, {NC}, 4); got {rows.dtype} {rows.shape}")
         if not 1 <= n <= C or T < 1 or B * n * T * HV * max(K, V) > binding.MAX_ELEMS:
             raise ValueError(f"n={n}, T={T}: expected 1 <= n <= {C} and token-major "
                              f"outputs within the kernel's 32-bit offsets")
         ab = jnp.dtype(ab_dtype)
+        tok = 2
+        if tokens_in:
+            _check_token_inputs(q, k, v, B, n, T, HV, K, V, ab)
+            tok = 1
         rows_ = (B, NC, HV, C)
         outputs = (binding.out((B, T, HV, K), ab), binding.out((B, n * T, HV, K), ab),
                    binding.out((B, n * T, HV, V), ab), binding.out(rows_, jnp.float32),
@@ -164,10 +178,10 @@ class LocalGradKernel:
         return binding.custom_call(
             _launcher_tokens, "gdp_chunk_grad_sm90_tokens", outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
-            tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
+            tile_dims=(tok, tok, 2, 2, tok, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
-            warps_n=int(warps_n))
+            warps_n=int(warps_n), **({"tokens_in": True} if tokens_in else {}))
 
     @classmethod
     def variants(cls):
@@ -192,16 +206,26 @@ class LocalGradKernel:
                             f"gdp_chunk_grad_sm90 {name} K={K} V={V} dS_end {ds.name}", fn,
                             args(ds)))
                     # token-major dq, dk, dv (the single-device op's backward: dS_end 16-bit)
+                    table = (jax.ShapeDtypeStruct((1, 1, 4), jnp.int32),)
                     fn = functools.partial(cls.raw_call_tokens, n=1, T=1, ab_dtype=name)
                     out.append(aot.Variant(
                         f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V}", fn,
-                        args(ab) + (jax.ShapeDtypeStruct((1, 1, 4), jnp.int32),)))
+                        args(ab) + table))
+                    # and q, k, v read token-major (pipeline.TOKEN_BACKWARD)
+                    R = lambda d: jax.ShapeDtypeStruct((1, 1, 1, d), ab)
+                    a = list(args(ab))
+                    a[0], a[1], a[4] = R(K), R(K), R(V)
+                    fn = functools.partial(cls.raw_call_tokens, n=1, T=1, ab_dtype=name,
+                                           tokens_in=True)
+                    out.append(aot.Variant(
+                        f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V} tokens in", fn,
+                        tuple(a) + table))
         return out
 
 
 def _checked_dims(k, v, scale, ab_dtype):
-    """(B, NC, HV, K, V) of a call with k [B, NC, HV, C, K], v [.., V] and ``scale`` [B];
-    ValueError where the kernel cannot take it."""
+    """(B, NC, HV, K, V) of a call with k [B, NC, HV, C, K], v [.., V] (or w, u: the same
+    shapes) and ``scale`` [B]; ValueError where the kernel cannot take it."""
     B, NC, HV, C_, K = k.shape
     V = v.shape[-1]
     why = LocalGradKernel.can_implement(ab_dtype=ab_dtype, K=K, V=V, rows=B, NC=NC, HV=HV)
@@ -212,6 +236,19 @@ def _checked_dims(k, v, scale, ab_dtype):
     if scale.shape != (B,):
         raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
     return B, NC, HV, K, V
+
+
+def _check_token_inputs(q, k, v, B, n, T, HV, K, V, ab):
+    """ValueError unless q [B, T, H, K], k [B, n T, H, K], v [B, n T, HV, V] are in
+    ``ab`` with H dividing HV."""
+    H = q.shape[2] if q.ndim == 4 else 0
+    want = {"q": (B, T, H, K), "k": (B, n * T, H, K), "v": (B, n * T, HV, V)}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if tuple(x.shape) != want[name] or x.dtype != ab:
+            raise ValueError(f"{name}: token-major {ab.name} {want[name]}; got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    if H < 1 or HV % H:
+        raise ValueError(f"q, k have {H} heads, v {HV}: expected a divisor of v's")
 
 
 def _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab):
@@ -254,9 +291,10 @@ def _launcher_tokens():
     def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv,
                dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr):
+               head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
+               tokens_in: cutlass.Constexpr = False):
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
-                       head_major=head_major)(
+                       head_major=head_major, tokens_in=tokens_in)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv, dg,
             dbeta)
 

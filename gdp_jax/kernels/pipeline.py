@@ -88,18 +88,20 @@ def causal_operands(operands):
 
 
 def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=None,
-                    layout: Optional[grid.ChunkLayout] = None):
+                    layout: Optional[grid.ChunkLayout] = None, normalized: bool = False):
     """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
     the operands kernel when ``use_kernel`` and it takes the call (one pass per chunk),
     else in XLA. ``tokens``: the op's (q, k, v) [B, T, (n,) H or HV, K or V], from which
     the kernel reads q, k, v itself where it can (``ChunkPrepKernel.can_read_tokens``;
-    ``layout`` is then the call's grid): XLA then lays out only g and beta."""
+    ``layout`` is then the call's grid): XLA then lays out only g and beta;
+    ``normalized``: their q, k are L2-normalised already (no norm in the kernel)."""
     B, NC, HV, _, K = ch.k.shape
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
         if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
-            return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout)
+            return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout,
+                                               normalized=normalized)
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
 
@@ -164,6 +166,12 @@ KERNEL_FACTORS = True
 # and the differentiated forward keeping its operands and X for the backward (one operands
 # kernel pass fewer, ~100 KB more kept per chunk at K = V = 128) instead of recomputing them
 SAVE_OPERANDS = False
+# and the differentiated op's operands and local-gradient kernels reading q, k, v
+# token-major (:func:`token_operands`: XLA's L2-normalised per-token operands, the values
+# the chunk tiles would hold) instead of chunk tiles XLA lays out (three [B, NC, HV, C, K]
+# relayouts, ~0.16 ms each at (8, 4096, 16, 2): benchmarks/results/CURRENT.md, s19-3).
+# PREPARED, NOT MEASURED on the GPU (CPU: the emulated kernels give the same results).
+TOKEN_BACKWARD = False
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
 # at (8, 4096, 16, 2): benchmarks/results/CURRENT.md, s20-1)
@@ -189,20 +197,23 @@ def kernel_backward(spec, ch: grid.ChunkInputs) -> bool:
 
 
 def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
-                layout: Optional[grid.ChunkLayout] = None):
+                layout: Optional[grid.ChunkLayout] = None, qkv=None):
     """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
     dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
     only the read-out rows ([.., C // every, V]); the kernel takes all C rows: ``work``'s
     ``do``, the copy the reverse kernel reads. With the call's ``layout`` (the
     single-device op), where the kernel can, dq, dk, dv come out token-major instead
-    (:class:`gdp_jax.engine.TokenCotangents`: no relayout or cast of them in XLA)."""
+    (:class:`gdp_jax.engine.TokenCotangents`: no relayout or cast of them in XLA); with
+    ``qkv`` (:func:`token_operands`) the kernel reads q, k, v token-major as well."""
     if (layout is not None and local_grad_kernel(spec, ch)
             and LocalGradKernel.can_write_tokens(spec, ch)):
         rows = token_rows(layout, spec.n, spec.T)
+        q, k, v = qkv if qkv is not None else ch[:3]
         dq, dk, dv, dg, dbeta = LocalGradKernel.call_tokens(
-            ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.operands[4],
-            ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype)
+            q, k, v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.operands[4],
+            ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype,
+            tokens_in=qkv is not None)
         gates = _vma.cotangent_like((dg.astype(ch.g.dtype), dbeta.astype(ch.beta.dtype)),
                                     (ch.g, ch.beta))
         return TokenCotangents(dq, dk, dv, *gates)
@@ -214,6 +225,20 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
         return _vma.cotangent_like(dch, ch)
     return chunked.local_grads_direct(ch, work.it, work.X, S0, doc, ds_end.astype(ch.k.dtype),
                                       spec.scale)
+
+
+def token_operands(spec, ch: grid.ChunkInputs, tokens) -> Optional[tuple]:
+    """The differentiated op's q, k, v for kernels that read them token-major
+    (:data:`TOKEN_BACKWARD`): :class:`gdp_jax.engine.OpTokens`' per-token operands in the
+    16-bit operand dtype - q [B, T, HV, K], k [B, T, n, HV, K], v [B, T, n, HV, V],
+    L2-normalised, the same values the chunk inputs hold - or None where the backward
+    runs on chunk tiles (switch off, no tokens, a kernel that cannot take the call)."""
+    if not TOKEN_BACKWARD or tokens is None or not kernel_backward(spec, ch):
+        return None
+    if not LocalGradKernel.can_write_tokens(spec, ch):
+        return None
+    qkv = tuple(x.astype(spec.ab_dtype) for x in tokens.tok[:3])
+    return qkv if ChunkPrepKernel.can_read_tokens(spec, *qkv) else None
 
 
 def _flags(layout: grid.ChunkLayout):
@@ -261,20 +286,29 @@ class CuTeDSLEngine(Engine):
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None, tokens=None):
         """-> (o rows, final states, residuals): the residuals are the chunk-state
         checkpoints, with ``SAVE_OPERANDS`` (and a kernel backward) a pair
-        (checkpoints, (operands, X)). ``tokens``: :func:`masked_operands`', read only by
-        the plain forward: under differentiation the backward lays out the chunk inputs
-        anyway, and a forward sharing them measured faster (benchmarks/results/CURRENT.md,
-        s18-2)."""
+        (checkpoints, (operands, X)). ``tokens`` (:class:`gdp_jax.engine.OpTokens`): the
+        plain forward's operands kernel reads the raw q, k, v (L2 norm in the kernel);
+        under differentiation the backward lays out the chunk inputs anyway, and a
+        forward sharing them measured faster (benchmarks/results/CURRENT.md, s18-2) -
+        unless the backward reads token-major too (:func:`token_operands`): then both read
+        the normalised per-token operands."""
         self._check(spec, ch)
         save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
         if save:
             operands, bad, X = ChunkPrepKernel.call(ch, scale=spec.scale,
                                                     ab_dtype=spec.ab_dtype, inverse=True)
+        elif work is not None:
+            operands, bad = work
         else:
-            operands, bad = (work if work is not None
-                             else masked_operands(spec, ch, use_kernel=self._prep_kernel(
-                                 spec, ch, keep_states), layout=layout,
-                                 tokens=None if keep_states else tokens))
+            read, normalized = None, False
+            if keep_states:
+                read = token_operands(spec, ch, tokens)
+                normalized = read is not None
+            elif tokens is not None:
+                read = tokens.raw
+            operands, bad = masked_operands(
+                spec, ch, use_kernel=self._prep_kernel(spec, ch, keep_states), layout=layout,
+                tokens=read, normalized=normalized)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
@@ -286,11 +320,16 @@ class CuTeDSLEngine(Engine):
             return oc, final, (states, (operands, X))
         return oc, final, states if keep_states else None
 
-    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None):
+    def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None, tokens=None):
         self._check(spec, ch)
         prep = None
         if isinstance(states, tuple):          # the forward kept its operands
             states, prep = states
+        qkv = token_operands(spec, ch, tokens) if work is None else None
+        if qkv is not None and prep is None:
+            operands, _, X = ChunkPrepKernel.call_tokens(spec, *qkv, ch, layout, inverse=True,
+                                                         normalized=True)
+            prep = (operands, X)
         work = work if work is not None else BackwardWork(
             ch, doc, spec.scale, spec.ab_dtype, on_kernel=kernel_backward(spec, ch),
             prep=prep)
@@ -303,7 +342,7 @@ class CuTeDSLEngine(Engine):
                                            BV=_bv(ch),
                                            ds_dtype=spec.ab_dtype if on_kernel else None,
                                            fuse_ddo=work.fuse_ddo)
-        dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout)
+        dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout, qkv=qkv)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
