@@ -1,34 +1,38 @@
 #!/usr/bin/env bash
-# The fourth session's owed measurements on the H200, as three device calls of < 600 s each
-# (the fifth session ran their substance with benchmarks/results/history/2026-12-01/s5_gpu{1,2,3}.sh;
-# still not re-run: the segment sweep, the xla fwd+bwd rows, the GPU tests cut short):
-#   bash benchmarks/run_gpu_measurements.sh 1   # timings: fwdbwd vs FLA, xla segment sizes, kernel trace, cold start
-#   bash benchmarks/run_gpu_measurements.sh 2   # the AOT GPU test alone, one xla CP rank, the GPU tests cut short on 2026-12-01
-#   bash benchmarks/run_gpu_measurements.sh 3   # intra_cp (CP inside the device) at (1, 65536, 16, 2) beside FLA
+# The measurements owed on the H200 (the twenty-first session prepared them; the device was
+# not lent again after its second call), as three device calls of < 600 s each:
+#   bash benchmarks/run_gpu_measurements.sh 1   # TOKEN_BACKWARD and the fixed-order norm: GPU tests, then A/B beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 2   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 3   # the AOT GPU test alone, then the kernel GPU tests in full
 # (device run: carry [".gpu-deps"]). Logs and raw files under $OUT/m; a summary is printed last.
 # Each step has its own timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
-export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false
-export GDP_BENCH_COMMIT=${GDP_BENCH_COMMIT:-unknown}
+export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 M=$OUT/m; mkdir -p $M
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( 580 - ($(date +%s) - T0) )); }
 step() { local t=$1 name=$2; shift 2; local l; l=$(left); [ "$l" -lt 20 ] && { el "skip $name"; return; }
          [ "$t" -gt "$l" ] && t=$l; el "$name ($t s)"; timeout "$t" "$@" > $M/$name.log 2>&1; el "$name rc=$?"; }
+rows() { grep -hE '^\| [0-9(]' "$@" | cut -c1-200; }
+P="python -m pytest -m gpu -q -rA -p no:cacheprovider"
+n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
+[ "$n" -lt 200 ] && step 100 build python ffi/build.py --jobs 14
 case "${1:-1}" in
 1)
-  step 320 fwdbwd python -m benchmarks.run fwdbwd --impl cutedsl,xla,fla --shapes main --deadline 280 --out $M/fwdbwd
-  step 110 segments python -m benchmarks.segments --shape 8,4096,16,2 --sizes none,8192,4096 --json $M/segments.json
-  step 60 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --top 30 --out /tmp/tr
-  step 150 cold python -m benchmarks.cold_start --build --kernels /tmp/kern --modes prebuilt prebuilt+xla-cache
-  tail -25 $M/fwdbwd.log; cat $M/segments.log; head -34 $M/trace.log; tail -8 $M/cold.log ;;
+  step 150 tests $P tests/test_cutedsl_gpu.py -k "token_backward or sequence_alone or deterministic"
+  for s in kernels.pipeline.TOKEN_BACKWARD=False kernels.pipeline.TOKEN_BACKWARD=True \
+           norm.FIXED_ORDER=True; do
+    step 110 "ab_${s//[^A-Za-z=]/_}" python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+      --shapes "8,4096,16,2;2,16384,16,2" --set "$s" --deadline 90 --out $M/ab
+  done
+  grep -hE "^(FAILED|ERROR)|passed|failed" $M/tests.log | tail -8; rows $M/ab_*.log ;;
 2)
-  P="python -m pytest -m gpu -v -rA -p no:cacheprovider"
-  step 300 aot $P -s tests/test_aot_gpu.py
-  step 150 cp_rank_xla python -m benchmarks.cp_rank --backend xla --T 131072 --P 2 --json $M/cp_rank_xla.json
-  step 130 rest $P tests/test_cutedsl_gpu.py tests/test_robust_gpu.py -k "packed_gradients_match or tiny_lengths"
-  grep -hE "PASSED|FAILED|passed|failed" $M/aot.log $M/rest.log | tail -20; tail -3 $M/cp_rank_xla.log ;;
+  step 330 long python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "1,131072,8,2;1,262144,16,1" --no-check --deadline 300 --out $M/long
+  (cd /tmp/tcache 2>/dev/null && find . -name '*.autotune.json' | tar -cJf $M/fla-autotune.tar.xz -T -)
+  rows $M/long.log; grep -h NOTE $M/long.log ;;
 3)
-  step 560 long python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cpauto,xla-cpauto,fla --shapes "1,65536,16,2;1,131072,8,2" --deadline 480 --out $M/long
-  tail -20 $M/long.log ;;
+  step 300 aot $P -s tests/test_aot_gpu.py
+  step 250 kernels $P tests/test_cutedsl_gpu.py tests/test_chunk_prep_gpu.py
+  grep -hE "^(FAILED|ERROR)|passed|failed" $M/aot.log $M/kernels.log | tail -12 ;;
 esac

@@ -15,7 +15,8 @@ how XLA's CPU backend compiles, not the HLO the library builds:
   Fast-math stays off.
 
 Set either flag yourself in XLA_FLAGS (conftest only adds flags that are absent) to test
-XLA's default CPU code generation.
+XLA's default CPU code generation. conftest leaves them out on a machine with an NVIDIA
+GPU: the optimization level is read by XLA's GPU backend as well.
 """
 import importlib.metadata
 

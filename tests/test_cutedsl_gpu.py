@@ -305,6 +305,38 @@ def test_fused_ddo_gradients(monkeypatch, dtype, K, V, n, H, HV, packed):
     compare(tag + " vs ref", got, grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("K,V,n,H,HV,packed", [
+    (128, 128, 2, 1, 2, False),
+    (64, 128, 3, 1, 3, True),                  # GVA, K != V, packed: empty, one-token
+])
+def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
+    """``pipeline.TOKEN_BACKWARD``: the operands kernels (forward; backward with X) and the
+    local-gradient kernel reading the normalised q, k, v token-major put the same values
+    in shared memory as the chunk tiles do, so o, the final state and every gradient are
+    the same bits (bf16); and within GRAD_TOL of float64. Written 2026-12-04 (s21): NOT
+    YET RUN on a GPU."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    args, cu = _rows_or_pack(7, packed, n, H, HV, K, V, "bfloat16")
+    calls = []
+    raw = LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(kw.get("tokens_in", False)) or raw(*a, **kw)))
+    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", False)
+    _grad_fn.cache_clear()
+    base = grads("cutedsl", args, cu=cu, N=0)
+    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", True)
+    _grad_fn.cache_clear()
+    got = grads("cutedsl", args, cu=cu, N=0)
+    _grad_fn.cache_clear()
+    assert calls == [False, True]
+    differ = [nm for nm, a, b in zip(NAMES, got, base)
+              if b is not None and np.asarray(a).tobytes() != np.asarray(b).tobytes()]
+    assert not differ, differ
+    compare(f"token backward K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,
+            grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("dtype,n", [("bfloat16", 2), ("float16", 3)])
 def test_packed_gradients_match(dtype, n):
     lens = [70, 0, 1, 130, 64]
