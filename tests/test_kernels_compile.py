@@ -504,6 +504,22 @@ def test_token_major_local_grad_call_rejects_bad_inputs():
     check("^n=65, T=90: expected 1 <= n <= 64", n=65)
     check("K, V in", k=S((B, NC, HV, C, 96), bf))
 
+    # tokens_in: q [B, T, H, K], k [B, n T, H, K], v [B, n T, HV, V] in the operand dtype
+    n, T = 2, 90
+    tok = dict(ok, q=S((B, T, 1, K), bf), k=S((B, n * T, 1, K), bf), v=S((B, n * T, HV, K), bf))
+
+    def check_tokens(match, **bad):
+        a = {**tok, **bad}
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(lambda *x: LocalGradKernel.raw_call_tokens(
+                *x, n=n, T=T, ab_dtype="bfloat16", tokens_in=True), *a.values())
+
+    jax.eval_shape(lambda *x: LocalGradKernel.raw_call_tokens(
+        *x, n=n, T=T, ab_dtype="bfloat16", tokens_in=True), *tok.values())
+    check_tokens(r"^k: token-major bfloat16 \(1, 180, 1, 64\)", k=S((B, T, 1, K), bf))
+    check_tokens(r"^q: token-major bfloat16", q=S((B, T, 1, K), f32))
+    check_tokens("^q, k have 3 heads, v 2", q=S((B, T, 3, K), bf), k=S((B, n * T, 3, K), bf))
+
 
 def test_value_tile_fills_the_gpu():
     """The recursion kernels' value tile: 64 when rows x heads x V / 64 gives every SM a
@@ -535,7 +551,7 @@ def test_operands_kernel_holds_three_ctas_per_sm():
                        capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gdp_chunk_prep_sm90")]
-    assert r.returncode == 0 and len(lines) == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and len(lines) == 5, r.stdout[-2000:] + r.stderr[-2000:]
     for ln in lines:
         regs = int(ln.split(": ")[1].split(" registers")[0])
         assert regs <= 168 and "3 CTAs / SM by registers" in ln, ln

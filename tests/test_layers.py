@@ -27,8 +27,9 @@ LAYERS = {
     # 0: leaf helpers: the call spec and argument checks, varying-axes typing, packing
     "gdp_jax.spec": 0, "gdp_jax._checks": 0, "gdp_jax._vma": 0, "gdp_jax._prefix": 0,
     "gdp_jax.packing": 0,
-    # 1: the float64 token recurrence, the NaN guard, the CP fold algebra
+    # 1: the float64 token recurrence, the NaN guard, the CP fold algebra, the op's L2 norm
     "gdp_jax.reference": 1, "gdp_jax._guard": 1, "gdp_jax.cp.fold": 1,
+    "gdp_jax.norm": 1,
     # 2: the chunk grid; 3: the XLA chunked algorithm and its two-level passes; 4: the engine
     # interface + XLA engine
     "gdp_jax.grid": 2, "gdp_jax.chunked": 3, "gdp_jax.recurrence": 3, "gdp_jax.engine": 4,

@@ -160,7 +160,9 @@ class LocalGradKernel:
         [B, NC, HV, C] float32. ``tokens_in``: q [B, T, H, K], k [B, n T, H, K],
         v [B, n T, HV, V] in ``ab_dtype``, read through the same rows (chunk rows without
         a token row read as zeros)."""
-        B, NC, HV, K, V = _checked_dims(w, u, scale, ab_dtype)
+        # the chunk-grid tensors' dims: k, v's (as raw_call's), or w, u's with tokens_in
+        B, NC, HV, K, V = _checked_dims(w, u, scale, ab_dtype) if tokens_in else \
+            _checked_dims(k, v, scale, ab_dtype)
         if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
             raise ValueError(f"rows: int32 ({B}, {NC}, 4); got {rows.dtype} {rows.shape}")
         if not 1 <= n <= C or T < 1 or B * n * T * HV * max(K, V) > binding.MAX_ELEMS:
