@@ -466,9 +466,11 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     from the operands kernel (no X; on the chunk-major inputs the backward lays out too)
     and the backward runs it once more with X for the local-gradient kernel; the
     gradients equal those with XLA's factors (``KERNEL_FACTORS = False``: XLA's factors,
-    float32 dS_end) to bf16 rounding."""
+    float32 dS_end) to bf16 rounding. (Chunk tiles: ``TOKEN_BACKWARD`` off; on, see
+    test_token_backward_equals_chunk_tiles.)"""
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", False)
     calls = []
     raw = emulate.chunk_prep_call
     monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
