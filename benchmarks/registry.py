@@ -7,6 +7,7 @@ callables take no arguments, so every implementation is timed on the same values
 
 Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>``, ``xla``,
 and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP inside the device),
+``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward).
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
@@ -149,8 +150,10 @@ class OursOp:
     kept = bytes of ``jax.vjp``'s residuals beyond the inputs."""
     family = "ours"
 
-    def __init__(self, name, backend, N=None, intra_cp=None, save_operands=False):
+    def __init__(self, name, backend, N=None, intra_cp=None, save_operands=False,
+                 batch_invariant=False):
         self.name, self.backend, self.N, self.intra_cp = name, backend, N, intra_cp
+        self.batch_invariant = batch_invariant
         self.save_operands = save_operands   # pipeline.SAVE_OPERANDS while tracing
         # without grad no checkpoints are kept, so the forward of N > 0 is N = 0's
         self.fwd_same_as = ("cutedsl" if backend == "cutedsl" and N and intra_cp is None
@@ -168,6 +171,8 @@ class OursOp:
         kw = {} if self.N is None else {"recompute_chunk_num": self.N}
         if self.intra_cp is not None:
             kw["intra_cp"] = self.intra_cp
+        if self.batch_invariant:
+            kw["batch_invariant"] = True
         f = lambda q, k, v, g, beta: gated_delta_product(
             q, k, v, g, beta, use_qk_l2norm=True, backend=self.backend, **kw)
         if not self.save_operands:
@@ -256,6 +261,10 @@ def _ours(name: str, bench: str):
         return OursOp("cutedsl", "cutedsl", 0)
     if name == "cutedsl-save":
         return OursOp(name, "cutedsl", 0, save_operands=True)
+    if name in ("cutedsl-inv", "xla-inv"):
+        backend = name.split("-")[0]
+        return OursOp(name, backend, 0 if backend == "cutedsl" else None,
+                      batch_invariant=True)
     m = re.fullmatch(r"cutedsl-n(\d+)", name)
     if m:
         return OursOp(name, "cutedsl", int(m.group(1)))
@@ -269,6 +278,7 @@ def _ours(name: str, bench: str):
 
 IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the forward's "
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
+              "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), fla")
 
 

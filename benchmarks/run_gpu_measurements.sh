@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The measurements owed on the H200 (the twenty-first session prepared them; the device was
 # not lent again after its second call), as three device calls of < 600 s each:
-#   bash benchmarks/run_gpu_measurements.sh 1   # TOKEN_BACKWARD and the fixed-order norm: GPU tests, then A/B beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 1   # TOKEN_BACKWARD and batch_invariant: GPU tests, then A/B beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 2   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 3   # the AOT GPU test alone, then the kernel GPU tests in full
 # (device run: carry [".gpu-deps"]). Logs and raw files under $OUT/m; a summary is printed last.
@@ -20,10 +20,10 @@ n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 case "${1:-1}" in
 1)
   step 150 tests $P tests/test_cutedsl_gpu.py -k "token_backward or sequence_alone or deterministic"
-  for s in kernels.pipeline.TOKEN_BACKWARD=False kernels.pipeline.TOKEN_BACKWARD=True \
-           norm.FIXED_ORDER=True; do
-    step 110 "ab_${s//[^A-Za-z=]/_}" python -m benchmarks.run fwdbwd --impl cutedsl,fla \
-      --shapes "8,4096,16,2;2,16384,16,2" --set "$s" --deadline 90 --out $M/ab
+  for s in False True; do
+    step 120 "ab_token_backward_$s" python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-inv,fla \
+      --shapes "8,4096,16,2;2,16384,16,2" --set "kernels.pipeline.TOKEN_BACKWARD=$s" \
+      --deadline 100 --out $M/ab
   done
   grep -hE "^(FAILED|ERROR)|passed|failed" $M/tests.log | tail -8; rows $M/ab_*.log ;;
 2)

@@ -89,7 +89,7 @@ def _require_shape(name, x, expected, what):
 
 def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                  backend="xla", cp_size: int = 1, use_qk_l2norm: bool = False,
-                 recompute_chunk_num=None) -> CallSpec:
+                 recompute_chunk_num=None, batch_invariant: bool = False) -> CallSpec:
     """Validate the op's arguments (docs/API.md) and return the derived :class:`CallSpec`.
 
     Under context parallelism the shapes are the LOCAL shard's (T = T_global / cp_size)
@@ -155,13 +155,15 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
                        "[N, HV, K, V], N = B or the number of packed sequences")
         _require_float("initial_state", initial_state, STATE_DTYPES)
 
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        raise TypeError(f"batch_invariant={batch_invariant!r}; expected a Python bool")
     cdt = "float64" if jnp.dtype(q.dtype) == jnp.float64 else "float32"
     recompute = 0 if recompute_chunk_num is None else check_recompute_chunk_num(
         recompute_chunk_num)
     return CallSpec(B=B, T=T, n=n, H=H, HV=HV, K=K, V=V, N=N, scale=check_scale(scale, K),
                     input_dtype=_dtype_name(q), compute_dtype=cdt, has_gate=g is not None,
                     packed=packed, use_qk_l2norm=bool(use_qk_l2norm),
-                    recompute_chunk_num=recompute)
+                    recompute_chunk_num=recompute, batch_invariant=bool(batch_invariant))
 
 
 def check_scale(scale, K: int) -> float:

@@ -9,8 +9,8 @@ came out with other bits when it sat in a pack with others than alone: s21-1,
 benchmarks/results/CURRENT.md); elementwise adds of slices keep their order, so a row's
 result depends only on that row.
 
-Off by default (:data:`FIXED_ORDER`): its cost on the GPU is not measured yet (the slices
-may fuse into a loop that walks each row on one thread); the op then uses the reference
+The op uses it with ``batch_invariant=True`` (its cost on the GPU is not measured yet: the
+slices may fuse into a loop that walks each row on one thread); otherwise the reference
 formula, whose sums XLA orders.
 """
 from __future__ import annotations
@@ -19,12 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdp_jax import reference
 from gdp_jax.reference import L2_EPS
-
-# The op's q, k norm (gdp_jax.grid.token_inputs): this module's fixed-order one (True) or
-# the reference formula (False). Read at trace time.
-FIXED_ORDER = False
 
 
 def row_sum(x):
@@ -69,8 +64,3 @@ def _backward(res, dy):
 
 l2_normalize.defvjp(_forward, _backward)
 
-
-def op_l2_normalize(x):
-    """The op's L2 norm of q or k rows [..., K]: :func:`l2_normalize` with
-    :data:`FIXED_ORDER`, else :func:`gdp_jax.reference.l2_normalize`."""
-    return l2_normalize(x) if FIXED_ORDER else reference.l2_normalize(x)

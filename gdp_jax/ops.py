@@ -51,7 +51,8 @@ _op.defvjp(_op_fwd, _op_bwd)
 
 
 # Flags that choose code at trace time: under a bare ``jax.jit`` they arrive as tracers.
-_STATIC_FLAGS = ("output_final_state", "use_qk_l2norm", "recompute_chunk_num", "intra_cp")
+_STATIC_FLAGS = ("output_final_state", "use_qk_l2norm", "recompute_chunk_num", "intra_cp",
+                 "batch_invariant")
 
 
 def _require_static(name: str, value) -> None:
@@ -72,6 +73,7 @@ def gated_delta_product(
         cp_axis: Optional[str] = None, backend: str = "auto",
         recompute_chunk_num: Optional[int] = None,
         intra_cp: Union[None, int, str] = None,
+        batch_invariant: bool = False,
 ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """Gated DeltaProduct linear attention (chunkwise), forward and backward.
 
@@ -102,6 +104,12 @@ def gated_delta_product(
         ``jax.vmap`` axis; :mod:`gdp_jax.cp.split`), so a call of few rows x heads walks
         S x as many in parallel. "auto" picks S from B x HV and T (1 = no split). Same
         results up to rounding; not with ``cp_axis``.
+      batch_invariant: make each sequence's outputs, final state and gradients the same
+        bits whatever else is in the batch or the pack: the XLA glue's sums (the L2 norm
+        and its backward) in an order that does not depend on the tensors' shapes
+        (:mod:`gdp_jax.norm`; the kernels already work per (row, chunk, head) in a fixed
+        order). Not with ``cp_axis`` or ``intra_cp`` (where a sequence is cut depends on
+        its company). Off by default: its GPU cost is not measured yet.
 
     Returns:
       o [B, T, HV, V] in q.dtype, or (o, final_state) with ``output_final_state``.
@@ -114,15 +122,17 @@ def gated_delta_product(
     later. NumPy arrays are accepted wherever jax arrays are.
 
     Under ``jax.jit`` the flags ``output_final_state``, ``use_qk_l2norm``,
-    ``recompute_chunk_num``, ``backend`` and ``cp_axis`` must be static (they select
+    ``recompute_chunk_num``, ``intra_cp``, ``batch_invariant``, ``backend`` and
+    ``cp_axis`` must be static (they select
     code): ``jax.jit(gated_delta_product, static_argnames=(...))`` or functools.partial.
     """
     for name, value in zip(_STATIC_FLAGS, (output_final_state, use_qk_l2norm,
-                                           recompute_chunk_num, intra_cp)):
+                                           recompute_chunk_num, intra_cp, batch_invariant)):
         _require_static(name, value)
     kw = dict(initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, cp_axis=cp_axis,
-              backend=backend, recompute_chunk_num=recompute_chunk_num, intra_cp=intra_cp)
+              backend=backend, recompute_chunk_num=recompute_chunk_num, intra_cp=intra_cp,
+              batch_invariant=batch_invariant)
     if isinstance(scale, jax.core.Tracer):
         return _with_traced_scale(scale, q, k, v, g, beta, **kw)
     o, final = _run(q, k, v, g, beta, scale, **kw)
@@ -140,7 +150,8 @@ def _with_traced_scale(scale, q, k, v, g, beta, *, output_final_state, **kw):
 
 
 def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, cp_axis,
-         backend, recompute_chunk_num, intra_cp=None, output_final_state=True):
+         backend, recompute_chunk_num, intra_cp=None, batch_invariant=False,
+         output_final_state=True):
     """Checks, backend choice, the offsets guard and dispatch: (o, final states)."""
     del output_final_state          # the final states are always computed (and cheap)
     # cu_seqlens stays as given: NumPy offsets are concrete, checked at trace time.
@@ -152,8 +163,13 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
     spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, backend=backend, cp_size=cp_size,
                                 use_qk_l2norm=use_qk_l2norm,
-                                recompute_chunk_num=recompute_chunk_num)
+                                recompute_chunk_num=recompute_chunk_num,
+                                batch_invariant=batch_invariant)
     one_token = spec.T == 1 and cu_seqlens is None and cp_axis is None
+    if batch_invariant and (cp_axis is not None or intra_cp not in (None, 1)):
+        raise ValueError(f"batch_invariant=True with cp_axis={cp_axis!r}, "
+                         f"intra_cp={intra_cp!r}: where a sequence is cut depends on what "
+                         f"else is in the batch; pass cp_axis=None and intra_cp=None")
     if cp_axis is not None and intra_cp not in (None, 1):
         raise ValueError(f"intra_cp={intra_cp!r} with cp_axis={cp_axis!r}: the split inside "
                          f"a device does not compose with shard_map CP yet; pass one")

@@ -22,7 +22,8 @@ class CallSpec:
     H: query/key heads; HV: value heads (a multiple of H); K, V: head dims; N: sequences
     (B, or len(cu_seqlens) - 1 when packed); input_dtype: q/k/v dtype name; compute_dtype:
     "float32", or "float64" for float64 inputs; recompute_chunk_num: the cutedsl forward
-    keeps one chunk-state checkpoint per recompute_chunk_num + 1 chunks.
+    keeps one chunk-state checkpoint per recompute_chunk_num + 1 chunks; batch_invariant:
+    the XLA glue's sums in shape-independent orders (the op's flag).
     """
     B: int
     T: int
@@ -39,6 +40,7 @@ class CallSpec:
     packed: bool
     use_qk_l2norm: bool = False
     recompute_chunk_num: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self):
         dims = (self.B, self.T, self.n, self.H, self.HV, self.K, self.V)

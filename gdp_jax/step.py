@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _checks, backends
-from gdp_jax.spec import CallSpec
+from gdp_jax.norm import l2_normalize as fixed_order_l2_normalize
 from gdp_jax.reference import l2_normalize
+from gdp_jax.spec import CallSpec
 
 _HI = lax.Precision.HIGHEST     # small matvecs: full float32 (no TF32) costs nothing here
 
@@ -38,7 +39,8 @@ def step_operands(cfg: CallSpec, q, k, v, g, beta):
     group = cfg.HV // cfg.H
     qf, kf = q.astype(cdt), k.astype(cdt)
     if cfg.use_qk_l2norm:
-        qf, kf = l2_normalize(qf), l2_normalize(kf)
+        norm = fixed_order_l2_normalize if cfg.batch_invariant else l2_normalize
+        qf, kf = norm(qf), norm(kf)
     qf = cfg.scale * jnp.repeat(qf, group, axis=1)                       # [B, HV, K]
     kf = jnp.swapaxes(jnp.repeat(kf, group, axis=2), 1, 2)               # [B, HV, n, K]
     vf = jnp.swapaxes(v.astype(cdt), 1, 2)                               # [B, HV, n, V]

@@ -38,7 +38,7 @@ from gdp_jax.testing import sm90_gpu_present as _gpu_ok  # noqa: E402
 if not _gpu_ok():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from gdp_jax import backends, gated_delta_product, gated_delta_product_reference, norm  # noqa: E402
+from gdp_jax import backends, gated_delta_product, gated_delta_product_reference  # noqa: E402
 from gdp_jax.testing import gpu_case_inputs, rel_rms  # noqa: E402
 
 
@@ -374,19 +374,18 @@ def test_deterministic():
             assert a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("mode,fixed_order", [("batch", False), ("batch", True),
-                                              ("packed", True)])
-def test_sequence_alone_equals_in_company(monkeypatch, mode, fixed_order):
+@pytest.mark.parametrize("mode,invariant", [("batch", False), ("batch", True),
+                                            ("packed", True)])
+def test_sequence_alone_equals_in_company(mode, invariant):
     """Batch invariance (issue 20): a sequence's outputs, final state and the gradients of
     its inputs are the same bits alone (B = 1) as in the middle of a batch of 3
     (``batch``) or of a pack of 3 sequences (``packed``). The loss weights only its own
     outputs; the kernels run one CTA per (row, chunk, head) in a fixed order, so any
-    difference comes from the XLA glue's reductions. ``fixed_order``: the q, k L2 norm
-    with sums in a fixed order (``gdp_jax.norm.FIXED_ORDER``). Last run (s21-1,
-    2026-12-04, H200, the reference norm): batch passed; packed differed in dk only (not
-    kept as a case: that is what the fixed-order norm is for). The fixed_order cases:
-    NOT YET RUN on a GPU."""
-    monkeypatch.setattr(norm, "FIXED_ORDER", fixed_order)
+    difference comes from the XLA glue's reductions. ``invariant``: the op's
+    ``batch_invariant=True`` (the L2 norm's sums in a fixed order). Last run (s21-1,
+    2026-12-04, H200, default flag, under the suite's then -O0 XLA flags): batch passed;
+    packed differed in dk only (not kept as a case: that is what the flag is for). The
+    invariant cases: NOT YET RUN on a GPU."""
     n, H, HV, K, V, T = 2, 2, 2, 128, 128, 300
     alone = make(21, 1, T, n, H, HV, K, V, jnp.bfloat16)
     others = make(22, 2, T, n, H, HV, K, V, jnp.bfloat16)
@@ -412,7 +411,8 @@ def test_sequence_alone_equals_in_company(monkeypatch, mode, fixed_order):
         def loss(q, k, v, g, beta, s0):
             o, s = gated_delta_product(q, k, v, g, beta, initial_state=s0,
                                        output_final_state=True, cu_seqlens=cu,
-                                       use_qk_l2norm=True, backend="cutedsl")
+                                       use_qk_l2norm=True, backend="cutedsl",
+                                       batch_invariant=invariant)
             return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s * ws), (o, s)
         (_, (o, s)), gr = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)(
             q, k, v, g, beta, s0)

@@ -61,9 +61,9 @@ def test_row_alone_equals_row_in_company(dtype):
         assert np.asarray(g[at]).tobytes() == np.asarray(g1[0]).tobytes(), rows
 
 
-def test_op_with_fixed_order_norm_matches(monkeypatch):
-    """The op (xla backend, float64, packed with an empty sequence) gives the same outputs
-    and gradients with the fixed-order norm as with the reference formula."""
+def test_batch_invariant_op_matches():
+    """The op with ``batch_invariant=True`` (xla backend, float64, packed with an empty
+    sequence; and the one-token path) gives the default's outputs and gradients."""
     from gdp_jax import gated_delta_product
     rng = np.random.default_rng(3)
     T, n, H, K, V = 70, 2, 2, 16, 8
@@ -74,16 +74,33 @@ def test_op_with_fixed_order_norm_matches(monkeypatch):
     cu = np.array([0, 30, 30, T], np.int32)
     w = f64(1, T, H, V)
 
-    def loss(q, k, v, g, beta):
+    def loss(inv, q, k, v, g, beta, cu):
         o = gated_delta_product(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True,
-                                backend="xla")
-        return jnp.sum(o * w)
+                                backend="xla", batch_invariant=inv)
+        return jnp.sum(o * w[:, :q.shape[1]])
 
-    results = {}
-    for fixed in (False, True):
-        monkeypatch.setattr(norm, "FIXED_ORDER", fixed)
-        results[fixed] = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
-    (l0, g0), (l1, g1) = results[False], results[True]
-    np.testing.assert_allclose(l1, l0, rtol=1e-13)
-    for a, b in zip(g1, g0):
-        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-13)
+    for args in ((q, k, v, g, beta, cu), (q[:, :1], k[:, :1], v[:, :1], g[:, :1],
+                                          beta[:, :1], None)):
+        vg = lambda inv: jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))(inv, *args)
+        (l0, g0), (l1, g1) = vg(False), vg(True)
+        np.testing.assert_allclose(l1, l0, rtol=1e-13)
+        for a, b in zip(g1, g0):
+            np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-13)
+
+
+def test_batch_invariant_checks():
+    """``batch_invariant``: a Python bool, static under jit, not with intra_cp / cp_axis."""
+    from gdp_jax import gated_delta_product
+    q = jnp.ones((1, 8, 1, 16))
+    k = jnp.ones((1, 8, 2, 1, 16))
+    v = jnp.ones((1, 8, 2, 1, 8))
+    beta = jnp.full((1, 8, 2, 1), 0.5)
+    with pytest.raises(TypeError, match="batch_invariant"):
+        gated_delta_product(q, k, v, None, beta, backend="xla", batch_invariant="yes")
+    with pytest.raises(TypeError, match="batch_invariant"):
+        jax.jit(lambda b: gated_delta_product(q, k, v, None, beta, backend="xla",
+                                              batch_invariant=b))(True)
+    with pytest.raises(ValueError, match="batch_invariant=True with cp_axis=None, "
+                                         "intra_cp=2"):
+        gated_delta_product(q, k, v, None, beta, backend="xla", batch_invariant=True,
+                            intra_cp=2)
