@@ -649,7 +649,14 @@ def test_token_rows_name_the_layout_rows(n, cu):
     assert np.all((base + i) // n == tok + i // n)
 
 
-@pytest.mark.parametrize("case", ["n1", "n2-gva", "n3-T2", "packed"])
+# the token-major tests' cases: (B, T, n, H, HV, cu_seqlens) - T not a multiple of 64,
+# T = 2, n = 1..3, GVA, packed with empty and one-token sequences
+TOKEN_CASES = {"n1": (2, 100, 1, 1, 1, None), "n2-gva": (1, 130, 2, 1, 2, None),
+               "n3-T2": (2, 2, 3, 2, 2, None),
+               "packed": (1, 150, 2, 1, 2, [0, 0, 1, 70, 70, 150])}
+
+
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
     """bf16 inputs: the forward with the operands kernel reading the token-major q, k, v
@@ -663,9 +670,7 @@ def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
     raw = ChunkPrepKernel.raw_call_tokens
     monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
         lambda *a, **kw: calls.append(kw["l2norm"]) or raw(*a, **kw)))
-    B, T, n, H, HV, cu = {"n1": (2, 100, 1, 1, 1, None), "n2-gva": (1, 130, 2, 1, 2, None),
-                          "n3-T2": (2, 2, 3, 2, 2, None),
-                          "packed": (1, 150, 2, 1, 2, [0, 0, 1, 70, 70, 150])}[case]
+    B, T, n, H, HV, cu = TOKEN_CASES[case]
     N = B if cu is None else len(cu) - 1
     inp = make_inputs(31, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
     cu = None if cu is None else jnp.asarray(cu, jnp.int32)
@@ -707,7 +712,7 @@ def test_token_major_limits_and_vmap(monkeypatch):
         assert rel_max(o[m], jax.jit(f)(*x[:5])) < 1e-6
 
 
-@pytest.mark.parametrize("case", ["n1", "n2-gva", "n3-T2", "packed"])
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_token_major_gradients_equal_chunk_major(monkeypatch, case, l2norm):
     """bf16 inputs: the backward with the local-gradient kernel writing dq, dk, dv in the
@@ -721,9 +726,7 @@ def test_token_major_gradients_equal_chunk_major(monkeypatch, case, l2norm):
     raw = LocalGradKernel.raw_call_tokens
     monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
         lambda *a, **kw: calls.append((kw["n"], kw["T"])) or raw(*a, **kw)))
-    B, T, n, H, HV, cu = {"n1": (2, 100, 1, 1, 1, None), "n2-gva": (1, 130, 2, 1, 2, None),
-                          "n3-T2": (2, 2, 3, 2, 2, None),
-                          "packed": (1, 150, 2, 1, 2, [0, 0, 1, 70, 70, 150])}[case]
+    B, T, n, H, HV, cu = TOKEN_CASES[case]
     N = B if cu is None else len(cu) - 1
     inp = make_inputs(35, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
     run = lambda: loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl",
@@ -832,7 +835,7 @@ def test_fused_ddo_gradients_equal_xla_ddo(monkeypatch, packed):
         assert rel_max(got[name], want[name]) < 1e-6, name
 
 
-@pytest.mark.parametrize("case", ["n1", "n2-gva", "n3-T2", "packed"])
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     """``pipeline.TOKEN_BACKWARD``: the differentiated op's operands kernels (forward, and
@@ -851,9 +854,7 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
         or prep(*a, **kw)))
     monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
         lambda *a, **kw: calls.append(("grad", kw.get("tokens_in", False))) or lg(*a, **kw)))
-    B, T, n, H, HV, cu = {"n1": (2, 100, 1, 1, 1, None), "n2-gva": (1, 130, 2, 1, 2, None),
-                          "n3-T2": (2, 2, 3, 2, 2, None),
-                          "packed": (1, 150, 2, 1, 2, [0, 0, 1, 70, 70, 150])}[case]
+    B, T, n, H, HV, cu = TOKEN_CASES[case]
     N = B if cu is None else len(cu) - 1
     inp = make_inputs(41, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
     run = lambda: loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl",
