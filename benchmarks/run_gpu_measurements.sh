@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The measurements owed on the H200 (the twenty-first session prepared them; the device was
-# not lent again after its second call), as three device calls of < 600 s each:
-#   bash benchmarks/run_gpu_measurements.sh 1   # TOKEN_BACKWARD and batch_invariant: GPU tests, then A/B beside tuned FLA
-#   bash benchmarks/run_gpu_measurements.sh 2   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
-#   bash benchmarks/run_gpu_measurements.sh 3   # the AOT GPU test alone, then the kernel GPU tests in full
-# (device run: carry [".gpu-deps"]). Logs and raw files under $OUT/m; a summary is printed last.
-# Each step has its own timeout so one slow step cannot take the others' results.
+# The measurements still owed on the H200, as device calls of < 600 s each (carry
+# [".gpu-deps"]); what the twenty-second session ran is in
+# benchmarks/results/history/2026-12-04/s22_gpu*.sh:
+#   bash benchmarks/run_gpu_measurements.sh 1   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 2   # the kernel GPU tests in full (> 270 s: two files per call)
+# Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
+# timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
 export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# FLA's H = 8 winners (tuned in s22-3), beside the H = 4, 16 ones install.sh unpacked
+tar -C "$TRITON_CACHE_DIR" -xJf benchmarks/fla-autotune-h200-extra.tar.xz
 M=$OUT/m; mkdir -p $M
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( 580 - ($(date +%s) - T0) )); }
@@ -19,20 +21,14 @@ n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 [ "$n" -lt 200 ] && step 100 build python ffi/build.py --jobs 14
 case "${1:-1}" in
 1)
-  step 150 tests $P tests/test_cutedsl_gpu.py -k "token_backward or sequence_alone or deterministic"
-  for s in False True; do
-    step 120 "ab_token_backward_$s" python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-inv,fla \
-      --shapes "8,4096,16,2;2,16384,16,2" --set "kernels.pipeline.TOKEN_BACKWARD=$s" \
-      --deadline 100 --out $M/ab
-  done
-  grep -hE "^(FAILED|ERROR)|passed|failed" $M/tests.log | tail -8; rows $M/ab_*.log ;;
+  step 200 long8 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "1,131072,8,2" --no-check --deadline 150 --out $M/long8
+  step 250 long16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "1,262144,16,1" --no-check --deadline 150 --out $M/long16
+  (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' -newer .fla-autotune | tar -cJf $M/fla-autotune-new.tar.xz -T -)
+  rows $M/long*.log; grep -h NOTE $M/long*.log ;;
 2)
-  step 330 long python -m benchmarks.run fwdbwd --impl cutedsl,fla \
-    --shapes "1,131072,8,2;1,262144,16,1" --no-check --deadline 300 --out $M/long
-  (cd /tmp/tcache 2>/dev/null && find . -name '*.autotune.json' | tar -cJf $M/fla-autotune.tar.xz -T -)
-  rows $M/long.log; grep -h NOTE $M/long.log ;;
-3)
-  step 300 aot $P -s tests/test_aot_gpu.py
-  step 250 kernels $P tests/test_cutedsl_gpu.py tests/test_chunk_prep_gpu.py
-  grep -hE "^(FAILED|ERROR)|passed|failed" $M/aot.log $M/kernels.log | tail -12 ;;
+  step 280 kernels $P tests/test_cutedsl_gpu.py
+  step 200 prep $P tests/test_chunk_prep_gpu.py
+  grep -hE "^(FAILED|ERROR)|passed|failed" $M/kernels.log $M/prep.log | tail -12 ;;
 esac

@@ -26,7 +26,7 @@ from jax import lax
 
 from gdp_jax import _vma
 from gdp_jax._prefix import prefix_sum
-from gdp_jax.norm import l2_normalize as fixed_order_l2_normalize
+from gdp_jax.norm import l2_normalize as invariant_l2_normalize, repeat_heads
 from gdp_jax.reference import l2_normalize
 from gdp_jax.spec import CallSpec
 
@@ -240,25 +240,27 @@ def from_chunks(layout: ChunkLayout, y: jax.Array) -> jax.Array:
 
 
 def token_inputs(q, k, v, g, beta, *, H, HV, compute_dtype, use_qk_l2norm,
-                 fixed_order: bool = False):
+                 batch_invariant: bool = False):
     """API tensors -> per-token operands in the compute dtype: the op's only nonlinear
     input map (the L2 norm) and the GVA repeat; :func:`steps_to_chunks` then only moves
     them.
 
     Returns q [B, T, HV, K], k [B, T, n, HV, K], v [B, T, n, HV, V], g [B, T, HV] (zeros
     for None), beta [B, T, n, HV]. Key heads are repeated to the HV value heads (GVA);
-    autodiff sums them back. ``fixed_order``: the norm's sums in an order that does not
-    depend on the tensor's shape (:mod:`gdp_jax.norm`; the op's ``batch_invariant``).
+    autodiff sums them back. ``batch_invariant``: the norm's sums and the GVA head sum in an
+    order that does not depend on the tensor's shape (:mod:`gdp_jax.norm`; the op's flag).
     """
     B, T = k.shape[:2]
     cdt = compute_dtype
     qf, kf = q.astype(cdt), k.astype(cdt)
     if use_qk_l2norm:
-        norm = fixed_order_l2_normalize if fixed_order else l2_normalize
+        norm = invariant_l2_normalize if batch_invariant else l2_normalize
         qf, kf = norm(qf), norm(kf)
     group = HV // H
-    qf = jnp.repeat(qf, group, axis=2)
-    kf = jnp.repeat(kf, group, axis=3)
+    if batch_invariant:
+        qf, kf = repeat_heads(qf, group, 2), repeat_heads(kf, group, 3)
+    else:
+        qf, kf = jnp.repeat(qf, group, axis=2), jnp.repeat(kf, group, axis=3)
     gf = jnp.zeros((B, T, HV), cdt) if g is None else g.astype(cdt)
     return qf, kf, v.astype(cdt), gf, beta.astype(cdt)
 
@@ -292,7 +294,7 @@ def layout_of(spec: CallSpec, cu_seqlens) -> ChunkLayout:
 def tokens_of(spec: CallSpec, q, k, v, g, beta):
     """API tensors -> :func:`token_inputs` in the spec's compute dtype."""
     return token_inputs(q, k, v, g, beta, H=spec.H, HV=spec.HV, compute_dtype=spec.cdt,
-                        use_qk_l2norm=spec.use_qk_l2norm, fixed_order=spec.batch_invariant)
+                        use_qk_l2norm=spec.use_qk_l2norm, batch_invariant=spec.batch_invariant)
 
 
 def chunks_of(spec: CallSpec, layout: ChunkLayout, q, k, v, g, beta) -> ChunkInputs:

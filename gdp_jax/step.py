@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _checks, backends
-from gdp_jax.norm import l2_normalize as fixed_order_l2_normalize
+from gdp_jax.norm import l2_normalize as invariant_l2_normalize, repeat_heads
 from gdp_jax.reference import l2_normalize
 from gdp_jax.spec import CallSpec
 
@@ -39,10 +39,12 @@ def step_operands(cfg: CallSpec, q, k, v, g, beta):
     group = cfg.HV // cfg.H
     qf, kf = q.astype(cdt), k.astype(cdt)
     if cfg.use_qk_l2norm:
-        norm = fixed_order_l2_normalize if cfg.batch_invariant else l2_normalize
+        norm = invariant_l2_normalize if cfg.batch_invariant else l2_normalize
         qf, kf = norm(qf), norm(kf)
-    qf = cfg.scale * jnp.repeat(qf, group, axis=1)                       # [B, HV, K]
-    kf = jnp.swapaxes(jnp.repeat(kf, group, axis=2), 1, 2)               # [B, HV, n, K]
+    rep = ((lambda x, a: repeat_heads(x, group, a)) if cfg.batch_invariant
+           else (lambda x, a: jnp.repeat(x, group, axis=a)))
+    qf = cfg.scale * rep(qf, 1)                                          # [B, HV, K]
+    kf = jnp.swapaxes(rep(kf, 2), 1, 2)                                  # [B, HV, n, K]
     vf = jnp.swapaxes(v.astype(cdt), 1, 2)                               # [B, HV, n, V]
     bf = jnp.swapaxes(beta.astype(cdt), 1, 2)                            # [B, HV, n]
     a = jnp.ones(bf.shape[:2], cdt) if g is None else jnp.exp(g.astype(cdt))
