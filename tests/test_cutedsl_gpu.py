@@ -313,8 +313,8 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
     """``pipeline.TOKEN_BACKWARD``: the operands kernels (forward; backward with X) and the
     local-gradient kernel reading the normalised q, k, v token-major put the same values
     in shared memory as the chunk tiles do, so o, the final state and every gradient are
-    the same bits (bf16); and within GRAD_TOL of float64. Written 2026-12-04 (s21): NOT
-    YET RUN on a GPU."""
+    the same bits (bf16); and within GRAD_TOL of float64. Last run: s22-2 (2026-12-04,
+    H200): passed."""
     from gdp_jax.kernels import pipeline
     from gdp_jax.kernels.local_grad import LocalGradKernel
     args, cu = _rows_or_pack(7, packed, n, H, HV, K, V, "bfloat16")
@@ -383,8 +383,7 @@ def test_sequence_alone_equals_in_company(mode, H, HV):
     chunk, head) in a fixed order and the flag makes the XLA glue's sums (L2 norm, GVA head
     sum) order-free. Without the flag the bits differ (dk, s21-1 packed and s22-1 batch:
     XLA orders the norm's reductions by shape), so the default is not a case here.
-    Last run: s22-1 (2026-12-04, H200) with the slice-tree norm, batch and packed (H = HV =
-    2) passed; the integer-limb norm and the GVA case: NOT YET RUN."""
+    Last run: s22-2 (2026-12-04, H200): all three passed."""
     n, K, V, T = 2, 128, 128, 300
     alone = make(21, 1, T, n, H, HV, K, V, jnp.bfloat16)
     others = make(22, 2, T, n, H, HV, K, V, jnp.bfloat16)

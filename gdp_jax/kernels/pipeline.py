@@ -170,7 +170,8 @@ SAVE_OPERANDS = False
 # token-major (:func:`token_operands`: XLA's L2-normalised per-token operands, the values
 # the chunk tiles would hold) instead of chunk tiles XLA lays out (three [B, NC, HV, C, K]
 # relayouts, ~0.16 ms each at (8, 4096, 16, 2): benchmarks/results/CURRENT.md, s19-3).
-# PREPARED, NOT MEASURED on the GPU (CPU: the emulated kernels give the same results).
+# Off: the same bits, 12% less peak memory, but no faster (fwd+bwd 9.18 vs 9.06 ms at
+# (8, 4096, 16, 2): the token-major loads cost what the relayouts did; CURRENT.md, s22-1).
 TOKEN_BACKWARD = False
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
