@@ -8,13 +8,10 @@ os.environ.setdefault("PJRT_NPROC", "32")
 # The suite is dominated by XLA compiles of small programs: LLVM at -O0 and XLA's elemental
 # fusion emitter compile them faster (tests/_compile_flags.py says what each changes). Set
 # either flag yourself to test XLA's default CPU code generation.
-# Not on a machine with an NVIDIA GPU: XLA's GPU backend reads the optimization level too
-# (its LLVM code generation), and the GPU tests must compile the XLA glue as users get it
-# (s21: a bitwise batch-invariance result differed between a pytest run and a plain one).
+# Not on a machine with an NVIDIA GPU (empty there: tests/_compile_flags.py says why).
 from _compile_flags import FLAGS as _COMPILE_FLAGS  # noqa: E402
 
-_GPU_HOST = os.path.exists("/dev/nvidiactl")
-_FLAGS = ("--xla_force_host_platform_device_count=8",) + (() if _GPU_HOST else _COMPILE_FLAGS)
+_FLAGS = ("--xla_force_host_platform_device_count=8",) + _COMPILE_FLAGS
 _xla_flags = os.environ.get("XLA_FLAGS", "")
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in _xla_flags:
