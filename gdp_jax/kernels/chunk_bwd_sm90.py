@@ -119,6 +119,12 @@ class ChunkBwdDhSm90:
 
         for i in cutlass.range(NC, unroll=1):
             c = NC - 1 - i
+            # the chunk's scalars first: their global loads then wait alongside the tile
+            # loads instead of each stalling a later phase (a use after a barrier)
+            seq = mSeq[b, c]
+            last = mLast[b, c]
+            reset = mReset[b, c]
+            decay = mDecay[b, c, hv]
             # ---- operands of chunk c -> smem (async)
             gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
@@ -128,8 +134,7 @@ class ChunkBwdDhSm90:
             cute.arch.cp_async_commit_group()
 
             # ---- gradient w.r.t. the chunk's end state
-            seq = mSeq[b, c]
-            if mLast[b, c] != 0:
+            if last != 0:
                 gF = c_tile(thr_mma, mDfinal[seq, hv, None, None], (K, BV), (0, vt))
                 acc_S.store(acc_S.load() + gF.load())
             c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(
@@ -154,12 +159,11 @@ class ChunkBwdDhSm90:
             cute.arch.sync_threads()
 
             # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
-            decay = mDecay[b, c, hv]
             acc_S.store(acc_S.load() * decay)
             mma_split_b(tiled_mma, C // MMA_K, [(acc_S, WT)], D, Dl, self.split,
                         plain=[(acc_S, QT, O)])
 
-            if mReset[b, c] != 0:
+            if reset != 0:
                 c_tile(thr_mma, mDh0[seq, hv, None, None], (K, BV), (0, vt)).store(acc_S.load())
                 acc_S.fill(0.0)
             # smem is overwritten by the next chunk's loads

@@ -132,6 +132,12 @@ class ChunkFwdSm90:
         tPsP = gP.dest(sP)
 
         for c in cutlass.range(NC, unroll=1):
+            # the chunk's scalars first: their global loads then wait alongside the tile
+            # loads instead of each stalling a later phase (a use after a barrier)
+            seq = mSeq[b, c]
+            reset = mReset[b, c]
+            decay = mDecay[b, c, hv]
+            last = mLast[b, c]
             # ---- operands of chunk c -> smem (async)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
@@ -140,8 +146,7 @@ class ChunkFwdSm90:
             cute.arch.cp_async_commit_group()
 
             # ---- chunk start state (reset -> the sequence's initial state)
-            seq = mSeq[b, c]
-            if mReset[b, c] != 0:
+            if reset != 0:
                 acc_S.store(c_tile(thr_mma, mH0[seq, hv, None, None], (K, BV), (0, vt)).load())
             if cutlass.const_expr(self.ckpt > 0):
                 # checkpoint for the backward (recompute_chunk_num = ckpt - 1)
@@ -162,13 +167,12 @@ class ChunkFwdSm90:
             cute.arch.sync_threads()
 
             # ---- S <- decay S + Kt^T Delta ;  o += P Delta  (shared B operand Delta)
-            decay = mDecay[b, c, hv]
             acc_S.store(acc_S.load() * decay)
             mma_split_b(tiled_mma, C // MMA_K, [(acc_S, KtT), (acc_O, P)], D, Dl, self.split)
 
             c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
                 acc_O.load().to(ab))
-            if mLast[b, c] != 0:
+            if last != 0:
                 c_tile(thr_mma, mFinal[seq, hv, None, None], (K, BV), (0, vt)).store(
                     acc_S.load())
             # smem is overwritten by the next chunk's loads
