@@ -2,10 +2,12 @@
 # The measurements still owed on the H200, as device calls of < 600 s each (carry
 # [".gpu-deps"]); what the twenty-second session ran is in
 # benchmarks/results/history/2026-12-04/s22_gpu*.sh:
-#   bash benchmarks/run_gpu_measurements.sh 1   # the recursion kernels with their chunk scalars loaded first (s22, not measured):
-#                                               # kernels alone and the op beside tuned FLA vs s20-4 / s21-1 / s22's numbers
-#   bash benchmarks/run_gpu_measurements.sh 2   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
-#   bash benchmarks/run_gpu_measurements.sh 3   # the kernel GPU tests in full (> 270 s: two files per call)
+#   bash benchmarks/run_gpu_measurements.sh 1   # s22's recursion changes (not measured): NARROW_TILES's GPU test, the
+#                                               # recursion kernels alone (BV 16 / 32 / 64), A/B of NARROW_TILES beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 2   # the main-shape table beside tuned FLA (the recursions' chunk scalars loaded
+#                                               # first: compare with s20-4 / s22's 9.06 ms)
+#   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full (> 270 s: two files per call)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
 # timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
@@ -23,19 +25,28 @@ n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 [ "$n" -lt 200 ] && step 100 build python ffi/build.py --jobs 14
 case "${1:-1}" in
 1)
+  step 80 narrow $P tests/test_cutedsl_gpu.py -k narrow_tiles
   step 60 alone_main python -m benchmarks.prep_probe --shape 8,4096,16,2 --bv 64 --skip-prep-probe
-  step 60 alone_long python -m benchmarks.prep_probe --shape 1,65536,16,2 --bv 32 --skip-prep-probe
-  step 320 op python -m benchmarks.run fwdbwd --impl cutedsl,fla \
-    --shapes "8,4096,16,1;8,4096,16,2;2,16384,16,2;1,65536,16,2" --deadline 260 --out $M/op
-  grep -hE "ms" $M/alone_*.log | head -20; rows $M/op.log ;;
+  step 100 alone_long python -m benchmarks.prep_probe --shape 1,65536,16,2 --bv 16,32 --skip-prep-probe
+  # FLA beside the default; the opt-in alone (ours vs ours, same machine, next process)
+  step 140 ab_narrow_False python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "2,16384,16,2;1,65536,16,2" --deadline 110 --out $M/ab
+  step 100 ab_narrow_True python -m benchmarks.run fwdbwd --impl cutedsl \
+    --shapes "2,16384,16,2;1,65536,16,2" --set kernels.chunk_forward.NARROW_TILES=True \
+    --deadline 80 --out $M/ab
+  grep -hE "^(FAILED|ERROR)|passed|failed" $M/narrow.log | tail -4
+  grep -hE "ms" $M/alone_*.log | head -24; rows $M/ab_*.log ;;
 2)
+  step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op
+  rows $M/op.log ;;
+3)
   step 200 long8 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
     --shapes "1,131072,8,2" --no-check --deadline 150 --out $M/long8
   step 250 long16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
     --shapes "1,262144,16,1" --no-check --deadline 150 --out $M/long16
   (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' -newer .fla-autotune | tar -cJf $M/fla-autotune-new.tar.xz -T -)
   rows $M/long*.log; grep -h NOTE $M/long*.log ;;
-3)
+4)
   step 280 kernels $P tests/test_cutedsl_gpu.py
   step 200 prep $P tests/test_chunk_prep_gpu.py
   grep -hE "^(FAILED|ERROR)|passed|failed" $M/kernels.log $M/prep.log | tail -12 ;;

@@ -337,6 +337,33 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
             grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("K,V,n,H,HV,packed", [
+    (128, 128, 2, 1, 2, False),
+    (64, 128, 3, 1, 3, True),                  # GVA, K != V, packed: empty, one-token
+])
+def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
+    """``chunk_forward.NARROW_TILES``: the recursion kernels on 16-column value tiles give
+    the same bits as on 32-column ones (a state column's products run the same k-order
+    whatever the tile), for o, the final state and every gradient; and within GRAD_TOL of
+    float64. These calls are too small for 64-wide tiles. Written in s22: NOT YET RUN."""
+    from gdp_jax.kernels import chunk_forward
+    args, cu = _rows_or_pack(8, packed, n, H, HV, K, V, "bfloat16")
+    B = args[0].shape[0]
+    assert chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V) == 32
+    _grad_fn.cache_clear()
+    base = grads("cutedsl", args, cu=cu, N=0)
+    monkeypatch.setattr(chunk_forward, "NARROW_TILES", True)
+    assert chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V) == 16
+    _grad_fn.cache_clear()
+    got = grads("cutedsl", args, cu=cu, N=0)
+    _grad_fn.cache_clear()
+    differ = [nm for nm, a, b in zip(NAMES, got, base)
+              if b is not None and np.asarray(a).tobytes() != np.asarray(b).tobytes()]
+    assert not differ, differ
+    compare(f"narrow tiles K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,
+            grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("dtype,n", [("bfloat16", 2), ("float16", 3)])
 def test_packed_gradients_match(dtype, n):
     lens = [70, 0, 1, 130, 64]

@@ -70,7 +70,8 @@ def test_arch_is_sm90a():
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("K,V,BV", [(128, 128, 64), (64, 64, 32), (64, 128, 32), (128, 64, 64)])
+@pytest.mark.parametrize("K,V,BV", [(128, 128, 64), (64, 64, 32), (64, 128, 32), (128, 64, 64),
+                                    (128, 128, 16)])               # NARROW_TILES
 def test_chunk_kernel_compiles(dtype, K, V, BV, split):
     B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
     avals = (S((B, NC, HV, C, K), dtype), S((B, NC, HV, C, K), dtype),
@@ -98,7 +99,8 @@ def test_chunk_kernel_with_checkpoints_compiles(ckpt):
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 64, 32), (64, 128, 64), (128, 64, 32)])
+@pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 64, 32), (64, 128, 64), (128, 64, 32),
+                                    (64, 128, 16)])                # NARROW_TILES
 def test_dh_kernel_compiles(dtype, K, V, BV, split):
     B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
     avals = ((S((B, NC, HV, C, K), dtype),) * 3
@@ -536,6 +538,17 @@ def test_value_tile_fills_the_gpu():
         for v in kernel.variants():
             tiles.setdefault(v.what.rsplit(" BV=", 1)[0], set()).add(v.fn.keywords["BV"])
         assert tiles and all(t == {32, 64} for t in tiles.values()), kernel
+
+
+def test_narrow_tiles_only_when_32_leaves_sms_idle(monkeypatch):
+    """``NARROW_TILES`` (opt-in): 16-wide tiles where 32-wide ones give fewer CTAs than SMs;
+    the listed tiles then cover all three widths."""
+    from gdp_jax.kernels import chunk_forward
+    monkeypatch.setattr(chunk_forward, "NARROW_TILES", True)
+    pick = ChunkForwardKernel.pick_bv
+    assert pick(8, 16, 128) == 64 and pick(1, 33, 128) == 32 and pick(1, 32, 128) == 16
+    assert pick(1, 16, 128) == 16 and pick(1, 8, 128) == 16 and pick(1, 2, 64) == 16
+    assert ChunkForwardKernel.value_tiles(128) == [16, 32, 64]
 
 
 def test_operands_kernel_holds_three_ctas_per_sm():

@@ -40,7 +40,7 @@ class ChunkBwdDhSm90:
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
                  fuse_ddo: bool = False):
-        assert K in (64, 128) and V % BV == 0 and BV in (32, 64, 128)
+        assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128)
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split

@@ -25,6 +25,12 @@ from gdp_jax.spec import Unsupported, checkpoint_dtype
 # tests' ungated cases is 5.7-5.8e-3 instead of 4.6e-3, still below FLA's 6.6-7.0e-3 on
 # the same inputs (benchmarks/peer_precision.py, s17-4): plain 16-bit operands, as FLA's.
 BF16_SPLIT = False
+# Opt-in (off, NOT MEASURED): value tiles of 16 columns for the recursion kernels when even
+# 32-wide tiles leave SMs without a CTA (few rows x heads, issue 20's long sequences: at
+# (1, 65536, 16, 2) BV = 32 gives 64 CTAs for 132 SMs, each walking 2048 chunks). Twice
+# the walks, each with half the MMAs of a chunk; every CTA still loads the chunk's [C, K]
+# operands (from L2: the value tiles of a head share them).
+NARROW_TILES = False
 
 
 class ChunkForwardKernel:
@@ -63,7 +69,8 @@ class ChunkForwardKernel:
     @staticmethod
     def pick_bv(rows: int, HV: int, V: int) -> int:
         """Value-tile width of the recursion kernels (forward and reverse): 64 when that
-        still gives every SM a CTA, else 32 (twice the CTAs, for few rows x heads).
+        still gives every SM a CTA, else 32 (twice the CTAs, for few rows x heads); 16 with
+        :data:`NARROW_TILES` when 32 still leaves SMs idle.
 
         Both run two CTAs an SM (shared memory; registers). At BV = 32 every CTA re-reads
         the [C, K] operands of its chunk for a quarter of the state, and (8, 4096, 16, 2)
@@ -73,6 +80,8 @@ class ChunkForwardKernel:
         independent."""
         if V % 64 == 0 and rows * HV * (V // 64) >= ChunkForwardKernel.SMS:
             return 64
+        if NARROW_TILES and rows * HV * (V // 32) < ChunkForwardKernel.SMS:
+            return 16
         return 32
 
     @staticmethod
@@ -151,7 +160,8 @@ class ChunkForwardKernel:
     @classmethod
     def value_tiles(cls, V: int):
         """Every value tile :meth:`pick_bv` may pick for V state columns."""
-        return sorted({cls.pick_bv(cls.SMS, 1, V), cls.pick_bv(1, 1, V)})
+        rows = (1, -(-cls.SMS // max(V // 32, 1)), cls.SMS)   # each width's smallest call
+        return sorted({cls.pick_bv(r, 1, V) for r in rows})
 
 
 def _avals(dtype, K, V):

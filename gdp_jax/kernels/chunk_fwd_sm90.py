@@ -46,7 +46,7 @@ class ChunkFwdSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0):
-        assert K in (64, 128) and V % BV == 0 and BV in (32, 64, 128) and ckpt >= 0
+        assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split

@@ -34,12 +34,15 @@ def ab_type(ab_name: str):
 
 # ------------------------------------------------------------------ host side (in @cute.jit)
 def smem_layout(rows: int, cols: int):
-    """Swizzled row-major [rows, cols] 16-bit smem tile (cols a multiple of 32, rows of 8):
-    conflict-free ldmatrix and 128-bit cp.async."""
-    assert cols % 32 == 0 and rows % 8 == 0
-    w = 64 if cols % 64 == 0 else 32
+    """Swizzled row-major [rows, cols] 16-bit smem tile (cols a multiple of 16, rows of 8):
+    conflict-free ldmatrix and 128-bit cp.async. The swizzle XORs row bits into the 16-byte
+    unit of a row, so the 8 rows one ldmatrix reads land in 8 different 16-byte bank
+    groups: 3 bits for 128-byte rows (64 columns), 2 for 64-byte, 1 for 32-byte rows
+    (rows r and r + 4 swap their two units)."""
+    assert cols % 16 == 0 and rows % 8 == 0
+    w = 64 if cols % 64 == 0 else 32 if cols % 32 == 0 else 16
     atom = cute.make_composed_layout(
-        cute.make_swizzle(3 if w == 64 else 2, 3, 3), 0,
+        cute.make_swizzle({64: 3, 32: 2, 16: 1}[w], 3, 3), 0,
         cute.make_layout((8, w), stride=(w, 1)))
     return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
