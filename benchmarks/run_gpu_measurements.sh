@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu_measurements.sh 2   # the main-shape table beside tuned FLA (the recursions' chunk scalars loaded
 #                                               # first: compare with s20-4 / s22's 9.06 ms)
 #   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
-#   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full (> 270 s: two files per call)
+#   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
 # timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
@@ -47,7 +47,14 @@ case "${1:-1}" in
   (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' -newer .fla-autotune | tar -cJf $M/fla-autotune-new.tar.xz -T -)
   rows $M/long*.log; grep -h NOTE $M/long*.log ;;
 4)
-  step 280 kernels $P tests/test_cutedsl_gpu.py
-  step 200 prep $P tests/test_chunk_prep_gpu.py
-  grep -hE "^(FAILED|ERROR)|passed|failed" $M/kernels.log $M/prep.log | tail -12 ;;
+  # five pytest processes at once (one GPU, no preallocation; s20-3's split), one 420 s limit
+  F=tests/test_cutedsl_gpu.py
+  job() { local name=$1; shift; ( timeout 420 "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
+  job grad2 $P $F -k "gradients_match and not token_major and not packed"
+  job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
+  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
+  job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  wait
+  for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
 esac
