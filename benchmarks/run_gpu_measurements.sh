@@ -6,7 +6,8 @@
 #                                               # recursion kernels alone (BV 16 / 32 / 64), A/B of NARROW_TILES beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 2   # the main-shape table beside tuned FLA (the recursions' chunk scalars loaded
 #                                               # first: compare with s20-4 / s22's 9.06 ms)
-#   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA;
+#                                               # a trace of intra_cp = 4's forward
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
 # timeout so one slow step cannot take the others' results.
@@ -42,10 +43,13 @@ case "${1:-1}" in
 3)
   step 200 long8 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
     --shapes "1,131072,8,2" --no-check --deadline 150 --out $M/long8
-  step 250 long16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
-    --shapes "1,262144,16,1" --no-check --deadline 150 --out $M/long16
+  step 210 long16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "1,262144,16,1" --no-check --deadline 130 --out $M/long16
+  # where intra_cp = 4's forward spends its 11.6 ms (s21-1; unsplit 9.0): no trace yet
+  step 70 trace_cp4 python -m benchmarks.trace --shape 1,65536,16,2 --impl cutedsl-cp4 \
+    --mode fwd --top 25 --out /tmp/t_cp4
   (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' -newer .fla-autotune | tar -cJf $M/fla-autotune-new.tar.xz -T -)
-  rows $M/long*.log; grep -h NOTE $M/long*.log ;;
+  rows $M/long*.log; grep -h NOTE $M/long*.log; tail -30 $M/trace_cp4.log ;;
 4)
   # five pytest processes at once (one GPU, no preallocation; s20-3's split), one 420 s limit
   F=tests/test_cutedsl_gpu.py
