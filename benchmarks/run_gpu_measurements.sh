@@ -2,8 +2,8 @@
 # The measurements still owed on the H200, as device calls of < 600 s each (carry
 # [".gpu-deps"]); what the twenty-second session ran is in
 # benchmarks/results/history/2026-12-04/s22_gpu*.sh:
-#   bash benchmarks/run_gpu_measurements.sh 1   # s22's recursion changes (not measured): NARROW_TILES's GPU test, the
-#                                               # recursion kernels alone (BV 16 / 32 / 64), A/B of NARROW_TILES beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 1   # s22's opt-ins for few walks (not measured): NARROW_TILES and WALK_READOUT -
+#                                               # their GPU tests, an A/B of each and both beside tuned FLA, the recursions alone
 #   bash benchmarks/run_gpu_measurements.sh 2   # the main-shape table beside tuned FLA (the recursions' chunk scalars loaded
 #                                               # first: compare with s20-4 / s22's 9.06 ms)
 #   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA;
@@ -26,17 +26,20 @@ n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 [ "$n" -lt 200 ] && step 100 build python ffi/build.py --jobs 14
 case "${1:-1}" in
 1)
-  step 80 narrow $P tests/test_cutedsl_gpu.py -k narrow_tiles
-  step 60 alone_main python -m benchmarks.prep_probe --shape 8,4096,16,2 --bv 64 --skip-prep-probe
-  step 100 alone_long python -m benchmarks.prep_probe --shape 1,65536,16,2 --bv 16,32 --skip-prep-probe
-  # FLA beside the default; the opt-in alone (ours vs ours, same machine, next process)
-  step 140 ab_narrow_False python -m benchmarks.run fwdbwd --impl cutedsl,fla \
-    --shapes "2,16384,16,2;1,65536,16,2" --deadline 110 --out $M/ab
-  step 100 ab_narrow_True python -m benchmarks.run fwdbwd --impl cutedsl \
-    --shapes "2,16384,16,2;1,65536,16,2" --set kernels.chunk_forward.NARROW_TILES=True \
-    --deadline 80 --out $M/ab
-  grep -hE "^(FAILED|ERROR)|passed|failed" $M/narrow.log | tail -4
-  grep -hE "ms" $M/alone_*.log | head -24; rows $M/ab_*.log ;;
+  step 90 tests $P tests/test_cutedsl_gpu.py -k "narrow_tiles or walk_readout"
+  # FLA beside the default; each opt-in alone (ours vs ours, same machine, next process)
+  L="2,16384,16,2;1,65536,16,2"; CF=kernels.chunk_forward
+  step 140 ab_default python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes "$L" \
+    --deadline 110 --out $M/ab
+  step 75 ab_narrow python -m benchmarks.run fwdbwd --impl cutedsl --shapes "$L" \
+    --set $CF.NARROW_TILES=True --deadline 55 --out $M/ab
+  step 75 ab_walk python -m benchmarks.run fwdbwd --impl cutedsl --shapes "$L" \
+    --set $CF.WALK_READOUT=True --deadline 55 --out $M/ab
+  step 75 ab_both python -m benchmarks.run fwdbwd --impl cutedsl --shapes "$L" \
+    --set $CF.NARROW_TILES=True --set $CF.WALK_READOUT=True --deadline 55 --out $M/ab
+  step 90 alone_long python -m benchmarks.prep_probe --shape 1,65536,16,2 --bv 16,32 --skip-prep-probe
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/tests.log | tail -8
+  grep -hE "ms" $M/alone_long.log | head -16; rows $M/ab_*.log ;;
 2)
   step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op
   rows $M/op.log ;;

@@ -877,3 +877,42 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     calls.clear()
     jax.jit(lambda *a: OP(*a, use_qk_l2norm=l2norm, backend="cutedsl"))(*inp[:5])
     assert calls == [("prep", l2norm, False)]       # the plain forward: raw tokens
+
+
+@pytest.mark.parametrize("case", ["batched-N0", "packed-N2"])
+def test_walk_then_readout_equals_fused(monkeypatch, case):
+    """``chunk_forward.WALK_READOUT``: the forward walks without the readout, keeping every
+    chunk's start state, and the readout kernel makes o from them; outputs, final states
+    and every gradient match the reference as the fused walk does (float64), the
+    backward's checkpoints are every (N + 1)-th kept state (N = 2), packed sequences
+    reset inside the walk."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    calls = []
+    raw = ChunkForwardKernel.raw_readout
+    monkeypatch.setattr(ChunkForwardKernel, "raw_readout", staticmethod(
+        lambda *a, **kw: calls.append(a[-1].shape) or raw(*a, **kw)))
+    monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
+    if case == "batched-N0":
+        inp = make_inputs(41, 2, 150, 2, 1, 2, 8, 12, gate="normal")
+        _compare(inp, recompute_chunk_num=0)
+    else:
+        inp = make_inputs(42, 1, 130, 2, 2, 4, 8, 6, N=5, gate="strong",
+                          beta_range=(0.05, 1.95))
+        _compare(inp, cu=np.array([0, 0, 45, 46, 46, 130], np.int32), recompute_chunk_num=2,
+                 use_qk_l2norm=True)
+    assert calls, "the readout kernel did not run"
+    assert all(len(s) == 5 for s in calls)          # every chunk's state [B, NC, HV, K, V]
+
+
+def test_walk_readout_only_where_walks_leave_sms_idle(monkeypatch):
+    from gdp_jax.kernels import chunk_forward, pipeline
+    C = grid.CHUNK
+    # shapes only (the rule reads nothing else)
+    ch = lambda B, NC, HV, V: grid.ChunkInputs(
+        *(jax.ShapeDtypeStruct((B, NC, HV, C, d), jnp.bfloat16) for d in (8, 8, V)), None, None)
+    assert not pipeline.walk_readout(ch(1, 4, 16, 128))             # the switch is off
+    monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
+    assert pipeline.walk_readout(ch(1, 4, 16, 128))                 # 64 walks of 32 columns
+    assert not pipeline.walk_readout(ch(8, 4, 16, 128))             # 512 walks: fused
+    assert not pipeline.walk_readout(ch(1, 70000, 2, 128))          # the readout's grid

@@ -98,6 +98,30 @@ def test_chunk_kernel_with_checkpoints_compiles(ckpt):
 
 
 @pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 128, 64)])
+def test_walk_and_readout_kernels_compile(K, V, BV, split):
+    """``WALK_READOUT``'s two kernels: the walk without the readout (o a [1] placeholder,
+    every chunk's start state kept) and the readout of all chunks from those states."""
+    B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
+    dtype = jnp.bfloat16
+    sdt = jnp.float32 if split else dtype
+    avals = (S((B, NC, HV, C, K), dtype),) * 3 + (
+        S((B, NC, HV, C, C), dtype), S((B, NC, HV, C, V), jnp.float32),
+        S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
+        S((N, HV, K, V), jnp.float32),)
+    walk = lambda *a: ChunkForwardKernel.call(*a, BV=BV, split=split, ckpt=1,
+                                              states_dtype=sdt, readout=False)
+    o, final, every = jax.eval_shape(walk, *avals)
+    assert o.shape == (1,) and final.shape == (N, HV, K, V)
+    assert every.shape == (B, NC, HV, K, V) and every.dtype == jnp.dtype(sdt)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+    rav = (avals[0], avals[2], avals[3], avals[4], every)
+    readout = lambda *a: ChunkForwardKernel.call_readout(*a, BV=BV, split=split)
+    assert jax.eval_shape(readout, *rav).shape == (B, NC, HV, C, V)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(readout, *rav)
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 64, 32), (64, 128, 64), (128, 64, 32),
                                     (64, 128, 16)])                # NARROW_TILES

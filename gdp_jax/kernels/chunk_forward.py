@@ -31,6 +31,13 @@ BF16_SPLIT = False
 # the walks, each with half the MMAs of a chunk; every CTA still loads the chunk's [C, K]
 # operands (from L2: the value tiles of a head share them).
 NARROW_TILES = False
+# Opt-in (off, NOT MEASURED; ``pipeline.walk_readout``): where the walks cannot fill the
+# GPU (rows x heads x V / 32 < SMs: one long sequence, few heads), the forward walks
+# without the readout (no qg, P loads, half the MMAs a chunk on the serial path) keeping
+# every chunk's start state, and :meth:`ChunkForwardKernel.raw_readout` then makes o for
+# all chunks at once (FLA's forward is split so). The same bits as the fused walk; costs
+# B x NC x HV x K x V 16-bit states in HBM (FLA keeps as many).
+WALK_READOUT = False
 
 
 class ChunkForwardKernel:
@@ -97,20 +104,49 @@ class ChunkForwardKernel:
 
     @classmethod
     def call(cls, w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
-             split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32):
+             split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
+             readout: bool = True):
         """:meth:`raw_call`, ``jax.vmap``-able."""
         f = binding.vmappable(
             lambda *a: cls.raw_call(*a, BV=BV, split=split, ckpt=ckpt,
-                                    states_dtype=states_dtype),
-            seq_arg=7, table_arg=9, out_kinds=("rows", "rows", "rows" if ckpt else "dummy"))
+                                    states_dtype=states_dtype, readout=readout),
+            seq_arg=7, table_arg=9, out_kinds=("rows" if readout else "dummy", "rows",
+                                               "rows" if ckpt else "dummy"))
         return f(w, kt, qg, p, u, decay, reset, seq, last, h0)
+
+    @classmethod
+    def call_readout(cls, w, qg, p, u, states, *, BV: int, split: Optional[bool] = None):
+        """:meth:`raw_readout`, ``jax.vmap``-able."""
+        f = binding.vmappable(lambda *a: cls.raw_readout(*a, BV=BV, split=split),
+                              out_kinds=("rows",))
+        return f(w, qg, p, u, states)
+
+    @staticmethod
+    def raw_readout(w, qg, p, u, states, *, BV: int, split: Optional[bool] = None):
+        """The readout of every chunk at once (``chunk_fwd_sm90.ChunkReadoutSm90``) from
+        the per-chunk start states of a walk with ``readout=False, ckpt=1``: w, qg [B, NC,
+        HV, C, K], p [B, NC, HV, C, C] (16-bit), u [B, NC, HV, C, V] float32, states [B, NC,
+        HV, K, V] (the operand dtype, or float32) -> o rows [B, NC, HV, C, V] - the bits the
+        fused walk writes when the states carry what its MMAs read (16-bit states without
+        the split, float32 ones with it)."""
+        B, NC, HV, C_, K = w.shape
+        V = u.shape[-1]
+        ab_name = jnp.dtype(w.dtype).name
+        split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
+        return binding.custom_call(_readout_launcher, "gdp_chunk_readout_sm90",
+                                   binding.out((B, NC, HV, C_, V), w.dtype),
+                                   (w, qg, p, u, states), tile_dims=(2, 2, 2, 2, 2, 2),
+                                   key=(jnp.dtype(states.dtype).name,), K=K, V=V, BV=BV,
+                                   ab_name=ab_name, split=split)
 
     @staticmethod
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
-                 split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32):
+                 split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
+                 readout: bool = True):
         """Per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
-        or a [1] float32 placeholder when ckpt = 0).
+        or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
+        p are not read; o is a [1] placeholder) - with ckpt = 1 for :meth:`raw_readout`.
 
         w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
         [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC]
@@ -125,14 +161,16 @@ class ChunkForwardKernel:
         states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
         if states_dtype.name not in ("float32", ab_name):
             raise ValueError(f"states_dtype must be float32 or {ab_name}; got {states_dtype}")
-        outputs = (binding.out((B, NC, HV, C_, V), w.dtype), binding.out(h0.shape, jnp.float32),
+        outputs = (binding.out((B, NC, HV, C_, V) if readout else (1,), w.dtype),
+                   binding.out(h0.shape, jnp.float32),
                    binding.out((B, n_ckpt, HV, K, V) if ckpt else (1,), states_dtype))
         return binding.custom_call(_launcher, "gdp_chunk_fwd_sm90", outputs,
                                    (w, kt, qg, p, u, decay, reset, seq, last, h0),
                                    tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2,
-                                              2, 2, 2 if ckpt else 1),
+                                              2 if readout else 1, 2, 2 if ckpt else 1),
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
-                                   ab_name=ab_name, split=split, ckpt=ckpt)
+                                   ab_name=ab_name, split=split, ckpt=ckpt,
+                                   readout=bool(readout))
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -155,6 +193,20 @@ class ChunkForwardKernel:
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt} BV={BV}",
                                 fn, _avals(name, K, Vx)))
+                    if WALK_READOUT:          # the split forward's two kernels
+                        sdt = jnp.float32 if cls.default_split(jnp.dtype(name)) else name
+                        for BV in cls.value_tiles(V):
+                            out.append(aot.Variant(
+                                f"gdp_chunk_fwd_sm90 {name} K={K} V={V} walk BV={BV}",
+                                functools.partial(cls.raw_call, BV=BV, ckpt=1,
+                                                  states_dtype=sdt, readout=False),
+                                _avals(name, K, V)))
+                        a = _avals(name, K, V)
+                        BV = 64 if V % 64 == 0 else 32
+                        out.append(aot.Variant(
+                            f"gdp_chunk_readout_sm90 {name} K={K} V={V} BV={BV}",
+                            functools.partial(cls.raw_readout, BV=BV),
+                            (a[0], a[2], a[3], a[4], _state_aval(sdt, K, V))))
         return out
 
     @classmethod
@@ -174,6 +226,12 @@ def _avals(dtype, K, V):
             + (S((1, 1, K, V), f32),))
 
 
+def _state_aval(dtype, K, V):
+    """Per-chunk states [1, 1, 1, K, V] (the readout kernel's canonical operand)."""
+    import jax
+    return jax.ShapeDtypeStruct((1, 1, 1, K, V), jnp.dtype(dtype))
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher():
     binding.import_cutlass()
@@ -185,8 +243,23 @@ def _launcher():
     def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               ckpt: cutlass.Constexpr):
-        mod.get_kernel(K, V, BV, ab_name, split, ckpt)(
+               ckpt: cutlass.Constexpr, readout: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
+
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _readout_launcher():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_fwd_sm90 as mod
+
+    @cute.jit
+    def launch(stream, w, qg, p, u, states, o, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
+               BV: cutlass.Constexpr, ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
+        mod.get_readout_kernel(K, V, BV, ab_name, split)(stream, w, qg, p, u, states, o)
 
     return launch
