@@ -86,11 +86,13 @@ class LocalGradKernel:
 
     @staticmethod
     def raw_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
-                 split: Optional[bool] = None, ablate: str = "", warps_n: int = 2):
+                 split: Optional[bool] = None, ablate: str = "",
+                 warps_n: Optional[int] = None):
         """:meth:`call` on its operands in the kernel's order, ``scale`` [B] float32 (one
         per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo (None:
         :data:`SPLIT`);
-        ``warps_n``: warps along N (4, 8 or 16 warps a CTA); ``ablate``: parts of the kernel
+        ``warps_n``: warps along N (4, 8 or 16 warps a CTA; None: :data:`WARPS_N`);
+        ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
         B, NC, HV, K, V = _checked_dims(k, v, scale, ab_dtype)
@@ -104,7 +106,7 @@ class LocalGradKernel:
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
-            ablate=ablate, warps_n=int(warps_n))
+            ablate=ablate, warps_n=int(WARPS_N if warps_n is None else warps_n))
 
     @staticmethod
     def can_write_tokens(spec, ch) -> bool:
@@ -137,7 +139,7 @@ class LocalGradKernel:
         ``rows`` - else they are chunk tiles as :meth:`call`'s. ``jax.vmap``-able."""
         f = binding.vmappable(
             lambda *a: cls.raw_call_tokens(*a, n=n, T=T, ab_dtype=ab_dtype, split=split,
-                                           warps_n=WARPS_N, tokens_in=tokens_in),
+                                           tokens_in=tokens_in),
             out_kinds=("rows",) * 5)
         scale_rows = jnp.full(w.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
         if tokens_in:
@@ -152,8 +154,8 @@ class LocalGradKernel:
 
     @staticmethod
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
-                        T: int, ab_dtype, split: Optional[bool] = None, warps_n: int = 2,
-                        tokens_in: bool = False):
+                        T: int, ab_dtype, split: Optional[bool] = None,
+                        warps_n: Optional[int] = None, tokens_in: bool = False):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
@@ -183,7 +185,8 @@ class LocalGradKernel:
             tile_dims=(tok, tok, 2, 2, tok, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
-            warps_n=int(warps_n), **({"tokens_in": True} if tokens_in else {}))
+            warps_n=int(WARPS_N if warps_n is None else warps_n),
+            **({"tokens_in": True} if tokens_in else {}))
 
     @classmethod
     def variants(cls):
