@@ -36,7 +36,8 @@ NARROW_TILES = False
 # without the readout (no qg, P loads, half the MMAs a chunk on the serial path) keeping
 # every chunk's start state, and :meth:`ChunkForwardKernel.raw_readout` then makes o for
 # all chunks at once (FLA's forward is split so). The same bits as the fused walk; costs
-# B x NC x HV x K x V 16-bit states in HBM (FLA keeps as many).
+# B x NC x HV x K x V states in the checkpoint dtype in HBM (bfloat16 for bfloat16 inputs:
+# what FLA keeps).
 WALK_READOUT = False
 
 
@@ -194,7 +195,8 @@ class ChunkForwardKernel:
                                 f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt} BV={BV}",
                                 fn, _avals(name, K, Vx)))
                     if WALK_READOUT:          # the split forward's two kernels
-                        sdt = jnp.float32 if cls.default_split(jnp.dtype(name)) else name
+                        sdt = (jnp.float32 if cls.default_split(jnp.dtype(name))
+                               else checkpoint_dtype(name))
                         for BV in cls.value_tiles(V):
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90 {name} K={K} V={V} walk BV={BV}",

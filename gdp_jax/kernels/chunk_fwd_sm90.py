@@ -189,8 +189,9 @@ class ChunkReadoutSm90:
         Delta = u_c - w_c S_c ;  o_c = qg_c S_c + P_c Delta
 
     with S_c [K, BV] read from ``states`` [B, NC, HV, K, V] (the walk's ckpt = 1
-    checkpoints, after any reset: in the operand dtype, or float32 with ``split``) - the
-    same products in the same order as the fused walk's readout, so the same bits."""
+    checkpoints, after any reset; 16-bit or float32) and rounded to the operand dtype (hi
+    + lo with ``split``) as the walk rounds it - the same products in the same order as
+    the fused walk's readout, so the same bits."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128)

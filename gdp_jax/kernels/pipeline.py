@@ -257,12 +257,13 @@ def walk_readout(ch: grid.ChunkInputs) -> bool:
 
 def _walk_then_readout(spec, operands, layout, h0, ch, ckpt):
     """(o rows, final, checkpoints or None) as the fused walk gives them: the walk keeps
-    every chunk's start state in what its MMAs read (16-bit, or float32 with the split),
+    every chunk's start state in the checkpoint dtype (bfloat16 for bfloat16 inputs, what
+    the walk's MMAs read of it; float32 for float16's range, and with the hi + lo split),
     the readout kernel makes every chunk's o from them, and the backward's checkpoints
     are every ckpt-th of them."""
     w, kt, qg, p, u, decay = operands
     split = ChunkForwardKernel.default_split(w.dtype)
-    every_dtype = jnp.float32 if split else w.dtype
+    every_dtype = jnp.float32 if split else spec.checkpoint_dtype
     _, final, every = ChunkForwardKernel.call(
         *operands, *_flags(layout), h0, BV=_bv(ch), ckpt=1, states_dtype=every_dtype,
         readout=False)
