@@ -916,3 +916,28 @@ def test_walk_readout_only_where_walks_leave_sms_idle(monkeypatch):
     assert pipeline.walk_readout(ch(1, 4, 16, 128))                 # 64 walks of 32 columns
     assert not pipeline.walk_readout(ch(8, 4, 16, 128))             # 512 walks: fused
     assert not pipeline.walk_readout(ch(1, 70000, 2, 128))          # the readout's grid
+
+
+def test_walk_readout_under_vmap(monkeypatch):
+    """``WALK_READOUT`` under jax.vmap: the walk's placeholder o and the readout's rows
+    fold the mapped axis like the fused kernel's, and each mapped problem (outputs and
+    gradients) equals its own call."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    calls = []
+    raw = ChunkForwardKernel.raw_readout
+    monkeypatch.setattr(ChunkForwardKernel, "raw_readout", staticmethod(
+        lambda *a, **kw: calls.append(a[-1].shape) or raw(*a, **kw)))
+    monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
+    inp = make_inputs(43, 1, 90, 2, 1, 2, 8, 8, gate="normal")
+    other = make_inputs(44, 1, 90, 2, 1, 2, 8, 8, gate="normal")
+    stack = lambda i: jnp.stack([inp[i], other[i]])
+    loss = lambda *a: jnp.sum(OP(*a, use_qk_l2norm=True, backend="cutedsl") ** 2)
+    vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    lv, gv = jax.jit(jax.vmap(vg))(*(stack(i) for i in range(5)))
+    assert calls and calls[-1][0] == 2             # the mapped axis folded into the rows
+    for m, x in enumerate((inp, other)):
+        l1, g1 = jax.jit(vg)(*x[:5])
+        assert rel_max(lv[m], l1) < 1e-12
+        for a, b in zip(gv, g1):
+            assert rel_max(a[m], b) < 1e-10

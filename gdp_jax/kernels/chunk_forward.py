@@ -118,9 +118,10 @@ class ChunkForwardKernel:
     @classmethod
     def call_readout(cls, w, qg, p, u, states, *, BV: int, split: Optional[bool] = None):
         """:meth:`raw_readout`, ``jax.vmap``-able."""
-        f = binding.vmappable(lambda *a: cls.raw_readout(*a, BV=BV, split=split),
+        # a 1-tuple: the vmap rule walks the results as a tuple
+        f = binding.vmappable(lambda *a: (cls.raw_readout(*a, BV=BV, split=split),),
                               out_kinds=("rows",))
-        return f(w, qg, p, u, states)
+        return f(w, qg, p, u, states)[0]
 
     @staticmethod
     def raw_readout(w, qg, p, u, states, *, BV: int, split: Optional[bool] = None):
