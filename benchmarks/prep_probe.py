@@ -163,7 +163,7 @@ def main(argv=None):
                         for x, y in zip(res, first)]
                 out[f"local grad tokens {tag} split={int(split)} rel diff"] = diff
                 log("  vs the first warp count: max |diff| / max |x| of dq, dk, dv, dg, "
-                    f"dbeta: " + " ".join(f"{d:.1e}" for d in diff))
+                    "dbeta: " + " ".join(f"{d:.1e}" for d in diff))
 
         for v in (x for x in a.lg_variants.split(";") if x):
             timed(f"local grad [{v}]", lambda *x, v=v: LocalGradKernel.raw_call(

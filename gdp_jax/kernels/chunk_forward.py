@@ -54,8 +54,8 @@ class ChunkForwardKernel:
         V, as the CP summaries use), else why not."""
         name = jnp.dtype(dtype).name
         if name == "float64":   # no kernel takes it (no float64 tensor cores): argument error
-            return Unsupported(f"q has dtype float64 (k, v too); the cutedsl kernels take 16-bit "
-                               f"inputs (bfloat16/float16)", TypeError)
+            return Unsupported("q has dtype float64 (k, v too); the cutedsl kernels take 16-bit "
+                               "inputs (bfloat16/float16)", TypeError)
         dims = ChunkForwardKernel.HEAD_DIMS
         if K not in dims or V not in dims:
             return Unsupported(f"the cutedsl kernels support head dims K, V in {dims}; got "

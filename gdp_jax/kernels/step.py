@@ -27,8 +27,8 @@ class StepKernel:
         """None if the step kernel runs this call, else why not."""
         name = jnp.dtype(dtype).name
         if name == "float64":   # no kernel takes it (no float64 tensor cores): argument error
-            return Unsupported(f"q has dtype float64 (k, v too); the cutedsl step take 16-bit "
-                               f"inputs (bfloat16/float16)", TypeError)
+            return Unsupported("q has dtype float64 (k, v too); the cutedsl step takes 16-bit "
+                               "inputs (bfloat16/float16)", TypeError)
         if K > StepKernel.MAX_K:
             return Unsupported(f"the cutedsl step holds a K-long state column per thread: "
                                f"K <= {StepKernel.MAX_K}, got K={K}")
