@@ -230,6 +230,13 @@ def grads(backend, args, cu=None, N=None, seed=9):
 NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
+def assert_same_bits(got, base):
+    """Every result of :func:`grads` (o, final, the gradients) the same bits in both."""
+    differ = [nm for nm, a, b in zip(NAMES, got, base)
+              if b is not None and np.asarray(a).tobytes() != np.asarray(b).tobytes()]
+    assert not differ, f"not the same bits: {differ}"
+
+
 def compare(tag, got, want, tol):
     errs = {n: rel_rms(a, b) for n, a, b in zip(NAMES, got, want) if b is not None}
     print(f"[{tag}] " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
@@ -330,9 +337,7 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
     got = grads("cutedsl", args, cu=cu, N=0)
     _grad_fn.cache_clear()
     assert calls == [False, True]
-    differ = [nm for nm, a, b in zip(NAMES, got, base)
-              if b is not None and np.asarray(a).tobytes() != np.asarray(b).tobytes()]
-    assert not differ, differ
+    assert_same_bits(got, base)
     compare(f"token backward K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,
             grads("reference", args, cu=cu), GRAD_TOL)
 
@@ -357,9 +362,7 @@ def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
     _grad_fn.cache_clear()
     got = grads("cutedsl", args, cu=cu, N=0)
     _grad_fn.cache_clear()
-    differ = [nm for nm, a, b in zip(NAMES, got, base)
-              if b is not None and np.asarray(a).tobytes() != np.asarray(b).tobytes()]
-    assert not differ, differ
+    assert_same_bits(got, base)
     compare(f"narrow tiles K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,
             grads("reference", args, cu=cu), GRAD_TOL)
 
@@ -388,9 +391,7 @@ def test_walk_readout_same_bits(monkeypatch, K, V, n, H, HV, packed, N):
     got = grads("cutedsl", args, cu=cu, N=N)
     _grad_fn.cache_clear()
     assert calls, "the readout kernel did not run"
-    differ = [nm for nm, a, b in zip(NAMES, got, base)
-              if b is not None and np.asarray(a).tobytes() != np.asarray(b).tobytes()]
-    assert not differ, differ
+    assert_same_bits(got, base)
     compare(f"walk + readout K={K} V={V} n={n} HV={HV} packed={packed} N={N} vs ref", got,
             grads("reference", args, cu=cu), GRAD_TOL)
 
