@@ -230,6 +230,19 @@ def grads(backend, args, cu=None, N=None, seed=9):
 NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
+def grads_off_on(monkeypatch, module, switch, args, cu=None, N=0):
+    """(:func:`grads` with ``module.switch`` False, with it True) on the cutedsl backend,
+    each through a fresh jit (the switches are read at trace time); the switch stays True
+    for the rest of the test."""
+    out = []
+    for on in (False, True):
+        monkeypatch.setattr(module, switch, on)
+        _grad_fn.cache_clear()
+        out.append(grads("cutedsl", args, cu=cu, N=N))
+    _grad_fn.cache_clear()
+    return tuple(out)
+
+
 def assert_same_bits(got, base):
     """Every result of :func:`grads` (o, final, the gradients) the same bits in both."""
     differ = [nm for nm, a, b in zip(NAMES, got, base)
@@ -300,13 +313,7 @@ def test_fused_ddo_gradients(monkeypatch, dtype, K, V, n, H, HV, packed):
     float64."""
     from gdp_jax.kernels import pipeline
     args, cu = _rows_or_pack(6, packed, n, H, HV, K, V, dtype)
-    monkeypatch.setattr(pipeline, "FUSED_DDO", False)
-    _grad_fn.cache_clear()
-    base = grads("cutedsl", args, cu=cu, N=0)
-    monkeypatch.setattr(pipeline, "FUSED_DDO", True)
-    _grad_fn.cache_clear()
-    got = grads("cutedsl", args, cu=cu, N=0)
-    _grad_fn.cache_clear()
+    base, got = grads_off_on(monkeypatch, pipeline, "FUSED_DDO", args, cu)
     tag = f"fused ddo {dtype} K={K} V={V} n={n} H={H} HV={HV} packed={packed}"
     compare(tag + " vs xla ddo", got, base, 2e-3)
     compare(tag + " vs ref", got, grads("reference", args, cu=cu), GRAD_TOL)
@@ -329,13 +336,7 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
     raw = LocalGradKernel.raw_call_tokens
     monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
         lambda *a, **kw: calls.append(kw.get("tokens_in", False)) or raw(*a, **kw)))
-    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", False)
-    _grad_fn.cache_clear()
-    base = grads("cutedsl", args, cu=cu, N=0)
-    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", True)
-    _grad_fn.cache_clear()
-    got = grads("cutedsl", args, cu=cu, N=0)
-    _grad_fn.cache_clear()
+    base, got = grads_off_on(monkeypatch, pipeline, "TOKEN_BACKWARD", args, cu)
     assert calls == [False, True]
     assert_same_bits(got, base)
     compare(f"token backward K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,
@@ -355,13 +356,8 @@ def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
     args, cu = _rows_or_pack(8, packed, n, H, HV, K, V, "bfloat16")
     B = args[0].shape[0]
     assert chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V) == 32
-    _grad_fn.cache_clear()
-    base = grads("cutedsl", args, cu=cu, N=0)
-    monkeypatch.setattr(chunk_forward, "NARROW_TILES", True)
+    base, got = grads_off_on(monkeypatch, chunk_forward, "NARROW_TILES", args, cu)
     assert chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V) == 16
-    _grad_fn.cache_clear()
-    got = grads("cutedsl", args, cu=cu, N=0)
-    _grad_fn.cache_clear()
     assert_same_bits(got, base)
     compare(f"narrow tiles K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,
             grads("reference", args, cu=cu), GRAD_TOL)
@@ -384,12 +380,7 @@ def test_walk_readout_same_bits(monkeypatch, K, V, n, H, HV, packed, N):
     raw = ChunkForwardKernel.raw_readout
     monkeypatch.setattr(ChunkForwardKernel, "raw_readout", staticmethod(
         lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
-    _grad_fn.cache_clear()
-    base = grads("cutedsl", args, cu=cu, N=N)
-    monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
-    _grad_fn.cache_clear()
-    got = grads("cutedsl", args, cu=cu, N=N)
-    _grad_fn.cache_clear()
+    base, got = grads_off_on(monkeypatch, chunk_forward, "WALK_READOUT", args, cu, N=N)
     assert calls, "the readout kernel did not run"
     assert_same_bits(got, base)
     compare(f"walk + readout K={K} V={V} n={n} HV={HV} packed={packed} N={N} vs ref", got,

@@ -261,7 +261,7 @@ def _walk_then_readout(spec, operands, layout, h0, ch, ckpt):
     the walk's MMAs read of it; float32 for float16's range, and with the hi + lo split),
     the readout kernel makes every chunk's o from them, and the backward's checkpoints
     are every ckpt-th of them."""
-    w, kt, qg, p, u, decay = operands
+    w, _, qg, p, u, _ = operands
     split = ChunkForwardKernel.default_split(w.dtype)
     every_dtype = jnp.float32 if split else spec.checkpoint_dtype
     _, final, every = ChunkForwardKernel.call(
