@@ -8,7 +8,8 @@ its own shard (and, for the backward, every rank's ``cp_backward_prepare`` after
 ``cp_forward_apply``), computed once before timing. Timed, each jitted alone, medians after
 warm-up:
 
-    rank fwd       prepare + apply (forward), the summary returned (not dead code)
+    rank fwd       prepare + apply (forward, as a call nothing differentiates runs them:
+                   ``for_inference()``), the summary returned (not dead code)
     rank fwd+bwd   the same, then backward prepare + apply (its summary returned)
     op fwd         gated_delta_product on the rank's T / P tokens
     op fwd+bwd     its value and vjp with the same output cotangent
@@ -93,9 +94,10 @@ def rank_functions(backend: str, x, do, P: int, recompute_chunk_num: int = 0):
     following = SummarySlice(bwd_sum, meta(r).bwd_mask)
     do_r = shard(do, r)
 
-    def rank_fwd(*xs):
-        summary, ctx = be.cp_forward_prepare(gdp_inputs(xs, r))
-        o, final, _ = be.cp_forward_apply(ctx, preceding)
+    def rank_fwd(*xs):               # the forward as the driver's primal runs it
+        bi = be.for_inference()
+        summary, ctx = bi.cp_forward_prepare(gdp_inputs(xs, r))
+        o, final, _ = bi.cp_forward_apply(ctx, preceding)
         return o, final, summary
 
     def rank_fwdbwd(*xs):            # the forward as the driver's custom_vjp fwd runs it

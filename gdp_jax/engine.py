@@ -13,8 +13,10 @@ per-sequence tables [N, HV, K, V]; the relayouts around it live in :mod:`gdp_jax
 
 and the CP rank's pair around them (defaults: the summaries, then the plain pass):
 
-    forward_prepare(spec, ch, layout, h0p, differentiated) -> ((E, M), work)
-    forward_resume(spec, ch, layout, h0, seqs, work)       -> (o rows, final, states)
+    forward_prepare(spec, ch, layout, h0p, differentiated, keep_states, tokens)
+                                                           -> ((E, M), work)
+    forward_resume(spec, ch, layout, h0, seqs, work, keep_states)
+                                                           -> (o rows, final, states)
     backward_prepare(spec, ch, layout, doc, dfinal)        -> ((gamma, M^T), work)
     backward_resume(spec, ch, layout, h0, doc, dfinal, states, seqs, work)
                                                            -> (cotangents, dh0)
@@ -39,7 +41,9 @@ start state is folded in later); resume gets the true ``h0`` / ``dfinal``, which
 from the prepare's only for the sequences ``seqs`` (a tuple of [B] index arrays, one
 sequence per row each), so an engine may resume from what prepare computed instead of
 walking the chunks a second time. ``differentiated``: the backward follows in the same
-program (an engine may build shared work the way the backward does, for XLA's CSE).
+program (an engine may build shared work the way the backward does, for XLA's CSE);
+``keep_states`` False: no backward follows at all (resume returns states None, and the
+pass need not write any); ``tokens`` there: the rank's (q, k, v) as the caller gave them.
 
 The xla engine is here; the CuTe DSL engine is :class:`gdp_jax.kernels.pipeline.CuTeDSLEngine`.
 """
@@ -84,11 +88,12 @@ class Engine:
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         raise NotImplementedError
 
-    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False):
+    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False, keep_states=True,
+                        tokens=None):
         return self.forward_summaries(spec, ch, layout)
 
-    def forward_resume(self, spec, ch, layout, h0, seqs, work):
-        return self.forward(spec, ch, layout, h0, keep_states=True, work=work)
+    def forward_resume(self, spec, ch, layout, h0, seqs, work, keep_states=True):
+        return self.forward(spec, ch, layout, h0, keep_states=keep_states, work=work)
 
     def backward_prepare(self, spec, ch, layout, doc, dfinal):
         return self.backward_summaries(spec, ch, layout, doc, dfinal)
@@ -154,12 +159,12 @@ class ForwardResponse(NamedTuple):
 
     h0p: [N, HV, K, V] the provisional start states; o: [B, NC, HV, Cr, V + K] output rows
     (Cr = C or the read-out rows); final: [N, HV, K, V + K]; states: the V + K checkpoints
-    in the engine's layout; bad: [B, NC, HV, Cr] output rows to set to NaN, or None
+    in the engine's layout (None: kept for no backward); bad: [B, NC, HV, Cr] output rows to set to NaN, or None
     (already NaN in o)."""
     h0p: jax.Array
     o: jax.Array
     final: jax.Array
-    states: jax.Array
+    states: Optional[jax.Array]
     bad: Optional[jax.Array]
 
 
@@ -365,10 +370,12 @@ class XlaEngine(Engine):
         blk, Ls = self._blocking(spec, ch)
         return blk if Ls is None and blk.NB == 1 else None
 
-    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False):
+    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False, keep_states=True,
+                        tokens=None):
         """The forward on v = [v | 0] from [h0p | I], keeping its checkpoints (in the
         compute dtype: apply adds their response to them before they are rounded to the
-        checkpoint dtype): ((E, M), :class:`ForwardResponse`)."""
+        checkpoint dtype; none without ``keep_states``): ((E, M),
+        :class:`ForwardResponse`). ``tokens`` unused."""
         blk = self._one_level(spec, ch)
         if blk is None:
             return self.forward_summaries(spec, ch, layout)
@@ -378,7 +385,7 @@ class XlaEngine(Engine):
         c = _narrow_inputs(ch, narrow_dtype(spec))
         chb = blk.tree_block(c._replace(v=zero_columns(c.v, K)))
         o, final, states = self._walk(spec, blk, chb, recurrence.flags(blk, layout), h0x,
-                                      spec.checkpoint_stride, spec.cdt,
+                                      spec.checkpoint_stride if keep_states else 0, spec.cdt,
                                       recurrence.is_batched(blk, layout), narrow_states=False)
         o = blk.unblock(o)
         final = where_has_tokens(layout, final, h0x)
@@ -386,11 +393,13 @@ class XlaEngine(Engine):
         E = final[..., :V] - mm_exact(M, h0p)    # the map from a zero start
         return (E, M), ForwardResponse(h0p, o, final, states, None)
 
-    def forward_resume(self, spec, ch, layout, h0, seqs, work):
+    def forward_resume(self, spec, ch, layout, h0, seqs, work, keep_states=True):
         if not isinstance(work, ForwardResponse):
-            return super().forward_resume(spec, ch, layout, h0, seqs, work)
+            return super().forward_resume(spec, ch, layout, h0, seqs, work, keep_states)
         blk = self._one_level(spec, ch)
         o, final, delta = resume_rows_and_final(work, layout, h0, seqs)
+        if work.states is None:
+            return o, final, None
         seq_ck = blk.block(layout.seq_of_chunk)[::spec.checkpoint_stride]    # [NG, B]
         states = _add_response_time_major(work.states, h0.shape[-1], seq_ck, seqs, delta)
         return o, final, states.astype(spec.checkpoint_dtype)

@@ -497,6 +497,38 @@ def test_restore_saved_context_errors():
         dataclasses.replace(_metadata(), num_householder=3).spec(_saved_inputs(False, False))
 
 
+def test_forward_only_backend():
+    """``for_inference()``: the same outputs and final states as the backend itself (one
+    rank, float64, the xla engine), no chunk states kept, and a SavedContext that refuses
+    a backward with a ValueError; the flag is part of the backend's identity (it is a
+    custom_vjp static argument)."""
+    from gdp_jax._checks import check_inputs
+    from gdp_jax.cp import driver
+    inp = make_inputs(7, 2, 100, 2, 1, 2, 8, 6, jnp.float64, gate="strong")
+    spec = check_inputs(*inp[:5], scale=None, initial_state=inp.initial_state)
+    meta = driver.rank_metadata(None, 0, 1, 100, 2)
+    x = gcp.GDPInputs(*inp[:5], inp.initial_state, meta.cu_local, meta.first_seq,
+                      meta.last_seq, meta.continues_in, meta.continues_out)
+    be = driver.backend_for(spec, "xla")
+    inf = be.for_inference()
+    assert inf != be and inf == be.for_inference() and hash(inf) == hash(be.for_inference())
+    got = {}
+    for name, b in (("full", be), ("inference", inf)):
+        summary, ctx = b.cp_forward_prepare(x)
+        got[name] = b.cp_forward_apply(ctx, gcp.SummarySlice(summary[None], meta.fwd_mask))
+    (o, final, saved), (o2, final2, saved2) = got["full"], got["inference"]
+    assert saved.chunk_states is not None and not saved.metadata.forward_only
+    assert saved2.chunk_states is None and saved2.metadata.forward_only
+    assert rel_max(o2, o) < 1e-14 and rel_max(final2, final) < 1e-14
+    ref_o, ref_s = gdp_jax.gated_delta_product_reference(
+        *inp[:5], initial_state=inp.initial_state, output_final_state=True)
+    assert rel_max(o2, ref_o) < 1e-10 and rel_max(final2, ref_s) < 1e-10
+    do = jnp.ones_like(o)
+    be.cp_backward_prepare((do, jnp.zeros_like(final)), saved)        # runs
+    with pytest.raises(ValueError, match="forward-only"):
+        inf.cp_backward_prepare((do, jnp.zeros_like(final)), saved2)
+
+
 def test_saved_metadata_is_hashable_and_frozen():
     md = _metadata()
     assert hash(md) == hash(_metadata()) and md == _metadata()

@@ -565,8 +565,9 @@ def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
     """Under CP (the driver's custom_vjp and intra_cp's) a differentiated call takes its
     operands as the single-device one does: from the operands kernel, forward and backward
     (once each per rank), where the kernels take the backward, else from XLA (shared with
-    the backward's factors); the plain CP forward always runs the kernel; gradients
-    agree with the plain forward's outputs either way."""
+    the backward's factors); the plain CP forward always runs the kernel, reading q, k, v
+    token-major as the plain single-device forward does; gradients agree with the plain
+    forward's outputs either way."""
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     monkeypatch.setattr(pipeline, "KERNEL_FACTORS", kernel_backward)
@@ -578,6 +579,9 @@ def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
     opaque = emulate.chunk_prep_call
     monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
         lambda *a, **kw: calls.append(kw.get("inverse", False)) or opaque(*a, **kw)))
+    opaque_tokens = emulate.chunk_prep_tokens_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append("tokens") or opaque_tokens(*a, **kw)))
     inp = make_inputs(9, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     args = tcp._args(inp)
     w = tcp._weights(3, (2, 200, 2, 64), (2, 2, 64, 64), np.float32)
@@ -586,7 +590,7 @@ def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
     assert sorted(set(calls)) == ([False, True] if kernel_backward else [])
     calls.clear()
     o = jax.jit(lambda a: tcp._cp_apply(2, a, None, True, kw)[0])(args)
-    assert calls and rel_max(o, got[0]) < 1e-2
+    assert set(calls) == {"tokens"} and rel_max(o, got[0]) < 1e-2
     calls.clear()
     split = jax.grad(lambda q: OP(q, *inp[1:5], use_qk_l2norm=True, backend="cutedsl",
                                   intra_cp=2).astype(jnp.float32).sum())

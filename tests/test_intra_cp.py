@@ -80,6 +80,38 @@ def test_emulated_cutedsl_split_matches_xla(packed):
     assert rel_max(o, o2) < 2e-2 and rel_max(s, s2) < 2e-2
 
 
+def test_forward_only_split_keeps_no_checkpoints(monkeypatch):
+    """A split call that nothing differentiates runs the driver's primal: its V + K kernel
+    pass writes no chunk-state checkpoints (ckpt = 0) and its operands come from the
+    token-major kernel; its outputs still equal the differentiated call's forward and the
+    float64 reference, packed with empty and length-1 sequences. Under jax.grad the same
+    call keeps its checkpoints."""
+    from gdp_jax.kernels import emulate
+    T = 256
+    cu = jnp.asarray([0, 30, 30, 31, 200, T], jnp.int32)
+    inp = make_inputs(5, 1, T, 2, 1, 2, 64, 64, jnp.bfloat16, gate="strong", N=5)
+    kw = dict(initial_state=inp.initial_state, output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl", intra_cp=4)
+    ckpts, prep = [], []
+    # the emulations recorded (emulated_kernels installs what emulate holds on entry)
+    walk, tokens = emulate.chunk_kernel_call, emulate.chunk_prep_tokens_call
+    monkeypatch.setattr(emulate, "chunk_kernel_call",
+                        lambda *a, **k: ckpts.append(k["ckpt"]) or walk(*a, **k))
+    monkeypatch.setattr(emulate, "chunk_prep_tokens_call",
+                        lambda *a, **k: prep.append("tokens") or tokens(*a, **k))
+    with emulated_kernels():
+        o, s = jax.jit(lambda *a: OP(*a, **kw))(*inp[:5])
+        assert ckpts and set(ckpts) == {0} and prep
+        ckpts.clear()
+        (o2, s2), _ = jax.jit(lambda *a: jax.vjp(lambda *x: OP(*x, **kw), *a))(*inp[:5])
+        assert ckpts and min(ckpts) > 0
+    f64 = lambda x: x.astype(jnp.float64)
+    ref_o, ref_s = REF(*map(f64, inp[:5]), initial_state=f64(inp.initial_state),
+                       output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True)
+    assert rel_max(o, o2) < 1e-2 and rel_max(s, s2) < 1e-2
+    assert rel_max(o, ref_o) < 2e-2 and rel_max(s, ref_s) < 2e-2
+
+
 def test_under_vmap():
     inp = make_inputs(4, 2, 128, 1, 1, 1, 8, 8, jnp.float64)
     # under jax.jit (eagerly: op-by-op dispatch of the batched op)

@@ -164,7 +164,9 @@ def summary_nbytes(spec) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _cp_op(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
-    return rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens)[0]
+    # the primal runs only where nothing differentiates the call: keep no chunk states
+    return rank_forward(backend.for_inference(), cp_axis, fold, q, k, v, g, beta, h0,
+                        cu_seqlens)[0]
 
 
 def rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):

@@ -171,14 +171,16 @@ class GDPSavedMetadata:
     has_gate: bool
     has_chunk_states: bool = False   # the forward kernel's chunk-state checkpoints saved
     fold: str = "gather"         # the CP fold that ran: 'gather' (all_gather) or 'scan'
+    forward_only: bool = False   # from a backend's for_inference(): no backward can use it
 
     @classmethod
-    def of(cls, spec: CallSpec, *, has_chunk_states: bool, fold: str = "gather"):
+    def of(cls, spec: CallSpec, *, has_chunk_states: bool, fold: str = "gather",
+           forward_only: bool = False):
         return cls(scale=spec.scale, num_householder=spec.n,
                    use_qk_l2norm_in_kernel=spec.use_qk_l2norm,
                    recompute_chunk_num=spec.recompute_chunk_num, has_initial_states=True,
                    has_cu_seqlens=spec.packed, has_gate=spec.has_gate,
-                   has_chunk_states=has_chunk_states, fold=fold)
+                   has_chunk_states=has_chunk_states, fold=fold, forward_only=forward_only)
 
     def spec(self, inputs: GDPInputs) -> CallSpec:
         return inputs.spec(scale=self.scale, num_householder=self.num_householder,
@@ -215,6 +217,11 @@ def restore_saved_context(saved: SavedContext, metadata_type=None):
         raise TypeError(f"saved CP context metadata is {type(saved.metadata).__name__}; "
                         f"expected {metadata_type.__name__}")
     md, inputs = saved.metadata, saved.inputs
+    if md.forward_only:
+        raise ValueError("saved CP context: it came from a forward-only backend "
+                         "(for_inference()), which keeps no chunk states for a backward; "
+                         "run the forward with the backend itself (or its "
+                         "for_differentiation()) when a backward follows")
     for name, has, x in (("initial_states", md.has_initial_states, inputs.initial_state),
                          ("g", md.has_gate, inputs.g),
                          ("cu_seqlens", md.has_cu_seqlens, inputs.cu_seqlens),
@@ -283,18 +290,32 @@ class XlaGatedDeltaProductCPBackend:
     #: builds it, so that XLA computes it once for both.
     differentiated = False
 
+    #: False when no backward will use the forward (set by the driver's custom_vjp primal,
+    #: which runs only when nothing differentiates the call): the forward then keeps no
+    #: chunk states, and the rank's cutedsl operands kernel reads q, k, v token-major.
+    keeps_states = True
+
     def for_differentiation(self):
         """This backend with :attr:`differentiated` set."""
         new = copy.copy(self)
         new.differentiated = True
         return new
 
+    def for_inference(self):
+        """This backend for a forward that no backward follows (:attr:`keeps_states`
+        False): cp_forward_apply's SavedContext then cannot start a backward
+        (cp_backward_prepare raises ValueError)."""
+        new = copy.copy(self)
+        new.keeps_states = False
+        return new
+
     def __hash__(self):
-        return hash((type(self), self.config, self.differentiated))
+        return hash((type(self), self.config, self.differentiated, self.keeps_states))
 
     def __eq__(self, other):
         return (type(self) is type(other) and self.config == other.config
-                and self.differentiated == other.differentiated)
+                and self.differentiated == other.differentiated
+                and self.keeps_states == other.keeps_states)
 
     @staticmethod
     def _pack_shape(x, packed_layout: bool):
@@ -307,9 +328,10 @@ class XlaGatedDeltaProductCPBackend:
         layout, ch = forward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g,
                                      inputs.beta, inputs.cu_seqlens,
                                      self.engine.input_dtypes(spec))
-        (E, M), work = self.engine.forward_prepare(spec, ch, layout,
-                                                   provisional_start_states(spec, inputs),
-                                                   differentiated=self.differentiated)
+        (E, M), work = self.engine.forward_prepare(
+            spec, ch, layout, provisional_start_states(spec, inputs),
+            differentiated=self.differentiated, keep_states=self.keeps_states,
+            tokens=(inputs.q, inputs.k, inputs.v))
         E, M = E[inputs.last_seq], M[inputs.last_seq]
         summary = self._pack_shape(pack_forward_summary(E, M), inputs.cu_seqlens is not None)
         return summary, _LocalForward(spec, inputs, layout, ch, work)
@@ -325,8 +347,10 @@ class XlaGatedDeltaProductCPBackend:
         h0 = h0.at[inputs.first_seq].set(
             jnp.where(inputs.continues_in, S_in, h0[inputs.first_seq]))
         oc, final, states = self.engine.forward_resume(spec, ch, layout, h0,
-                                                       _crossing(inputs), work)
-        md = GDPSavedMetadata.of(spec, has_chunk_states=states is not None)
+                                                       _crossing(inputs), work,
+                                                       keep_states=self.keeps_states)
+        md = GDPSavedMetadata.of(spec, has_chunk_states=states is not None,
+                                 forward_only=not self.keeps_states)
         saved = SavedContext(inputs._replace(initial_state=h0), states, md)
         return outputs(layout, oc, inputs.q.dtype), final.astype(spec.cdt), saved
 

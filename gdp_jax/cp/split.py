@@ -96,7 +96,8 @@ def split_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _split_op(backend, fold, q, k, v, g, beta, h0, cu_seqlens):
-    return _split_fwd(backend, fold, q, k, v, g, beta, h0, cu_seqlens)[0]
+    # the primal runs only where nothing differentiates the call: keep no chunk states
+    return _split_fwd(backend.for_inference(), fold, q, k, v, g, beta, h0, cu_seqlens)[0]
 
 
 def _split_fwd(backend, fold, q, k, v, g, beta, h0, cu_seqlens):

@@ -385,15 +385,19 @@ class CuTeDSLEngine(Engine):
         return self.forward_prepare(spec, ch, layout,
                                     jnp.zeros((N, HV, K, V), acc_dtype(spec.ab_dtype)))
 
-    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False):
+    def forward_prepare(self, spec, ch, layout, h0p, differentiated=False, keep_states=True,
+                        tokens=None):
         """The one forward kernel pass of a CP rank: from [h0p | I] with u = [u | 0], so
         the K extra columns of every output row, checkpoint and final state are their
-        response to the start state of their sequence.
+        response to the start state of their sequence. Without ``keep_states`` (no
+        backward follows) the pass writes no checkpoints, and its operands kernel reads
+        ``tokens`` (the rank's q, k, v) itself where it can, as the plain forward does.
         -> ((E, M), :class:`ForwardResponse`)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
         (w, kt, qg, p, u, decay), bad = masked_operands(
-            spec, ch, use_kernel=self._prep_kernel(spec, ch, differentiated))
+            spec, ch, use_kernel=self._prep_kernel(spec, ch, differentiated), layout=layout,
+            tokens=None if keep_states else tokens)
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
         # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
@@ -401,16 +405,20 @@ class CuTeDSLEngine(Engine):
         # V + K pass of a CP rank cannot spare; the xla engine keeps float32 ones)
         oc, final, states = ChunkForwardKernel.call(
             w, kt, qg, p, zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
-            ckpt=spec.checkpoint_stride, states_dtype=spec.checkpoint_dtype)
+            ckpt=spec.checkpoint_stride if keep_states else 0,
+            states_dtype=spec.checkpoint_dtype)
+        states = states if keep_states else None
         final = where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
         return (E, M), ForwardResponse(h0p, oc, final, states, bad)
 
-    def forward_resume(self, spec, ch, layout, h0, seqs, work):
+    def forward_resume(self, spec, ch, layout, h0, seqs, work, keep_states=True):
         """The forward from the true start states h0 without a second kernel pass: the
         prepare's rows, checkpoints and final states plus their response to h0 - h0p."""
         oc, final, delta = resume_rows_and_final(work, layout, h0, seqs)
+        if work.states is None:
+            return oc, final.astype(spec.cdt), None
         stride = spec.checkpoint_stride
         states = add_response(work.states, h0.shape[-1], layout.seq_of_chunk[:, ::stride],
                               seqs, delta)
