@@ -547,6 +547,49 @@ def test_cp_cutedsl_equals_single_device(num_gpus, packed):
         assert max(errs) < GRAD_TOL, (name, errs)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_intra_cp_split_equals_unsplit(packed):
+    """``intra_cp=4`` (CP over 4 segments inside the GPU, issue 20) == the unsplit op, both
+    on the cutedsl kernels: the forward that nothing differentiates (its own path: no
+    checkpoints, the token-major operands kernel, u on V columns in the V + K pass) and
+    o, final state and every gradient of the differentiated call; packed sequences cross
+    the segment borders (with an empty and a one-token one). The two differ by the fold's
+    and the response columns' roundings only."""
+    B, T = (1, 2048) if packed else (2, 1024)
+    args = make(43, B, T, 2, 2, 4, 128, 128, jnp.bfloat16, N=5 if packed else None)
+    cu = jnp.array([0, 300, 300, 301, 1500, 2048], jnp.int32) if packed else None
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl")
+    fwd = lambda S: jax.jit(lambda *a: gated_delta_product(*a, intra_cp=S, **kw))(*args[:5])
+    (o4, s4), (o1, s1) = fwd(4), fwd(None)
+    ref_o, ref_s = gated_delta_product_reference(
+        *[jnp.asarray(x, jnp.float64) for x in args[:5]],
+        initial_state=jnp.asarray(args[5], jnp.float64), output_final_state=True,
+        cu_seqlens=cu, use_qk_l2norm=True)
+    e = {"o split/unsplit": rel_rms(o4, o1), "S split/unsplit": rel_rms(s4, s1),
+         "o split/ref": rel_rms(o4, ref_o), "S split/ref": rel_rms(s4, ref_s)}
+    print(f"[intra_cp=4 fwd {'packed' if packed else 'batched'}] "
+          + " ".join(f"{a} {b:.2e}" for a, b in e.items()))
+    assert max(e["o split/unsplit"], e["S split/unsplit"]) < CROSS_TOL, e
+    assert max(e["o split/ref"], e["S split/ref"]) < TOL, e
+    _grad_fn.cache_clear()
+    unsplit = grads("cutedsl", args, cu=cu)
+    wo = jax.random.normal(jax.random.PRNGKey(9), o1.shape, jnp.float32)
+    ws = jax.random.normal(jax.random.PRNGKey(10), s1.shape, jnp.float32)
+
+    def loss(q, k, v, g, beta, s0):
+        o, s = gated_delta_product(q, k, v, g, beta, intra_cp=4,
+                                   **{**kw, "initial_state": s0})
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s * ws), (o, s)
+
+    (_, (o, s)), gr = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5),
+                                                 has_aux=True))(*args)
+    for name, a, b in zip(NAMES, (o, s) + tuple(gr), unsplit):
+        err = rel_rms(a, b)
+        print(f"[intra_cp=4 grad {'packed' if packed else 'batched'}] {name} {err:.2e}")
+        assert err < CROSS_GRAD_TOL, (name, err)
+
+
 def test_model_grad_inside_shard_map():
     """jax.grad of a model (the NNX layer, backend='cutedsl') inside shard_map over all GPUs
     equals the same model on one device with the xla backend."""

@@ -337,12 +337,30 @@ def test_cp_rank_runs_one_kernel_pass_per_direction(packed, prebuilt):
                  if "CuteDSLRT_NvJaxCutlassCall" in line and "i32>" in line.rsplit("->", 1)[0]]
         return [line.rsplit("->", 1)[-1] for line in calls]
 
-    out = chunk_kernels(_lower(fwd, *avals, pre))
+    txt = _lower(fwd, *avals, pre)
+    out = chunk_kernels(txt)
     assert len(out) == 1 and f"x64x{V + K}xbf16>" in out[0], out   # o rows on V + K
+    # u enters on its V columns (the kernel takes the response columns' u as 0)
+    args = [line.rsplit("->", 1)[0] for line in txt.splitlines()
+            if "CuteDSLRT_NvJaxCutlassCall" in line and "i32>" in line.rsplit("->", 1)[0]]
+    assert f"x64x{V}xf32>" in args[0] and f"x64x{V + K}xf32>" not in args[0], args
     out = chunk_kernels(_lower(fwd_bwd, *avals, pre, S((B, T, HV, V), bf),
                                S((N, HV, K, V), f32)))
     assert len(out) == 2, out
     assert f"x{K}x{V + K}xf32>" in out[1], out                     # dS_end on V + K
+
+
+def test_forward_call_rejects_u_wider_than_the_state():
+    """u may hold fewer state columns than h0 (a multiple of BV: the rest are 0), never
+    more."""
+    f32, bf = jnp.float32, jnp.bfloat16
+    ops = [jnp.zeros((1, 1, 1, 64, 64), bf)] * 3 + [jnp.zeros((1, 1, 1, 64, 64), bf)]
+    flags = [jnp.zeros((1, 1), jnp.int32)] * 3
+    for u_cols, h0_cols in ((128, 64), (48, 128)):
+        with pytest.raises(ValueError, match="u has shape"):
+            ChunkForwardKernel.raw_call(*ops, jnp.zeros((1, 1, 1, 64, u_cols), f32),
+                                        jnp.zeros((1, 1, 1), f32), *flags,
+                                        jnp.zeros((1, 1, 64, h0_cols), f32), BV=32)
 
 
 def test_can_implement():

@@ -151,12 +151,17 @@ class ChunkForwardKernel:
         p are not read; o is a [1] placeholder) - with ckpt = 1 for :meth:`raw_readout`.
 
         w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
-        [B, NC, HV, C, V] float32; decay: [B, NC, HV] float32; reset, seq, last: [B, NC]
-        int32; h0: [N, HV, K, V] float32. Final rows of sequences without a last chunk are
-        left unwritten. ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ...
+        [B, NC, HV, C, Vu] float32, the first Vu <= V state columns' (the rest take u = 0:
+        the CP pass's response columns; Vu a multiple of BV); decay: [B, NC, HV] float32;
+        reset, seq, last: [B, NC] int32; h0: [N, HV, K, V] float32 (V: the state columns
+        walked). Final rows of sequences without a last chunk are left unwritten.
+        ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ...
         """
         B, NC, HV, C_, K = w.shape
-        V = u.shape[-1]
+        V, Vu = h0.shape[-1], u.shape[-1]
+        if Vu > V or Vu % BV:
+            raise ValueError(f"u has shape {u.shape}; expected at most the {V} state columns "
+                             f"of h0 {h0.shape}, a multiple of BV={BV}")
         ab_name = jnp.dtype(w.dtype).name
         split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
         n_ckpt = ChunkForwardKernel.num_checkpoints(NC, ckpt)
@@ -172,7 +177,7 @@ class ChunkForwardKernel:
                                               2 if readout else 1, 2, 2 if ckpt else 1),
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
                                    ab_name=ab_name, split=split, ckpt=ckpt,
-                                   readout=bool(readout))
+                                   readout=bool(readout), u_cols=Vu if Vu < V else 0)
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -186,15 +191,17 @@ class ChunkForwardKernel:
         for name in cls.DTYPES:
             for K in cls.HEAD_DIMS:
                 for V in cls.HEAD_DIMS:
-                    runs = [(V, 0)] + [(Vx, r + 1) for Vx in (V, V + K)
-                                       for r in recompute_chunk_nums]
+                    # the CP pass: V + K columns (u on the first V), with and without
+                    # checkpoints (a forward that nothing differentiates keeps none)
+                    runs = [(V, 0), (V + K, 0)] + [(Vx, r + 1) for Vx in (V, V + K)
+                                                   for r in recompute_chunk_nums]
                     for (Vx, ckpt) in runs:
                         for BV in cls.value_tiles(Vx):
                             fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
                                                    states_dtype=checkpoint_dtype(name))
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt} BV={BV}",
-                                fn, _avals(name, K, Vx)))
+                                fn, _avals(name, K, Vx, u_cols=V)))
                     if WALK_READOUT:          # the split forward's two kernels
                         sdt = (jnp.float32 if cls.default_split(jnp.dtype(name))
                                else checkpoint_dtype(name))
@@ -219,13 +226,14 @@ class ChunkForwardKernel:
         return sorted({cls.pick_bv(r, 1, V) for r in rows})
 
 
-def _avals(dtype, K, V):
-    """The kernel's operands at the canonical shape (one row, chunk, head, sequence)."""
+def _avals(dtype, K, V, u_cols=None):
+    """The kernel's operands at the canonical shape (one row, chunk, head, sequence), on V
+    state columns (u on the first ``u_cols``; None: all)."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     f32, i32 = jnp.float32, jnp.int32
     return ((S((1, 1, 1, C, K), dtype),) * 3 + (S((1, 1, 1, C, C), dtype),
-            S((1, 1, 1, C, V), f32), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
+            S((1, 1, 1, C, u_cols or V), f32), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
             + (S((1, 1, K, V), f32),))
 
 
@@ -246,8 +254,9 @@ def _launcher():
     def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               ckpt: cutlass.Constexpr, readout: cutlass.Constexpr):
-        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout)(
+               ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
+               u_cols: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

@@ -46,7 +46,7 @@ class ChunkFwdSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
-                 readout: bool = True):
+                 readout: bool = True, u_cols: int = 0):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
@@ -55,6 +55,10 @@ class ChunkFwdSm90:
         # False: the walk alone (no qg, P loads, no o; ``ChunkReadoutSm90`` reads the
         # per-chunk states of ckpt = 1 and makes o for all chunks at once)
         self.readout = readout
+        # u holds the first u_cols state columns only, the rest are 0 (0: all V): the CP
+        # pass's K response columns need no zeros in HBM
+        self.u_cols = u_cols or V
+        assert self.u_cols % BV == 0 and self.u_cols <= V
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -155,8 +159,17 @@ class ChunkFwdSm90:
                     c_tile(thr_mma, mStates[b, c // self.ckpt, hv, None, None], (K, BV),
                            (0, vt)).store(acc_S.load().to(mStates.element_type))
             toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
-            u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
-                cutlass.Float32)
+            if cutlass.const_expr(self.u_cols == self.V):
+                u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
+                    cutlass.Float32)
+            else:
+                # tiles past u's columns read its last tile (finite: the operands are
+                # masked) and take it times 0
+                u_tiles = self.u_cols // BV
+                u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV),
+                           (0, cutlass.min(vt, u_tiles - 1))).load().to(cutlass.Float32)
+                u = u * cutlass.select_(vt < u_tiles, cutlass.Float32(1.0),
+                                        cutlass.Float32(0.0))
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
@@ -282,10 +295,11 @@ _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
-               ckpt: int = 0, readout: bool = True) -> ChunkFwdSm90:
-    key = (K, V, BV, ab_name, split, ckpt, readout)
+               ckpt: int = 0, readout: bool = True, u_cols: int = 0) -> ChunkFwdSm90:
+    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout)
+        _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
+                                     u_cols)
     return _KERNELS[key]
 
 

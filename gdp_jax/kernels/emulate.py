@@ -42,6 +42,9 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
     del BV, split
     B, NC, HV, C, K = w.shape
     acc = u.dtype
+    if u.shape[-1] < h0.shape[-1]:      # u = 0 in the state columns past u's
+        u = jnp.concatenate([u, jnp.zeros(u.shape[:-1] + (h0.shape[-1] - u.shape[-1],),
+                                          acc)], axis=-1)
     f = lambda x: x.astype(acc)
 
     def step(S, xs):

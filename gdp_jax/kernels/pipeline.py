@@ -402,9 +402,10 @@ class CuTeDSLEngine(Engine):
         h0 = identity_columns(h0p, K)
         # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
         # would skip one rounding of the response columns for twice the bytes, which the
-        # V + K pass of a CP rank cannot spare; the xla engine keeps float32 ones)
+        # V + K pass of a CP rank cannot spare; the xla engine keeps float32 ones). u has
+        # V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM).
         oc, final, states = ChunkForwardKernel.call(
-            w, kt, qg, p, zero_columns(u, K), decay, *_flags(layout), h0, BV=_bv(ch, K),
+            w, kt, qg, p, u, decay, *_flags(layout), h0, BV=_bv(ch, K),
             ckpt=spec.checkpoint_stride if keep_states else 0,
             states_dtype=spec.checkpoint_dtype)
         states = states if keep_states else None
