@@ -529,6 +529,34 @@ def test_forward_only_backend():
         inf.cp_backward_prepare((do, jnp.zeros_like(final)), saved2)
 
 
+def test_protocol_by_hand_with_a_bare_backend():
+    """The four functions called by hand as docs/API.md lists them: a backend built
+    without a spec takes the op's defaults from the inputs, and cp_backward_prepare takes
+    a bare do (no final-state gradient) as well as the pair (do, dfinal); one rank,
+    float64, against the op's own vjp."""
+    from gdp_jax.cp import driver
+    inp = make_inputs(8, 1, 70, 2, 1, 2, 8, 4, jnp.float64, gate="normal")
+    meta = driver.rank_metadata(None, 0, 1, 70, 1)
+    x = gcp.GDPInputs(*inp[:5], inp.initial_state, None, meta.first_seq, meta.last_seq,
+                      meta.continues_in, meta.continues_out)
+    be = gcp.XlaGatedDeltaProductCPBackend()
+    summary, ctx = be.cp_forward_prepare(x)
+    o, final, saved = be.cp_forward_apply(ctx, gcp.SummarySlice(summary[None], meta.fwd_mask))
+    o1, vjp = jax.vjp(lambda *a: OP(*a[:5], initial_state=a[5]), *inp[:5], inp.initial_state)
+    assert rel_max(o, o1) < 1e-12 and isinstance(saved.metadata, gcp.SavedMetadata)
+    do = jax.random.normal(jax.random.PRNGKey(2), o.shape, o.dtype)
+    want = vjp(do)
+    for output_grad in (do, (do, jnp.zeros_like(final))):
+        bsum, bctx = be.cp_backward_prepare(output_grad, saved)
+        got = be.cp_backward_apply(bctx, gcp.SummarySlice(bsum[None], meta.bwd_mask))
+        for a, b in zip(got, want):
+            assert rel_max(a, b) < 1e-10
+    with pytest.raises(ValueError, match=r"do has shape \(1, 70, 2\)"):
+        be.cp_backward_prepare(do[..., 0], saved)
+    with pytest.raises(TypeError, match="output_grad"):
+        be.cp_backward_prepare((do,), saved)
+
+
 def test_saved_metadata_is_hashable_and_frozen():
     md = _metadata()
     assert hash(md) == hash(_metadata()) and md == _metadata()

@@ -9,7 +9,6 @@ bad values.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import gdp_jax
-from gdp_jax import chunked, engine, grid, recurrence
+from gdp_jax import chunked, engine, recurrence
 from gdp_jax._checks import check_inputs
 from gdp_jax.testing import default_weights, loss_and_grads, make_inputs, rel_max
 

@@ -1,7 +1,8 @@
 """Never silently wrong (issue 17, docs/ERRORS.md): what trace-time checks cannot see.
 
 - CP under ``shard_map(check_vma=False)``: right outputs AND gradients (initial state and
-  final-state cotangents included); replicated inputs raise where shard_map tracks axes.
+  final-state cotangents included); replicated inputs raise where shard_map tracks axes
+  and give the one-device answer (outputs and gradients) where it does not.
 - ``cu_seqlens`` as a traced value: invalid offsets poison every output, final state and
   gradient with NaN, and ``checkify`` reports them (hypothesis draws invalid ones).
 - Non-finite inputs are causal: outputs before the bad token (and other sequences) equal
@@ -18,6 +19,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -105,6 +107,57 @@ def test_cp_replicated_input_raises_under_check_vma(name):
                       mesh=tcp._mesh(2), in_specs=(specs,), out_specs=P(None, AXIS))
     with pytest.raises(ValueError, match=rf"^{name} \(shape .*\) does not vary over cp_axis"):
         jax.eval_shape(f, args)
+
+
+def _replicated_grad(bad_rank=None):
+    """value_and_grad over CP on 4 ranks under check_vma=False with every input passed
+    replicated (in_specs=P()); ``bad_rank``: that rank's copy of q differs in one element
+    (the inputs are then shards, not replicas)."""
+    def local(a):
+        q = a["q"]
+        if bad_rank is not None:
+            q = jnp.where(lax.axis_index(AXIS) == bad_rank, q.at[0, 0, 0, 0].add(1.0), q)
+        return OP(q, a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"],
+                  output_final_state=True, cp_axis=AXIS)
+
+    def loss(a, wo, ws):
+        f = jax.shard_map(local, mesh=tcp._mesh(4), in_specs=(P(),),
+                          out_specs=(P(), P()), check_vma=False)
+        o, s = f(a)
+        return jnp.sum(o * wo) + jnp.sum(s * ws), (o, s)
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def test_cp_replicated_inputs_without_check_vma_give_the_one_device_answer():
+    """API.md: inputs not split along cp_axis, where shard_map(check_vma=False) cannot
+    tell, give the right answer and gradients (or raise) - never wrong numbers. The ranks
+    compare fingerprints of their inputs; replicas compute alone, as one device. Before:
+    the final state was off by ~1e-3 and every gradient by ~1 (each rank took the whole
+    sequence as its quarter of a 4x longer one)."""
+    B, T = 2, 32
+    inp = make_inputs(5, B, T, 2, 1, 2, 8, 4, gate="strong")
+    args = dict(q=inp.q, k=inp.k, v=inp.v, g=inp.g, beta=inp.beta, h0=inp.initial_state)
+    wo, ws = tcp._weights(2, (B, T, 2, 4), (B, 2, 8, 4))
+    (want_val, want_out), want = _single_grad_aux(args, wo, ws)
+    (val, out), got = _replicated_grad()(args, wo, ws)
+    for a, b in zip(out, want_out):
+        assert rel_max(a, b) < 1e-10
+    for name in args:
+        assert rel_max(got[name], want[name]) < 1e-10, name
+    # one element of q different on one rank: not replicas, so the ranks run as the CP
+    # shards of a 4x longer sequence (shard_map returns rank 0's o; the gradients, summed
+    # over the ranks, show it)
+    _, got2 = _replicated_grad(bad_rank=3)(args, wo, ws)
+    assert rel_max(got2["k"], want["k"]) > 1e-3
+
+
+@jax.jit
+@functools.partial(jax.value_and_grad, has_aux=True)
+def _single_grad_aux(a, wo, ws):
+    o, s = OP(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"],
+              output_final_state=True)
+    return jnp.sum(o * wo) + jnp.sum(s * ws), (o, s)
 
 
 # --- traced cu_seqlens -------------------------------------------------------------------

@@ -23,9 +23,12 @@ from gdp_jax.cp.protocol import (
 )
 from gdp_jax.cp.driver import CPRankMetadata, rank_metadata
 
+#: docs/API.md's name for the backends' frozen, hashable static part of the saved context
+SavedMetadata = GDPSavedMetadata
+
 __all__ = [
     "CPRankMetadata", "CuTeDSLGatedDeltaProductCPBackend", "GDPInputs", "GDPSavedMetadata",
-    "SavedContext", "SummarySlice", "XlaGatedDeltaProductCPBackend", "fold_backward",
-    "fold_forward", "pack_backward_summary", "pack_forward_summary", "rank_metadata",
+    "SavedContext", "SavedMetadata", "SummarySlice", "XlaGatedDeltaProductCPBackend",
+    "fold_backward", "fold_forward", "pack_backward_summary", "pack_forward_summary", "rank_metadata",
     "restore_saved_context", "unpack_summary", "validate_summary",
 ]

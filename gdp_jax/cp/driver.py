@@ -67,12 +67,49 @@ class CPRankMetadata(NamedTuple):
     owns_end: jax.Array
 
 
-def rank_metadata(cu_seqlens, rank, cp_size: int, local_len: int, batch: int = 1):
+def rank_metadata(cu_seqlens, rank, cp_size: int, local_len: int, batch: int = 1,
+                  replicated=None):
     """Per-rank CP metadata from GLOBAL ``cu_seqlens`` [N + 1] (or None: batched rows).
 
     ``rank`` may be a Python int (for tests) or ``lax.axis_index``. Example: lengths
     [5, 4, 7] on 4 ranks of 4 tokens give (a, f - 1) = (0,1) (0,2) (1,3) (2,3).
+    ``replicated`` ([] bool, or None: False): every rank holds the whole input
+    (:func:`replicated_inputs`), so each computes it alone, as one device would: nothing
+    crosses a rank border, every rank produces its own initial-state gradient, and the
+    final states come from rank 0 (the same on every rank).
     """
+    meta = _rank_metadata(cu_seqlens, rank, cp_size, local_len, batch)
+    if replicated is None:
+        return meta
+    rep, rank = jnp.asarray(replicated, bool), jnp.asarray(rank, jnp.int32)
+    return meta._replace(continues_in=meta.continues_in & ~rep,
+                         continues_out=meta.continues_out & ~rep,
+                         fwd_mask=meta.fwd_mask & ~rep, bwd_mask=meta.bwd_mask & ~rep,
+                         owns_start=meta.owns_start | rep,
+                         owns_end=jnp.where(rep, rank == 0, meta.owns_end))
+
+
+def replicated_inputs(cp_axis, *tensors):
+    """[] bool, the same on every rank: is every tensor bitwise the same on all ranks of
+    ``cp_axis`` (inputs passed replicated, ``in_specs=P()``, under
+    ``shard_map(check_vma=False)``, where the types cannot tell)? Compared by a
+    fingerprint per tensor - a sum weighted by a hash of each element's position - so
+    one small all_gather, not the tensors, crosses ranks. Shards of a sequence that are
+    bitwise identical on every rank look replicated too (nothing can tell them apart)."""
+    fps = []
+    for x in tensors:
+        if x is None:
+            continue
+        idx = lax.iota(jnp.uint32, x.size).reshape(x.shape)
+        h = (idx * jnp.uint32(2654435761)) >> 8           # Knuth's multiplicative hash
+        w = (h & jnp.uint32(0xFFFF)).astype(jnp.float32) * (1.0 / 65536.0) + 0.5
+        xf = x.astype(jnp.float32)
+        fps += [jnp.sum(xf * w), jnp.sum(jnp.abs(xf))]
+    allfp = lax.all_gather(jnp.stack(fps), cp_axis)        # [P, 2 x tensors]
+    return jnp.all(allfp == allfp[0])
+
+
+def _rank_metadata(cu_seqlens, rank, cp_size: int, local_len: int, batch: int = 1):
     rank = jnp.asarray(rank, jnp.int32)
     j = jnp.arange(cp_size, dtype=jnp.int32)
     if cu_seqlens is None:
@@ -163,19 +200,19 @@ def summary_nbytes(spec) -> int:
 # metadata rides along as pytree aux data) and the rank metadata.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _cp_op(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
+def _cp_op(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens, replicated):
     # the primal runs only where nothing differentiates the call: keep no chunk states
     return rank_forward(backend.for_inference(), cp_axis, fold, q, k, v, g, beta, h0,
-                        cu_seqlens)[0]
+                        cu_seqlens, replicated)[0]
 
 
-def rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens):
+def rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens, replicated=None):
     """One rank's forward: ((o, this rank's part of the final states), residuals); the
     custom_vjp's primal and (with ``backend.for_differentiation()``) its fwd, also run
-    under a vmap axis by :mod:`gdp_jax.cp.split`."""
+    under a vmap axis by :mod:`gdp_jax.cp.split`. ``replicated``: :func:`rank_metadata`'s."""
     P = axis_size(cp_axis)
     rank = lax.axis_index(cp_axis)
-    meta = rank_metadata(cu_seqlens, rank, P, q.shape[1], q.shape[0])
+    meta = rank_metadata(cu_seqlens, rank, P, q.shape[1], q.shape[0], replicated)
     inputs = GDPInputs(q, k, v, g, beta, h0, meta.cu_local, meta.first_seq, meta.last_seq,
                        meta.continues_in, meta.continues_out)
     summary, local_ctx = backend.cp_forward_prepare(inputs)
@@ -206,7 +243,11 @@ def _rank_forward_differentiated(backend, cp_axis, fold, *args):
     return rank_forward(backend.for_differentiation(), cp_axis, fold, *args)
 
 
-_cp_op.defvjp(_rank_forward_differentiated, rank_backward)
+def _cp_op_backward(backend, cp_axis, fold, res, cts):
+    return rank_backward(backend, cp_axis, fold, res, cts) + (None,)   # replicated: none
+
+
+_cp_op.defvjp(_rank_forward_differentiated, _cp_op_backward)
 
 
 def cp_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *, cp_axis,
@@ -217,14 +258,20 @@ def cp_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *,
     (default 'auto': :func:`gdp_jax.cp.fold.choose_fold`, by P and the summary size).
     """
     check_split(cp_axis, q=q, k=k, v=v, g=g, beta=beta)
-    fold = scan_fold.choose_fold(axis_size(cp_axis), summary_nbytes(spec), fold)
+    P = axis_size(cp_axis)
+    fold = scan_fold.choose_fold(P, summary_nbytes(spec), fold)
     if initial_state is None:
         initial_state = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
+    # Without check_vma a replicated input cannot be seen in the types: compare the ranks'
+    # inputs on device, and where they are the same, let every rank compute alone (the
+    # single-device answer: API.md, "never wrong numbers").
+    replicated = (None if _vma.checks_vma(cp_axis) or P == 1
+                  else lax.stop_gradient(replicated_inputs(cp_axis, q, k, v, g, beta)))
     # Rank-varying inside the custom_vjp: each rank returns its own part of the gradient
     # and the cast's transpose (check_vma=True) or shard_map's (check_vma=False) sums them.
     h0 = _vma.vary(initial_state, cp_axis)
     o, final_part = _cp_op(backend_for(spec, backend), cp_axis, fold, q, k, v, g, beta, h0,
-                           cu_seqlens)
+                           cu_seqlens, replicated)
     return o, lax.psum(final_part, cp_axis)
 
 

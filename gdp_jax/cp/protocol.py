@@ -322,9 +322,18 @@ class XlaGatedDeltaProductCPBackend:
         # Packed sequences have one fragment per rank: API shape [HV, K, V + K].
         return x[0] if packed_layout else x
 
+    def _spec(self, inputs: GDPInputs) -> CallSpec:
+        """The local shard's spec: the backend's ``config``, or without one (a backend
+        built bare, for the protocol by hand) the inputs' own with the op's defaults:
+        scale K ** -0.5, n from k, no L2 norm."""
+        if self.config is not None:
+            return self.config
+        return inputs.spec(scale=inputs.q.shape[-1] ** -0.5, num_householder=inputs.k.shape[2],
+                           use_qk_l2norm=False, recompute_chunk_num=self.recompute_chunk_num)
+
     def cp_forward_prepare(self, inputs: GDPInputs):
         """Trailing-fragment summary [E | M] (zero incoming state) and the local context."""
-        spec = self.config
+        spec = self._spec(inputs)
         layout, ch = forward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g,
                                      inputs.beta, inputs.cu_seqlens,
                                      self.engine.input_dtypes(spec))
@@ -357,11 +366,21 @@ class XlaGatedDeltaProductCPBackend:
     def cp_backward_prepare(self, output_grad, saved_ctx: SavedContext):
         """Leading-fragment summary [gamma | M^T] (zero outgoing-state gradient).
 
-        output_grad: (do [B, T, HV, V], dfinal [N, HV, K, V] for sequences ending here).
+        output_grad: do [B, T, HV, V] (no final-state gradient), or the pair (do, dfinal
+        [N, HV, K, V] for sequences ending here).
         """
         inputs, md = restore_saved_context(saved_ctx)
         spec = md.spec(inputs)
-        do, dfinal = output_grad
+        if isinstance(output_grad, (tuple, list)):
+            if len(output_grad) != 2:
+                raise TypeError(f"output_grad: do or the pair (do, dfinal); got a sequence "
+                                f"of {len(output_grad)}")
+            do, dfinal = output_grad
+        else:
+            do, dfinal = output_grad, jnp.zeros_like(inputs.initial_state)
+        if tuple(do.shape) != tuple(inputs.v.shape[:2]) + tuple(inputs.v.shape[3:]):
+            raise ValueError(f"do has shape {tuple(do.shape)}; expected [B, T, HV, V] = "
+                             f"{tuple(inputs.v.shape[:2]) + tuple(inputs.v.shape[3:])}")
         p = backward_problem(spec, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
                              inputs.cu_seqlens, do, dfinal, self.engine.input_dtypes(spec))
         (gamma, Mt), work = self.engine.backward_prepare(spec, p.ch, p.layout, p.doc,

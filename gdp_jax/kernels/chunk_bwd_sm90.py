@@ -39,12 +39,16 @@ class ChunkBwdDhSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype, hi/lo split."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
-                 fuse_ddo: bool = False):
+                 fuse_ddo: bool = False, do_cols: int = 0):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128)
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
         self.fuse_ddo = fuse_ddo      # mDdo holds P [.., C, C] (16-bit): ddo = P^T dO here
+        # dO (and ddo) hold the first do_cols state columns only, the rest are 0 (0: all
+        # V): the CP pass's K response columns need no zeros in HBM
+        self.do_cols = do_cols or V
+        assert self.do_cols % BV == 0 and self.do_cols <= V
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -140,10 +144,23 @@ class ChunkBwdDhSm90:
             c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(
                 acc_S.load().to(mDsEnd.element_type))
             toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
-            toD.store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt)).load(), tCsO)
-            if cutlass.const_expr(not self.fuse_ddo):
-                ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
-                    cutlass.Float32)
+            if cutlass.const_expr(self.do_cols == self.V):
+                toD.store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt)).load(),
+                          tCsO)
+                if cutlass.const_expr(not self.fuse_ddo):
+                    ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV),
+                                 (0, vt)).load().to(cutlass.Float32)
+            else:
+                # tiles past dO's columns read its last tile (finite) and take it times 0
+                do_tiles = self.do_cols // BV
+                vt_o = cutlass.min(vt, do_tiles - 1)
+                keep = cutlass.select_(vt < do_tiles, cutlass.Float32(1.0),
+                                       cutlass.Float32(0.0))
+                do_ = c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt_o)).load()
+                toD.store((do_.to(cutlass.Float32) * keep).to(ab), tCsO)
+                if cutlass.const_expr(not self.fuse_ddo):
+                    ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV),
+                                 (0, vt_o)).load().to(cutlass.Float32) * keep
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
@@ -188,8 +205,8 @@ _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
-               fuse_ddo: bool = False) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split, fuse_ddo)
+               fuse_ddo: bool = False, do_cols: int = 0) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo)
+        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols)
     return _KERNELS[key]

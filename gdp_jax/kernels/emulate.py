@@ -86,6 +86,11 @@ def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, s
     B, NC, HV, C, K = kt.shape
     acc = dfinal.dtype
     f = lambda x: x.astype(acc)
+    pad = lambda x: jnp.concatenate(    # dO, ddo = 0 in the state columns past theirs
+        [x, jnp.zeros(x.shape[:-1] + (dfinal.shape[-1] - x.shape[-1],), x.dtype)], axis=-1)
+    if do.shape[-1] < dfinal.shape[-1]:
+        do = pad(do)
+        ddo = ddo if fuse_ddo else pad(ddo)
     if fuse_ddo:
         ddo = jnp.swapaxes(f(ddo), -1, -2) @ f(do)
     ddo = f(ddo)

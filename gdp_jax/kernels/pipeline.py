@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from gdp_jax import _vma, chunked, grid
 from gdp_jax.engine import (Engine, ForwardResponse, TokenCotangents, add_response,
                             identity_columns, mm_exact, resume_rows_and_final,
-                            where_has_tokens, zero_columns)
+                            where_has_tokens)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows
 from gdp_jax.kernels.local_grad import LocalGradKernel
@@ -440,10 +440,12 @@ class CuTeDSLEngine(Engine):
         kt, w, qg, ddo, do, decay = work.operands
         df = dfinal.astype(acc_dtype(spec.ab_dtype))
         dfx = identity_columns(df, K)
-        ds_end, dh0 = StateGradKernel.call(kt, w, qg,
-                                           ddo if work.fuse_ddo else zero_columns(ddo, K),
-                                           zero_columns(do, K), decay, *_flags(layout),
-                                           dfx, BV=_bv(ch, K), fuse_ddo=work.fuse_ddo)
+        # dO, ddo on their V columns (the kernel takes the response columns' as 0); dS_end
+        # in 16 bits for the local-gradient kernel, as the plain backward keeps it
+        on_kernel = kernel_backward(spec, ch)
+        ds_end, dh0 = StateGradKernel.call(kt, w, qg, ddo, do, decay, *_flags(layout), dfx,
+                                           BV=_bv(ch, K), fuse_ddo=work.fuse_ddo,
+                                           ds_dtype=spec.ab_dtype if on_kernel else None)
         dh0 = where_has_tokens(layout, dh0, dfx)
         summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))
         return summary, BackwardResponse(work, df, ds_end, dh0)
@@ -456,6 +458,8 @@ class CuTeDSLEngine(Engine):
         bw = work.work
         ddf = dfinal.astype(work.dfinal.dtype) - work.dfinal
         ds_end = add_response(work.ds_end, V, layout.seq_of_chunk, seqs, ddf)
+        if kernel_backward(spec, ch):     # the 16 bits the local-gradient kernel rounds to
+            ds_end = ds_end.astype(spec.ab_dtype)
         dh0 = work.dh0[..., :V] + mm_exact(work.dh0[..., V:], ddf)
         S0 = chunked.states_from_checkpoints(bw.it, layout, h0, states,
                                              spec.checkpoint_stride)
@@ -466,7 +470,8 @@ class CuTeDSLEngine(Engine):
 class BackwardResponse(NamedTuple):
     """The CP reverse kernel pass on V + K columns, kept for apply: the
     :class:`BackwardWork`, the provisional dfinal [N, HV, K, V], dS_end
-    [B, NC, HV, K, V + K] and the start-state gradients [N, HV, K, V + K]."""
+    [B, NC, HV, K, V + K] (16-bit where the local-gradient kernel takes the backward, else
+    float32) and the start-state gradients [N, HV, K, V + K] float32."""
     work: BackwardWork
     dfinal: jax.Array
     ds_end: jax.Array

@@ -46,16 +46,21 @@ class StateGradKernel:
         MMAs anyway),
         dh0 [N, HV, K, V] float32).
 
-        kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, V] in one 16-bit dtype; ddo:
-        [B, NC, HV, C, V] float32, or with ``fuse_ddo`` the readout matrix P
+        kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, Vo] in one 16-bit dtype; ddo:
+        [B, NC, HV, C, Vo] float32, or with ``fuse_ddo`` the readout matrix P
         [B, NC, HV, C, C] in the 16-bit dtype (ddo = P^T dO is formed in the kernel);
         decay: [B, NC, HV] float32; reset, seq, last: [B, NC] int32; dfinal: [N, HV, K, V]
-        float32. Rows of dh0 for sequences without chunks stay unwritten.
+        float32 (V: the state columns walked; dO and ddo hold the first Vo <= V of them, a
+        multiple of BV, and are 0 in the rest: the CP pass's response columns). Rows of dh0
+        for sequences without chunks stay unwritten.
         """
         B, NC, HV, C, K = kt.shape
-        V = do.shape[-1]
+        V, Vo = dfinal.shape[-1], do.shape[-1]
+        if Vo > V or Vo % BV:
+            raise ValueError(f"do has shape {do.shape}; expected at most the {V} state "
+                             f"columns of dfinal {dfinal.shape}, a multiple of BV={BV}")
         ab_name = jnp.dtype(kt.dtype).name
-        want = ((B, NC, HV, C, C), kt.dtype) if fuse_ddo else ((B, NC, HV, C, V), jnp.float32)
+        want = ((B, NC, HV, C, C), kt.dtype) if fuse_ddo else ((B, NC, HV, C, Vo), jnp.float32)
         if (ddo.shape, jnp.dtype(ddo.dtype)) != (want[0], jnp.dtype(want[1])):
             raise ValueError(f"{'P' if fuse_ddo else 'ddo'}: expected {jnp.dtype(want[1]).name}"
                              f" {want[0]}; got {jnp.dtype(ddo.dtype).name} {ddo.shape}")
@@ -70,40 +75,46 @@ class StateGradKernel:
                                    (kt, w, qg, ddo, do, decay, reset, seq, last, dfinal),
                                    tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2),
                                    K=K, V=V, BV=BV, ab_name=ab_name, split=split,
-                                   **({"fuse_ddo": True} if fuse_ddo else {}))
+                                   **({"fuse_ddo": True} if fuse_ddo else {}),
+                                   **({"do_cols": Vo} if Vo < V else {}))
 
     @classmethod
     def variants(cls):
         """The variants the cutedsl engine runs: per dtype and head dims, the backward
-        (dS_end in the 16-bit dtype, and float32 for the XLA local gradients) and the CP
-        summary (V + K columns, float32 dS_end), ddo formed in the kernel or read; the value
-        tiles as the forward's (``ChunkForwardKernel.value_tiles``)."""
+        (dS_end in the 16-bit dtype for the local-gradient kernel, float32 for the XLA
+        local gradients) and the CP pass (V + K columns, dO on the first V), ddo formed in
+        the kernel or read; the value tiles as the forward's
+        (``ChunkForwardKernel.value_tiles``)."""
         from gdp_jax.kernels import aot
         out = []
         for name in ChunkForwardKernel.DTYPES:
             for K in ChunkForwardKernel.HEAD_DIMS:
                 for V in ChunkForwardKernel.HEAD_DIMS:
-                    for Vx, ds, fused in ((V, name, True), (V, name, False),
-                                          (V, "float32", False), (V + K, "float32", True),
-                                          (V + K, "float32", False)):
-                        for BV in ChunkForwardKernel.value_tiles(Vx):
-                            fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
-                                                   fuse_ddo=fused)
-                            out.append(aot.Variant(
-                                f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} dS_end {ds}"
-                                + (" fused ddo" if fused else "") + f" BV={BV}",
-                                fn, _avals(name, K, Vx, fused)))
+                    for Vx in (V, V + K):
+                        for ds, fused in ((name, True), (name, False), ("float32", True),
+                                          ("float32", False)):
+                            if Vx == V and (ds, fused) == ("float32", True):
+                                continue          # the XLA local gradients: ddo in XLA
+                            for BV in ChunkForwardKernel.value_tiles(Vx):
+                                fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
+                                                       fuse_ddo=fused)
+                                out.append(aot.Variant(
+                                    f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} dS_end {ds}"
+                                    + (" fused ddo" if fused else "") + f" BV={BV}",
+                                    fn, _avals(name, K, Vx, fused, do_cols=V)))
         return out
 
 
-def _avals(dtype, K, V, fuse_ddo=False):
-    """(kt, w, qg, ddo or P, do, decay, reset, seq, last, dfinal) at the canonical shape."""
+def _avals(dtype, K, V, fuse_ddo=False, do_cols=None):
+    """(kt, w, qg, ddo or P, do, decay, reset, seq, last, dfinal) at the canonical shape,
+    on V state columns (dO, ddo on the first ``do_cols``; None: all)."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     C, f32, i32 = grid.CHUNK, jnp.float32, jnp.int32
-    ddo = S((1, 1, 1, C, C), dtype) if fuse_ddo else S((1, 1, 1, C, V), f32)
+    Vo = do_cols or V
+    ddo = S((1, 1, 1, C, C), dtype) if fuse_ddo else S((1, 1, 1, C, Vo), f32)
     return ((S((1, 1, 1, C, K), dtype),) * 3 + (ddo,
-            S((1, 1, 1, C, V), dtype), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
+            S((1, 1, 1, C, Vo), dtype), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
             + (S((1, 1, K, V), f32),))
 
 
@@ -118,8 +129,8 @@ def _launcher():
     def launch(stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               fuse_ddo: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo)(
+               fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0):
+        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
