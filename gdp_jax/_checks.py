@@ -112,8 +112,9 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
         raise ValueError(f"v has shape {_shape(v)}; expected [B, T, n, HV, V] with "
                          f"B, T, n = {(B, T, n)} from q and k")
     HV, V = v.shape[3], v.shape[4]
-    if T < 1 or n < 1 or H < 1 or HV < 1 or K < 1 or V < 1:
-        raise ValueError(f"empty dimension: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if B < 1 or T < 1 or n < 1 or H < 1 or HV < 1 or K < 1 or V < 1:
+        raise ValueError(f"empty dimension: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; "
+                         f"expected every one of B, T, n, H, HV, K, V >= 1")
     if HV % H:
         raise ValueError(f"v has {HV} value heads (shape {_shape(v)}); expected a multiple "
                          f"of the {H} key heads of q")
@@ -166,8 +167,26 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
                     recompute_chunk_num=recompute, batch_invariant=bool(batch_invariant))
 
 
+def require_static(name: str, value) -> None:
+    """TypeError when a code-selecting flag is a tracer (``jax.jit`` without static_argnames)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is a traced value ({value.aval}): it selects code at trace time, so it "
+            f"must be a Python value; pass it as a static argument: "
+            f"jax.jit(f, static_argnames=({name!r},)), or close over it with "
+            f"functools.partial before jitting")
+
+
 def check_scale(scale, K: int) -> float:
-    """``scale``: None (K ** -0.5) or a finite Python float."""
+    """``scale``: None (K ** -0.5), a finite real number, or a concrete real 0-d array
+    (a traced one is the callers' to handle: the output is linear in it)."""
+    if isinstance(scale, (jax.Array, np.ndarray, np.generic)) and not isinstance(
+            scale, jax.core.Tracer):
+        if (np.shape(scale) != () or not (jnp.issubdtype(scale.dtype, jnp.floating)
+                                          or jnp.issubdtype(scale.dtype, jnp.integer))):
+            raise TypeError(f"scale has shape {np.shape(scale)} and dtype {scale.dtype}; "
+                            f"expected a real scalar")
+        scale = float(scale)
     if scale is None:
         return K ** -0.5
     if (isinstance(scale, (jax.Array, np.ndarray, bool, np.bool_))
@@ -209,6 +228,16 @@ def check_step_inputs(q, k, v, g, beta, state, *, scale=None, backend="xla",
     _require_shape("state", state, (B, HV, K, V), "[B, HV, K, V] from q [B, H, K] and v "
                    "[B, n, HV, V]")
     _require_float("state", state, STATE_DTYPES)
+    # the op's shape checks that follow, worded with the step's shapes
+    if B < 1 or n < 1 or H < 1 or HV < 1 or K < 1 or V < 1:
+        raise ValueError(f"empty dimension: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; "
+                         f"expected every one of B, n, H, HV, K, V >= 1")
+    if HV % H:
+        raise ValueError(f"v has {HV} value heads (shape {_shape(v)}); expected a multiple "
+                         f"of the {H} key heads of q")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
+                         f"{_shape(v)}) exceed the maximum of {MAX_HEAD_DIM}")
     add_t = lambda x: None if x is None else x[:, None]
     return check_inputs(add_t(q), add_t(k), add_t(v), add_t(g), add_t(beta), scale=scale,
                         initial_state=state, backend=backend, use_qk_l2norm=use_qk_l2norm)

@@ -55,14 +55,7 @@ _STATIC_FLAGS = ("output_final_state", "use_qk_l2norm", "recompute_chunk_num", "
                  "batch_invariant")
 
 
-def _require_static(name: str, value) -> None:
-    """TypeError when a code-selecting flag is a tracer (``jax.jit`` without static_argnames)."""
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"{name} is a traced value ({value.aval}): it selects code at trace time, so it "
-            f"must be a Python value; pass it as a static argument: "
-            f"jax.jit(f, static_argnames=({name!r},)), or close over it with "
-            f"functools.partial before jitting")
+_require_static = _checks.require_static
 
 
 def gated_delta_product(

@@ -126,7 +126,8 @@ def gated_delta_product_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2no
       state: [B, HV, K, V] float32 (float64 with float64 inputs on xla): the recurrent
         state before this token (zeros for a fresh sequence). Donate it
         (``jax.jit(..., donate_argnums=...)``): the cutedsl kernel then updates it in place.
-      scale: readout scale, default K ** -0.5.
+      scale: readout scale, default K ** -0.5 (a float, a 0-d array, or traced: o is
+        linear in it, and jax.grad reaches it).
       use_qk_l2norm: L2-normalise q and every key along K (eps 1e-6), as the op does.
       backend: "xla", "cutedsl" (sm_90 GPU, K <= 128, V a multiple of 32) or "auto".
 
@@ -134,8 +135,17 @@ def gated_delta_product_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2no
       (o [B, HV, V] in q.dtype, next state [B, HV, K, V] in state.dtype).
     """
     _checks.check_backend_name(backend)
-    spec = _checks.check_step_inputs(q, k, v, g, beta, state, scale=scale, backend=backend,
+    _checks.require_static("use_qk_l2norm", use_qk_l2norm)
+    traced_scale = isinstance(scale, jax.core.Tracer)
+    if traced_scale and jnp.shape(scale) != ():
+        raise TypeError(f"scale has shape {jnp.shape(scale)}; expected a scalar")
+    spec = _checks.check_step_inputs(q, k, v, g, beta, state,
+                                     scale=1.0 if traced_scale else scale, backend=backend,
                                      use_qk_l2norm=use_qk_l2norm)
     backend = backends.resolve(backend, spec, available=backends.step_available)
     run = cutedsl_step if backend == "cutedsl" else xla_step
-    return run(spec, q, k, v, g, beta, state)
+    o, S = run(spec, q, k, v, g, beta, state)
+    if traced_scale:       # o is linear in scale (the state is not touched by it)
+        wide = jnp.promote_types(o.dtype, jnp.float32)
+        o = (o.astype(wide) * scale.astype(wide)).astype(o.dtype)
+    return o, S

@@ -234,9 +234,10 @@ def test_cutedsl_on_cpu_raises_never_falls_back():
 # --- scale -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scale,exc", [
-    (jnp.float32(0.5), TypeError),          # a jax array
-    (np.array(0.5), TypeError),             # a numpy array
-    (np.array([0.5]), TypeError),
+    (np.array([0.5]), TypeError),           # not a scalar
+    (jnp.ones(2), TypeError),
+    (jnp.array(1 + 2j), TypeError),
+    (jnp.array(True), TypeError),
     ("0.5", TypeError),
     (1j, TypeError),
     (True, TypeError),
@@ -248,7 +249,8 @@ def test_scale_not_a_float(scale, exc):
     _raises(exc, r"\bscale\b", scale=scale)
 
 
-@pytest.mark.parametrize("scale", [0.5, 1, np.float32(0.25), np.float64(2.0)])
+@pytest.mark.parametrize("scale", [0.5, 1, np.float32(0.25), np.float64(2.0),
+                                   jnp.float32(0.5), np.array(0.5)])   # 0-d arrays too
 def test_scale_valid(scale):
     _call(scale=scale)
 

@@ -9,7 +9,6 @@ bad values.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

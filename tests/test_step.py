@@ -187,10 +187,40 @@ def test_argument_errors(name, bad, exc, msg):
         STEP(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], backend="xla")
 
 
+def test_scale_as_array_or_traced():
+    """scale as the op takes it: a float, a 0-d array, or traced (o is linear in it; the
+    state does not depend on it), with jax.grad reaching it."""
+    a = _args()
+    o, S = STEP(*a.values(), scale=0.37)
+    for sc in (jnp.float64(0.37), np.array(0.37)):
+        o2, S2 = STEP(*a.values(), scale=sc)
+        assert float(jnp.max(jnp.abs(o2 - o))) == 0.0 and float(jnp.max(jnp.abs(S2 - S))) == 0
+    o3, S3 = jax.jit(lambda s: STEP(*a.values(), scale=s))(jnp.float64(0.37))
+    assert float(jnp.max(jnp.abs(o3 - o))) < 1e-15 * float(jnp.max(jnp.abs(o)))
+    d = jax.grad(lambda s: jnp.sum(STEP(*a.values(), scale=s)[0]))(0.37)
+    assert abs(float(d) - float(jnp.sum(o)) / 0.37) < 1e-12 * abs(float(d))
+
+
+def test_messages_quote_the_steps_shapes():
+    """The checks shared with the op name the step's own shapes (no T axis)."""
+    a = _args()
+    B, _, K = a["q"].shape
+    n, V = a["k"].shape[1], a["v"].shape[-1]
+    q2 = jnp.ones((B, 2, K), a["q"].dtype)                       # H = 2 key heads
+    k2 = jnp.ones((B, n, 2, K), a["k"].dtype)
+    with pytest.raises(ValueError, match=rf"v has 3 value heads \(shape \({B}, {n}, 3, {V}\)\)"):
+        STEP(q2, k2, jnp.ones((B, n, 3, V), a["v"].dtype), None,
+             jnp.ones((B, n, 3), a["beta"].dtype), jnp.zeros((B, 3, K, V), a["state"].dtype))
+
+
 def test_scale_and_backend_errors():
     a = _args()
     with pytest.raises(TypeError, match="scale"):
-        STEP(*a.values(), scale=jnp.float32(1.0))
+        STEP(*a.values(), scale=jnp.ones(2))
+    with pytest.raises(TypeError, match="scale"):                  # traced, not a scalar
+        jax.jit(lambda s: STEP(*a.values(), scale=s))(jnp.ones(2))
+    with pytest.raises(TypeError, match="use_qk_l2norm is a traced value"):
+        jax.jit(STEP)(*a.values(), use_qk_l2norm=True)
     with pytest.raises(ValueError, match="backend"):
         STEP(*a.values(), backend="triton")
     if not backends.cutedsl_available()[0]:          # no sm_90 GPU on this host
