@@ -92,21 +92,33 @@ def rank_metadata(cu_seqlens, rank, cp_size: int, local_len: int, batch: int = 1
 def replicated_inputs(cp_axis, *tensors):
     """[] bool, the same on every rank: is every tensor bitwise the same on all ranks of
     ``cp_axis`` (inputs passed replicated, ``in_specs=P()``, under
-    ``shard_map(check_vma=False)``, where the types cannot tell)? Compared by a
-    fingerprint per tensor - a sum weighted by a hash of each element's position - so
-    one small all_gather, not the tensors, crosses ranks. Shards of a sequence that are
-    bitwise identical on every rank look replicated too (nothing can tell them apart)."""
+    ``shard_map(check_vma=False)``, where the types cannot tell)? Compared by two
+    fingerprints per tensor - wrapping uint32 sums of its bits times two hashes of each
+    element's position: integer sums, so the same bits give the same fingerprint in any
+    reduction order - so one small all_gather, not the tensors, crosses ranks. Shards of a
+    sequence that are bitwise identical on every rank look replicated too (nothing can
+    tell them apart)."""
     fps = []
     for x in tensors:
         if x is None:
             continue
+        bits = _bits32(x)
         idx = lax.iota(jnp.uint32, x.size).reshape(x.shape)
-        h = (idx * jnp.uint32(2654435761)) >> 8           # Knuth's multiplicative hash
-        w = (h & jnp.uint32(0xFFFF)).astype(jnp.float32) * (1.0 / 65536.0) + 0.5
-        xf = x.astype(jnp.float32)
-        fps += [jnp.sum(xf * w), jnp.sum(jnp.abs(xf))]
+        for mult in (2654435761, 2246822519):             # odd multiplicative hashes
+            h = idx * jnp.uint32(mult)
+            fps.append(jnp.sum(bits * (h ^ (h >> 15)), dtype=jnp.uint32))
     allfp = lax.all_gather(jnp.stack(fps), cp_axis)        # [P, 2 x tensors]
     return jnp.all(allfp == allfp[0])
+
+
+def _bits32(x):
+    """x's bits as uint32 (16-bit: zero-extended; 64-bit: the two halves xor-ed)."""
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 8:
+        u = lax.bitcast_convert_type(x, jnp.uint64)
+        return (u ^ (u >> 32)).astype(jnp.uint32)
+    u = lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32}[size])
+    return u.astype(jnp.uint32)
 
 
 def _rank_metadata(cu_seqlens, rank, cp_size: int, local_len: int, batch: int = 1):
