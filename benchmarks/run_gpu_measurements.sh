@@ -9,6 +9,8 @@
 #   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA;
 #                                               # a trace of intra_cp = 4's forward
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
+#   bash benchmarks/run_gpu_measurements.sh 5   # s23's CP / intra_cp pass changes (not measured): the split GPU test,
+#                                               # the split forward and fwd+bwd beside unsplit and tuned FLA, a trace
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
 # timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
@@ -64,4 +66,16 @@ case "${1:-1}" in
   job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
   wait
   for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
+5)
+  # s23 (NOT measured): a forward nothing differentiates keeps no checkpoints and reads q, k, v
+  # token-major; u / dO enter the V + K passes on V columns; the CP dS_end in 16 bits. Before:
+  # intra_cp = 4 forward 11.6 ms vs 9.0 unsplit at (1, 65536, 16, 2) (s21-1)
+  step 120 split_test $P tests/test_cutedsl_gpu.py -k "intra_cp_split or cp_cutedsl_equals"
+  L="1,65536,16,2;1,131072,8,2"
+  step 200 split_ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cp4,cutedsl-cpauto,fla \
+    --shapes "$L" --deadline 180 --out $M/split
+  step 70 trace_cp4 python -m benchmarks.trace --shape 1,65536,16,2 --impl cutedsl-cp4 \
+    --mode fwd --top 25 --out /tmp/t_cp4
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/split_test.log | tail -8
+  rows $M/split_ab.log; tail -30 $M/trace_cp4.log ;;
 esac

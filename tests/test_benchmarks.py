@@ -235,3 +235,17 @@ def test_fit_tiny(capsys):
     fit.main(["--shape", "1,70,1,2", "--reps", "1"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["grads_finite"] is True and out["shape"] == [1, 70, 1, 2]
+
+
+def test_glue_bytes_tiny(capsys):
+    """benchmarks/glue_bytes: the cutedsl pipeline compiles with its kernels opaque; the
+    split forward lists the V + K walk among its largest instructions, and the emulations
+    are restored afterwards."""
+    from benchmarks import glue_bytes
+    from gdp_jax.kernels import emulate
+    before = emulate.chunk_kernel_call
+    glue_bytes.main(["--shape", "1,512,2,2", "--intra-cp", "2", "--top", "40"])
+    out = capsys.readouterr().out
+    assert "intra_cp=2 fwd: XLA bytes accessed" in out
+    assert "custom-call" in out and ",64,256]" in out    # the walk's o rows, V + K columns
+    assert emulate.chunk_kernel_call is before
