@@ -598,6 +598,27 @@ def test_cp_differentiated_call_operands(monkeypatch, kernel_backward):
     assert sorted(set(calls)) == ([False, True] if kernel_backward else [])
 
 
+def test_cp_local_gradients_come_out_token_major(monkeypatch):
+    """A CP rank's backward (here intra_cp's) runs the local-gradient kernel that writes
+    dq, dk, dv token-major, as the single-device backward does (no chunk-major float32
+    tiles relaid by XLA), with the gradients of the unsplit op."""
+    from gdp_jax.kernels import emulate
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    calls = []
+    tokens = emulate.local_grad_tokens_call
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(1) or tokens(*a, **kw)))
+    inp = make_inputs(12, 1, 256, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    loss = lambda S: jax.jit(jax.grad(lambda q, k: OP(
+        q, k, *inp[2:5], use_qk_l2norm=True, backend="cutedsl",
+        intra_cp=S).astype(jnp.float32).sum(), argnums=(0, 1)))
+    split = loss(4)(inp.q, inp.k)
+    assert calls
+    plain = loss(None)(inp.q, inp.k)
+    for a, b in zip(split, plain):
+        assert rel_max(a, b) < 2e-2
+
+
 def test_cp_xla_segmented_ranks_take_the_two_pass_path(monkeypatch):
     """An xla rank long enough to run in segments does not make the one-level V + K pass:
     prepare falls back to the summaries by parallel composition and apply to a second

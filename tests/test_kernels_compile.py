@@ -6,6 +6,7 @@ Needs ``nvidia-cutlass-dsl[cu13]==4.8.1`` (Python >= 3.11, x86-64); the module i
 only when that package cannot be imported.
 """
 import os
+import re
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")   # must precede `import cutlass`
 
@@ -329,20 +330,24 @@ def test_cp_rank_runs_one_kernel_pass_per_direction(packed, prebuilt):
         return summary, o, final, bsummary, be.cp_backward_apply(
             ctx, gcp.SummarySlice(packed_summaries, mask))
 
+    flags = re.compile(r"tensor<\d+x\d+xi32>")
+
+    def recursions(txt):
+        # the recursion kernels take the [B, NC] int32 chunk flags (the others take none,
+        # or a [B, NC, 4] row table). The LAST "->" parts the argument types from the
+        # results: the binary kernel key in the backend config may hold one too.
+        return [line for line in txt.splitlines()
+                if "CuteDSLRT_NvJaxCutlassCall" in line
+                and flags.search(line.rsplit("->", 1)[0])]
+
     def chunk_kernels(txt):
-        # the recursion kernels take the int32 chunk flags (the inverse and operands
-        # kernels do not). The LAST "->" parts the argument types from the results: the
-        # binary kernel key in the backend config may hold one too.
-        calls = [line for line in txt.splitlines()
-                 if "CuteDSLRT_NvJaxCutlassCall" in line and "i32>" in line.rsplit("->", 1)[0]]
-        return [line.rsplit("->", 1)[-1] for line in calls]
+        return [line.rsplit("->", 1)[-1] for line in recursions(txt)]
 
     txt = _lower(fwd, *avals, pre)
     out = chunk_kernels(txt)
     assert len(out) == 1 and f"x64x{V + K}xbf16>" in out[0], out   # o rows on V + K
     # u enters on its V columns (the kernel takes the response columns' u as 0)
-    args = [line.rsplit("->", 1)[0] for line in txt.splitlines()
-            if "CuteDSLRT_NvJaxCutlassCall" in line and "i32>" in line.rsplit("->", 1)[0]]
+    args = [line.rsplit("->", 1)[0] for line in recursions(txt)]
     assert f"x64x{V}xf32>" in args[0] and f"x64x{V + K}xf32>" not in args[0], args
     out = chunk_kernels(_lower(fwd_bwd, *avals, pre, S((B, T, HV, V), bf),
                                S((N, HV, K, V), f32)))

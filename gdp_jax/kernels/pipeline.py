@@ -453,7 +453,8 @@ class CuTeDSLEngine(Engine):
     def backward_resume(self, spec, ch, layout, h0, doc, dfinal, states, seqs, work):
         """The backward from the true end-state gradients without a second kernel pass:
         dS_end and dh0 plus their response to dfinal - the prepare's, then the chunk-local
-        gradients (XLA) at the chunk states recomputed from the checkpoints."""
+        gradients (:func:`local_grads`) at the chunk states recomputed from the
+        checkpoints."""
         V = dfinal.shape[-1]
         bw = work.work
         ddf = dfinal.astype(work.dfinal.dtype) - work.dfinal
@@ -463,7 +464,8 @@ class CuTeDSLEngine(Engine):
         dh0 = work.dh0[..., :V] + mm_exact(work.dh0[..., V:], ddf)
         S0 = chunked.states_from_checkpoints(bw.it, layout, h0, states,
                                              spec.checkpoint_stride)
-        dch = local_grads(spec, ch, bw, S0, doc, ds_end)
+        # dq, dk, dv token-major where the kernel can, as the single-device backward
+        dch = local_grads(spec, ch, bw, S0, doc, ds_end, layout=layout)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
 
