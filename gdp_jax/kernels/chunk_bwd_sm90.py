@@ -28,8 +28,9 @@ import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
-                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
+                                  c_tile_or_zero, g2s, g2s_copy, ldmatrix_copies, make_acc,
+                                  mma_split_b,
                                   operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
@@ -151,16 +152,12 @@ class ChunkBwdDhSm90:
                     ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV),
                                  (0, vt)).load().to(cutlass.Float32)
             else:
-                # tiles past dO's columns read its last tile (finite) and take it times 0
-                do_tiles = self.do_cols // BV
-                vt_o = cutlass.min(vt, do_tiles - 1)
-                keep = cutlass.select_(vt < do_tiles, cutlass.Float32(1.0),
-                                       cutlass.Float32(0.0))
-                do_ = c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt_o)).load()
-                toD.store((do_.to(cutlass.Float32) * keep).to(ab), tCsO)
+                tiles = self.do_cols // BV
+                toD.store(c_tile_or_zero(thr_mma, mDo[b, c, hv, None, None], (C, BV), vt,
+                                         tiles).to(ab), tCsO)
                 if cutlass.const_expr(not self.fuse_ddo):
-                    ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV),
-                                 (0, vt_o)).load().to(cutlass.Float32) * keep
+                    ddo = c_tile_or_zero(thr_mma, mDdo[b, c, hv, None, None], (C, BV), vt,
+                                         tiles)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 

@@ -35,8 +35,9 @@ import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile, g2s,
-                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
+                                  c_tile_or_zero, g2s, g2s_copy, ldmatrix_copies, make_acc,
+                                  mma_split_b,
                                   operand,
                                   smem_layout, smem_tile, transpose_view, warp_mma)
 
@@ -163,13 +164,8 @@ class ChunkFwdSm90:
                 u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
                     cutlass.Float32)
             else:
-                # tiles past u's columns read its last tile (finite: the operands are
-                # masked) and take it times 0
-                u_tiles = self.u_cols // BV
-                u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV),
-                           (0, cutlass.min(vt, u_tiles - 1))).load().to(cutlass.Float32)
-                u = u * cutlass.select_(vt < u_tiles, cutlass.Float32(1.0),
-                                        cutlass.Float32(0.0))
+                u = c_tile_or_zero(thr_mma, mU[b, c, hv, None, None], (C, BV), vt,
+                                   self.u_cols // BV)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 

@@ -94,6 +94,14 @@ def c_tile(thr_mma, m, shape, coord):
     return thr_mma.partition_C(cute.local_tile(m, shape, coord))
 
 
+def c_tile_or_zero(thr_mma, m, shape, vt, tiles: int):
+    """:func:`c_tile` at column tile ``vt`` of ``m``, which holds ``tiles`` column tiles,
+    loaded as float32 - and 0 for ``vt >= tiles`` (it then reads the last tile, in bounds
+    and finite, and multiplies by 0): state columns an operand leaves out are 0."""
+    x = c_tile(thr_mma, m, shape, (0, cutlass.min(vt, tiles - 1))).load().to(cutlass.Float32)
+    return x * cutlass.select_(vt < tiles, cutlass.Float32(1.0), cutlass.Float32(0.0))
+
+
 def ldmatrix_copies(tiled_mma, ab, tidx):
     """This thread's ldmatrix (x4) copies smem -> MMA fragments: (A from a K-major tile,
     A from an M-major tile (transposed load), B from an N-major view (transposed load))."""
