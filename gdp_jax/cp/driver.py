@@ -276,7 +276,7 @@ def cp_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *,
         initial_state = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
     # Without check_vma a replicated input cannot be seen in the types: compare the ranks'
     # inputs on device, and where they are the same, let every rank compute alone (the
-    # single-device answer: API.md, "never wrong numbers").
+    # single-device answer, not wrong numbers: docs/ERRORS.md).
     replicated = (None if _vma.checks_vma(cp_axis) or P == 1
                   else lax.stop_gradient(replicated_inputs(cp_axis, q, k, v, g, beta)))
     # Rank-varying inside the custom_vjp: each rank returns its own part of the gradient
