@@ -112,17 +112,8 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
         raise ValueError(f"v has shape {_shape(v)}; expected [B, T, n, HV, V] with "
                          f"B, T, n = {(B, T, n)} from q and k")
     HV, V = v.shape[3], v.shape[4]
-    if B < 1 or T < 1 or n < 1 or H < 1 or HV < 1 or K < 1 or V < 1:
-        raise ValueError(f"empty dimension: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; "
-                         f"expected every one of B, T, n, H, HV, K, V >= 1")
-    if HV % H:
-        raise ValueError(f"v has {HV} value heads (shape {_shape(v)}); expected a multiple "
-                         f"of the {H} key heads of q")
+    _check_dims(q, k, v, dict(B=B, T=T, n=n, H=H, HV=HV, K=K, V=V))
     _require_shape("beta", beta, (B, T, n, HV), "[B, T, n, HV]")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
-                         f"{_shape(v)}) exceed the maximum of {MAX_HEAD_DIM} (the xla "
-                         f"backend's; the cutedsl kernels take less)")
     _require_float("q", q, INPUT_DTYPES)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
@@ -165,6 +156,22 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
                     input_dtype=_dtype_name(q), compute_dtype=cdt, has_gate=g is not None,
                     packed=packed, use_qk_l2norm=bool(use_qk_l2norm),
                     recompute_chunk_num=recompute, batch_invariant=bool(batch_invariant))
+
+
+def _check_dims(q, k, v, dims: dict) -> None:
+    """The dimension checks the op and the step share, their messages quoting the caller's
+    own shapes: none empty, whole GVA groups, head dims within the maximum."""
+    if min(dims.values()) < 1:
+        raise ValueError(f"empty dimension: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; "
+                         f"expected every one of {', '.join(dims)} >= 1")
+    H, HV, K, V = dims["H"], dims["HV"], dims["K"], dims["V"]
+    if HV % H:
+        raise ValueError(f"v has {HV} value heads (shape {_shape(v)}); expected a multiple "
+                         f"of the {H} key heads of q")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
+                         f"{_shape(v)}) exceed the maximum of {MAX_HEAD_DIM} (the xla "
+                         f"backend's; the cutedsl kernels take less)")
 
 
 def require_static(name: str, value) -> None:
@@ -228,16 +235,8 @@ def check_step_inputs(q, k, v, g, beta, state, *, scale=None, backend="xla",
     _require_shape("state", state, (B, HV, K, V), "[B, HV, K, V] from q [B, H, K] and v "
                    "[B, n, HV, V]")
     _require_float("state", state, STATE_DTYPES)
-    # the op's shape checks that follow, worded with the step's shapes
-    if B < 1 or n < 1 or H < 1 or HV < 1 or K < 1 or V < 1:
-        raise ValueError(f"empty dimension: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; "
-                         f"expected every one of B, n, H, HV, K, V >= 1")
-    if HV % H:
-        raise ValueError(f"v has {HV} value heads (shape {_shape(v)}); expected a multiple "
-                         f"of the {H} key heads of q")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"head dims K={K} (q {_shape(q)}, k {_shape(k)}), V={V} (v "
-                         f"{_shape(v)}) exceed the maximum of {MAX_HEAD_DIM}")
+    # before the op's checks below, so that the messages quote the step's shapes
+    _check_dims(q, k, v, dict(B=B, n=n, H=H, HV=HV, K=K, V=V))
     add_t = lambda x: None if x is None else x[:, None]
     return check_inputs(add_t(q), add_t(k), add_t(v), add_t(g), add_t(beta), scale=scale,
                         initial_state=state, backend=backend, use_qk_l2norm=use_qk_l2norm)

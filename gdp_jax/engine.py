@@ -159,8 +159,8 @@ class ForwardResponse(NamedTuple):
 
     h0p: [N, HV, K, V] the provisional start states; o: [B, NC, HV, Cr, V + K] output rows
     (Cr = C or the read-out rows); final: [N, HV, K, V + K]; states: the V + K checkpoints
-    in the engine's layout (None: kept for no backward); bad: [B, NC, HV, Cr] output rows to set to NaN, or None
-    (already NaN in o)."""
+    in the engine's layout (None: kept for no backward); bad: [B, NC, HV, Cr] output rows
+    to set to NaN, or None (already NaN in o)."""
     h0p: jax.Array
     o: jax.Array
     final: jax.Array

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdp_jax import _vma, chunked
+from gdp_jax.engine import zero_columns
 from gdp_jax.grid import ChunkInputs
 from gdp_jax.kernels.chunk_prep import as_read
 
@@ -42,9 +43,7 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
     del BV, split
     B, NC, HV, C, K = w.shape
     acc = u.dtype
-    if u.shape[-1] < h0.shape[-1]:      # u = 0 in the state columns past u's
-        u = jnp.concatenate([u, jnp.zeros(u.shape[:-1] + (h0.shape[-1] - u.shape[-1],),
-                                          acc)], axis=-1)
+    u = zero_columns(u, h0.shape[-1] - u.shape[-1])    # u = 0 in the state columns past u's
     f = lambda x: x.astype(acc)
 
     def step(S, xs):
@@ -86,11 +85,9 @@ def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, s
     B, NC, HV, C, K = kt.shape
     acc = dfinal.dtype
     f = lambda x: x.astype(acc)
-    pad = lambda x: jnp.concatenate(    # dO, ddo = 0 in the state columns past theirs
-        [x, jnp.zeros(x.shape[:-1] + (dfinal.shape[-1] - x.shape[-1],), x.dtype)], axis=-1)
-    if do.shape[-1] < dfinal.shape[-1]:
-        do = pad(do)
-        ddo = ddo if fuse_ddo else pad(ddo)
+    extra = dfinal.shape[-1] - do.shape[-1]    # dO, ddo = 0 in the state columns past theirs
+    do = zero_columns(do, extra)
+    ddo = ddo if fuse_ddo else zero_columns(ddo, extra)
     if fuse_ddo:
         ddo = jnp.swapaxes(f(ddo), -1, -2) @ f(do)
     ddo = f(ddo)
