@@ -8,7 +8,10 @@ callables take no arguments, so every implementation is timed on the same values
 Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>``, ``xla``,
 and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP inside the device),
 ``<backend>-inv`` (``batch_invariant=True``),
-``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward).
+``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
+and any of them with ``+<switch>`` suffixes that turn a kernel opt-in on while the op is
+traced (:data:`SWITCHES`: ``+narrow``, ``+walk``, ``+save``), e.g. ``cutedsl+narrow+walk``:
+ours vs ours in one process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
 """
@@ -151,10 +154,11 @@ class OursOp:
     family = "ours"
 
     def __init__(self, name, backend, N=None, intra_cp=None, save_operands=False,
-                 batch_invariant=False):
+                 batch_invariant=False, switches=()):
         self.name, self.backend, self.N, self.intra_cp = name, backend, N, intra_cp
         self.batch_invariant = batch_invariant
-        self.save_operands = save_operands   # pipeline.SAVE_OPERANDS while tracing
+        # module switches set while the op is traced: ((module, attribute), ...)
+        self.switches = tuple(switches) + ((SWITCHES["save"],) if save_operands else ())
         # without grad no checkpoints are kept, so the forward of N > 0 is N = 0's
         self.fwd_same_as = ("cutedsl" if backend == "cutedsl" and N and intra_cp is None
                             else None)
@@ -175,17 +179,21 @@ class OursOp:
             kw["batch_invariant"] = True
         f = lambda q, k, v, g, beta: gated_delta_product(
             q, k, v, g, beta, use_qk_l2norm=True, backend=self.backend, **kw)
-        if not self.save_operands:
+        if not self.switches:
             return f
 
-        def saving(*a):             # the switch is read when the forward is traced
-            from gdp_jax.kernels import pipeline
-            old, pipeline.SAVE_OPERANDS = pipeline.SAVE_OPERANDS, True
+        def switched(*a):           # the kernels read their switches when the op is traced
+            import importlib
+            mods = [(importlib.import_module(f"gdp_jax.kernels.{m}"), n) for m, n in self.switches]
+            old = [getattr(m, n) for m, n in mods]
+            for m, n in mods:
+                setattr(m, n, True)
             try:
                 return f(*a)
             finally:
-                pipeline.SAVE_OPERANDS = old
-        return saving
+                for (m, n), o in zip(mods, old):
+                    setattr(m, n, o)
+        return switched
 
     def build(self, x: Inputs) -> Built:
         import jax
@@ -252,7 +260,28 @@ class OursStep:
                      fresh_state=lambda: jnp.array(x.S))
 
 
+# ``+<switch>`` suffixes of an implementation name: a kernel opt-in (module of
+# gdp_jax.kernels, boolean attribute) turned on while the op is traced
+SWITCHES = {"narrow": ("chunk_forward", "NARROW_TILES"),
+            "walk": ("chunk_forward", "WALK_READOUT"),
+            "save": ("pipeline", "SAVE_OPERANDS")}
+
+
 def _ours(name: str, bench: str):
+    base, *plus = name.split("+")
+    if plus:
+        if bench == "step" or not base.startswith("cutedsl"):
+            return None
+        unknown = [p for p in plus if p not in SWITCHES]
+        if unknown:
+            raise ValueError(f"--impl {name!r}: unknown switch(es) {unknown} "
+                             f"(known: {sorted(SWITCHES)})")
+        found = _ours(base, bench)
+        if found is not None:
+            found.name = name
+            found.switches += tuple(SWITCHES[p] for p in plus)
+            found.fwd_same_as = None
+        return found
     if bench == "step":
         return OursStep(name, name) if name in ("cutedsl", "xla") else None
     if name == "xla":
@@ -279,7 +308,8 @@ def _ours(name: str, bench: str):
 IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the forward's "
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
-              "<backend>-cp<S> and <backend>-cpauto (intra_cp), fla")
+              "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
+              "+narrow / +walk / +save switch suffixes, fla")
 
 
 def impl(name: str, bench: str):
