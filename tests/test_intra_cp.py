@@ -51,6 +51,38 @@ def test_packed_sequences_cross_segments():
     _compare(inp, cu, 4, 1e-10, backend="xla", recompute_chunk_num=1)
 
 
+@pytest.mark.parametrize("S,packed", [(5, True), (8, False)])
+def test_scan_fold_under_vmap(monkeypatch, S, packed):
+    """fold='scan' over the segment axis: its shifts are ppermutes, which jax.vmap batches
+    only as full permutations (partial ones failed: "Permutation doesn't match the axis
+    size", seen on the H200 in s24 when "auto" picked the scan). Outputs and every gradient
+    equal the unsplit op and the reference, packed sequences crossing segments too."""
+    from gdp_jax.cp import driver
+    import functools
+    calls = []
+    scanned = driver._scanned_slice
+    monkeypatch.setattr(driver, "_scanned_slice",
+                        lambda *a, **k: calls.append(1) or scanned(*a, **k))
+    monkeypatch.setattr(split, "split_gated_delta_product", functools.partial(
+        split.split_gated_delta_product, fold="scan"))
+    T = 320 if packed else 256
+    cu = jnp.asarray([0, 0, 1, 150, 151, 230, T], jnp.int32) if packed else None
+    inp = make_inputs(7, 1 if packed else 2, T, 2, 1, 2, 8, 6, jnp.float64,
+                      N=6 if packed else None, gate="strong")
+    _compare(inp, cu, S, 1e-10, backend="xla")
+    assert calls
+
+
+def test_split_folds_by_gather_by_default(monkeypatch):
+    """The split's collectives are copies in one device: it gathers even where the
+    cross-device cost model (and GDP_CP_FOLD) would pick the scan."""
+    from gdp_jax.cp import driver
+    monkeypatch.setenv("GDP_CP_FOLD", "scan")
+    monkeypatch.setattr(driver, "_scanned_slice", lambda *a, **k: pytest.fail("scan fold"))
+    inp = make_inputs(8, 1, 256, 1, 1, 1, 8, 8, jnp.float64)
+    assert rel_max(OP(*inp[:5], intra_cp=8), OP(*inp[:5])) < 1e-10
+
+
 def test_no_gate_no_initial_state():
     inp = make_inputs(2, 1, 192, 1, 2, 2, 8, 8, jnp.float64, gate="none")
     inp = inp._replace(initial_state=None)

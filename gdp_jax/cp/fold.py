@@ -116,10 +116,15 @@ def emulated_shift(a, d):
 
 
 def ppermute_shift(cp_axis, P: int, reverse: bool):
-    """shift over a mesh axis: position = rank (forward) or P - 1 - rank (``reverse``)."""
+    """shift over a mesh axis: position = rank (forward) or P - 1 - rank (``reverse``).
+
+    The permutation is cyclic (the first d positions receive the last d values, which the
+    scan ignores): ``jax.vmap`` batches only full permutations of its axis (the split's
+    segments, :mod:`gdp_jax.cp.split`), and on a mesh every rank still sends and receives
+    one summary a round."""
     def shift(a, d):
-        pairs = [(i, i - d) for i in range(d, P)] if reverse else \
-                [(i, i + d) for i in range(P - d)]
+        pairs = [(i, (i - d) % P) for i in range(P)] if reverse else \
+                [(i, (i + d) % P) for i in range(P)]
         return lax.ppermute(a, cp_axis, pairs)
     return shift
 

@@ -69,10 +69,13 @@ def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
 def split_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *,
                               segments: int, backend: str, fold: Optional[str] = None):
     """The op on ``segments`` CP ranks of one device: (o [B, T, HV, V], final states
-    [N, HV, K, V]); ``spec`` is the whole call's (checked) spec."""
+    [N, HV, K, V]); ``spec`` is the whole call's (checked) spec. ``fold``: 'gather' (None:
+    the default) or 'scan' (GDP_CP_FOLD is for the cross-device CP and is not read here)."""
     S = segments
     local = dataclasses.replace(spec, T=spec.T // S)
-    fold = scan_fold.choose_fold(S, driver.summary_nbytes(local), fold)
+    # the vmap axis's collectives are copies in one device's memory: the cross-device cost
+    # model does not apply, and gathering the S summaries is one small copy
+    fold = scan_fold.choose_fold(S, driver.summary_nbytes(local), fold or "gather")
     if initial_state is None:
         initial_state = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
 
