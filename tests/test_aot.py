@@ -289,7 +289,10 @@ def test_engine_runs_only_listed_variants(fresh, scale, HV):
     _lower(lambda c, d, df: CUTEDSL.backward_summaries(spec, c, layout, d, df)[0],
            ch, doc, dfinal)
     unlisted = set(seen) - listed_keys
-    assert seen and any(("BV", 32 if HV < 66 else 64) in k[-1] for k in seen)
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    tile = ChunkForwardKernel.pick_bv(B, HV, V)        # 16 / 32 / 64 by how many walks
+    assert tile == (16 if HV < 33 else 32 if HV < 66 else 64)
+    assert seen and any(("BV", tile) in k[-1] for k in seen)
     assert not unlisted, [k[0] for k in unlisted]
 
 

@@ -10,6 +10,8 @@ The kernels themselves are checked on the GPU (tests/test_cutedsl_gpu.py).
 """
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -936,11 +938,29 @@ def test_walk_readout_only_where_walks_leave_sms_idle(monkeypatch):
     # shapes only (the rule reads nothing else)
     ch = lambda B, NC, HV, V: grid.ChunkInputs(
         *(jax.ShapeDtypeStruct((B, NC, HV, C, d), jnp.bfloat16) for d in (8, 8, V)), None, None)
-    assert not pipeline.walk_readout(ch(1, 4, 16, 128))             # the switch is off
+    spec = lambda B, S=1: types.SimpleNamespace(launch_rows=B * S)
+    assert not pipeline.walk_readout(spec(1), ch(1, 4, 16, 128))       # the switch is off
     monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
-    assert pipeline.walk_readout(ch(1, 4, 16, 128))                 # 64 walks of 32 columns
-    assert not pipeline.walk_readout(ch(8, 4, 16, 128))             # 512 walks: fused
-    assert not pipeline.walk_readout(ch(1, 70000, 2, 128))          # the readout's grid
+    assert pipeline.walk_readout(spec(1), ch(1, 4, 16, 128))           # 64 walks of 32 columns
+    assert not pipeline.walk_readout(spec(8), ch(8, 4, 16, 128))       # 512 walks: fused
+    assert not pipeline.walk_readout(spec(1, 8), ch(1, 4, 16, 128))    # 8 segments: 512
+    assert not pipeline.walk_readout(spec(1), ch(1, 70000, 2, 128))    # the readout's grid
+
+
+def test_value_tile_counts_the_split_segments():
+    """Under intra_cp the arrays show B rows but a launch has B x S: the value tile is
+    picked for the launch (one long sequence split 4 ways fills the GPU at BV = 32)."""
+    from gdp_jax.kernels import chunk_forward, pipeline
+    C = grid.CHUNK
+    ch = grid.ChunkInputs(*(jax.ShapeDtypeStruct((1, 4, 16, C, 128), jnp.bfloat16)
+                            for _ in range(3)), None, None)
+    spec = lambda S: types.SimpleNamespace(launch_rows=S)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(chunk_forward, "NARROW_TILES", True)
+        assert pipeline._bv(spec(1), ch) == 16            # 64 walks of 32 columns: narrower
+        assert pipeline._bv(spec(4), ch) == 32            # 256 walks of 32: no narrower
+        assert pipeline._bv(spec(16), ch) == 64
+        assert pipeline._bv(spec(4), ch, 128) == 64       # the V + K summaries: 512 of 32
 
 
 def test_walk_readout_under_vmap(monkeypatch):

@@ -570,9 +570,12 @@ def test_token_major_local_grad_call_rejects_bad_inputs():
     check_tokens("^q, k have 3 heads, v 2", q=S((B, T, 3, K), bf), k=S((B, n * T, 3, K), bf))
 
 
-def test_value_tile_fills_the_gpu():
+def test_value_tile_fills_the_gpu(monkeypatch):
     """The recursion kernels' value tile: 64 when rows x heads x V / 64 gives every SM a
-    CTA, else 32 (twice the CTAs); the prebuilt variants carry both tiles."""
+    CTA, else 32 (twice the CTAs); the prebuilt variants carry both tiles (here with
+    ``NARROW_TILES`` off)."""
+    from gdp_jax.kernels import chunk_forward
+    monkeypatch.setattr(chunk_forward, "NARROW_TILES", False)
     pick = ChunkForwardKernel.pick_bv
     assert pick(8, 16, 128) == 64 and pick(1, 66, 128) == 64 and pick(1, 132, 64) == 64
     assert pick(1, 16, 128) == 32 and pick(1, 65, 128) == 32 and pick(2, 2, 64) == 32
@@ -587,15 +590,20 @@ def test_value_tile_fills_the_gpu():
         assert tiles and all(t == {32, 64} for t in tiles.values()), kernel
 
 
-def test_narrow_tiles_only_when_32_leaves_sms_idle(monkeypatch):
-    """``NARROW_TILES`` (opt-in): 16-wide tiles where 32-wide ones give fewer CTAs than SMs;
-    the listed tiles then cover all three widths."""
+def test_narrow_tiles_only_when_32_leaves_sms_idle():
+    """``NARROW_TILES`` (the default): 16-wide tiles where 32-wide ones give fewer CTAs
+    than SMs; the listed (prebuilt) tiles then cover all three widths."""
     from gdp_jax.kernels import chunk_forward
-    monkeypatch.setattr(chunk_forward, "NARROW_TILES", True)
+    assert chunk_forward.NARROW_TILES
     pick = ChunkForwardKernel.pick_bv
     assert pick(8, 16, 128) == 64 and pick(1, 33, 128) == 32 and pick(1, 32, 128) == 16
     assert pick(1, 16, 128) == 16 and pick(1, 8, 128) == 16 and pick(1, 2, 64) == 16
     assert ChunkForwardKernel.value_tiles(128) == [16, 32, 64]
+    for kernel in (ChunkForwardKernel, StateGradKernel):
+        tiles = {}
+        for v in kernel.variants():
+            tiles.setdefault(v.what.rsplit(" BV=", 1)[0], set()).add(v.fn.keywords["BV"])
+        assert tiles and all(t == {16, 32, 64} for t in tiles.values()), kernel
 
 
 def test_operands_kernel_holds_three_ctas_per_sm():

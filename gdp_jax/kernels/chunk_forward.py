@@ -25,12 +25,13 @@ from gdp_jax.spec import Unsupported, checkpoint_dtype
 # tests' ungated cases is 5.7-5.8e-3 instead of 4.6e-3, still below FLA's 6.6-7.0e-3 on
 # the same inputs (benchmarks/peer_precision.py, s17-4): plain 16-bit operands, as FLA's.
 BF16_SPLIT = False
-# Opt-in (off, NOT MEASURED): value tiles of 16 columns for the recursion kernels when even
-# 32-wide tiles leave SMs without a CTA (few rows x heads, issue 20's long sequences: at
-# (1, 65536, 16, 2) BV = 32 gives 64 CTAs for 132 SMs, each walking 2048 chunks). Twice
-# the walks, each with half the MMAs of a chunk; every CTA still loads the chunk's [C, K]
-# operands (from L2: the value tiles of a head share them).
-NARROW_TILES = False
+# Value tiles of 16 columns for the recursion kernels where even 32-wide tiles leave SMs
+# without a CTA (few rows x heads: one long sequence). Twice the walks, each with half the
+# MMAs of a chunk; every CTA still loads the chunk's [C, K] operands (from L2: the value
+# tiles of a head share them). Same bits as 32-wide tiles (GPU test). On: at
+# (1, 65536, 16, 2) forward 7.81 -> 6.79 ms, fwd+bwd 26.56 -> 24.81 ms on the H200
+# (benchmarks/results/CURRENT.md, s24).
+NARROW_TILES = True
 # Opt-in (off, NOT MEASURED; ``pipeline.walk_readout``): where the walks cannot fill the
 # GPU (rows x heads x V / 32 < SMs: one long sequence, few heads), the forward walks
 # without the readout (no qg, P loads, half the MMAs a chunk on the serial path) keeping
