@@ -64,8 +64,10 @@ def largest(hlo_text: str, top: int):
             continue
         operands = re.findall(r"(%[\w.\-]+)", rest.split(", kind=")[0])
         meta = re.search(r'op_name="([^"]*)"', line)
+        src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
+        where = f" {src.group(1).rsplit('/', 1)[-1]}:{src.group(2)}" if src else ""
         rows.append((sizes[name] + sum(sizes.get(o, 0) for o in operands), sizes[name], op,
-                     types[:48] + "  " + (meta.group(1)[-40:] if meta else "")))
+                     types[:48] + "  " + (meta.group(1)[-40:] if meta else "") + where))
     return sorted(rows, key=lambda r: -r[0])[:top]
 
 
