@@ -15,8 +15,8 @@ P="python -m pytest -m gpu -q -rA -p no:cacheprovider"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 [ "$n" -lt 200 ] && step 120 build python ffi/build.py --jobs 14
-step 140 tests bash -c "$P tests/test_cutedsl_gpu.py -k 'intra_cp_split or narrow_tiles' > $M/tests_a.log 2>&1 &
-  $P tests/test_chunk_prep_gpu.py -k operands_match > $M/tests_b.log 2>&1; wait"
+step 140 tests bash -c "timeout 130 $P tests/test_cutedsl_gpu.py -k 'intra_cp_split or narrow_tiles' > $M/tests_a.log 2>&1 &
+  timeout 130 $P tests/test_chunk_prep_gpu.py -k operands_match > $M/tests_b.log 2>&1; wait"
 step 220 long python -m benchmarks.run fwdbwd --no-check --deadline 200 --out $M/long \
   --impl cutedsl,cutedsl-cp4,fla --shapes "1,262144,16,1;1,131072,8,2"
 echo "== tests"; grep -hE "^(FAILED|ERROR)|passed|failed|intra_cp=4" $M/tests_*.log | tail -40 | cut -c1-250
