@@ -1,11 +1,11 @@
 """cutedsl forward AND backward on an sm_90 GPU vs the xla backend and the float64 reference.
 
 Run on the lent H200 only (``pytest -m gpu tests/test_cutedsl_gpu.py``); CI has no GPU.
-Last real runs: 2026-12-04 on nvidia-h200 (twentieth session; tests/gpu_results/
-GPU_TESTS.md): s20-3 every case passed on the final device code (FUSED_DDO on, one
-rounding of the local-gradient kernel's [C, C] factors): fused ddo / token-major
-gradients / local-grad kernel / packed gradients 13, gradients_match 9, forward / packed /
-long / inverse 18, the rest 7 and 2 skipped (2 GPUs). The
+Last real runs: 2026-12-05 on nvidia-h200 (twenty-fourth session; tests/gpu_results/
+GPU_TESTS.md): s24-3 every case passed on db24a4d's device code (NARROW_TILES then off):
+fused ddo / token-major gradients / local-grad kernel / packed gradients 13,
+gradients_match 9, forward / packed / long / inverse 18, the rest 18 and 2 skipped
+(2 GPUs); s24-1 the split and the 16-column tiles (the same bits as 32). The
 2-GPU cases last passed on nvidia-h200-x2 on 2026-11-29
 (tests/gpu_results/history/2026-11-29/gpu_tests_2026-11-29_run6_final.log).
 Tolerance: FLA-style relative RMS error ||x - ref|| / ||ref|| < 6e-3 (TOL; FLA's own error
