@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # The measurements still owed on the H200, as device calls of < 600 s each (carry
-# [".gpu-deps"]); what the twenty-second session ran is in
-# benchmarks/results/history/2026-12-04/s22_gpu*.sh:
-#   bash benchmarks/run_gpu_measurements.sh 1   # s22's opt-ins for few walks (not measured): NARROW_TILES and WALK_READOUT -
-#                                               # their GPU tests, an A/B of each and both beside tuned FLA, the recursions alone
-#   bash benchmarks/run_gpu_measurements.sh 2   # the main-shape table beside tuned FLA (the recursions' chunk scalars loaded
-#                                               # first: compare with s20-4 / s22's 9.06 ms)
+# [".gpu-deps"]); what the twenty-fourth session ran is in
+# benchmarks/results/history/2026-12-05/s24_gpu*.sh:
+#   bash benchmarks/run_gpu_measurements.sh 2   # the main-shape table beside tuned FLA (s22's chunk scalars loaded first,
+#                                               # measured only at the long shape in s24: compare with s20-4 / s22's 9.06 ms)
 #   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA;
 #                                               # a trace of intra_cp = 4's forward
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
-#   bash benchmarks/run_gpu_measurements.sh 5   # s23's CP / intra_cp pass changes (not measured): the split GPU test,
-#                                               # the split forward and fwd+bwd beside unsplit and tuned FLA, a trace
+#   bash benchmarks/run_gpu_measurements.sh 5   # s24's split changes (not measured): the response products on bf16 hi + lo,
+#                                               # the value tile counting the segments, "auto" gathering: the split GPU test,
+#                                               # the split A/B beside unsplit and tuned FLA, a trace
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
 # timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
@@ -26,22 +25,7 @@ rows() { grep -hE '^\| [0-9(]' "$@" | cut -c1-200; }
 P="python -m pytest -m gpu -q -rA -p no:cacheprovider"
 n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 [ "$n" -lt 200 ] && step 100 build python ffi/build.py --jobs 14
-case "${1:-1}" in
-1)
-  step 90 tests $P tests/test_cutedsl_gpu.py -k "narrow_tiles or walk_readout"
-  # FLA beside the default; each opt-in alone (ours vs ours, same machine, next process)
-  L="2,16384,16,2;1,65536,16,2"; CF=kernels.chunk_forward
-  step 140 ab_default python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes "$L" \
-    --deadline 110 --out $M/ab
-  step 75 ab_narrow python -m benchmarks.run fwdbwd --impl cutedsl --shapes "$L" \
-    --set $CF.NARROW_TILES=True --deadline 55 --out $M/ab
-  step 75 ab_walk python -m benchmarks.run fwdbwd --impl cutedsl --shapes "$L" \
-    --set $CF.WALK_READOUT=True --deadline 55 --out $M/ab
-  step 75 ab_both python -m benchmarks.run fwdbwd --impl cutedsl --shapes "$L" \
-    --set $CF.NARROW_TILES=True --set $CF.WALK_READOUT=True --deadline 55 --out $M/ab
-  step 90 alone_long python -m benchmarks.prep_probe --shape 1,65536,16,2 --bv 16,32 --skip-prep-probe
-  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/tests.log | tail -8
-  grep -hE "ms" $M/alone_long.log | head -16; rows $M/ab_*.log ;;
+case "${1:-2}" in
 2)
   step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op
   rows $M/op.log ;;
@@ -67,13 +51,14 @@ case "${1:-1}" in
   wait
   for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
 5)
-  # s23 (NOT measured): a forward nothing differentiates keeps no checkpoints and reads q, k, v
-  # token-major; u / dO enter the V + K passes on V columns; the CP dS_end in 16 bits. Before:
-  # intra_cp = 4 forward 11.6 ms vs 9.0 unsplit at (1, 65536, 16, 2) (s21-1)
+  # s24 (NOT measured): apply's response products on bf16 hi + lo instead of a float32 GEMM
+  # (1.55 ms of 8.8 in s24-1's trace) and its float32 transposes; the split's value tile
+  # for B x S rows; "auto" (S = 8 / 16 here) with the gather fold. Before (s24-2):
+  # intra_cp = 4 forward 8.91 / 8.93 ms at the two shapes, fwd+bwd 35.48 / 35.80
   step 120 split_test $P tests/test_cutedsl_gpu.py -k "intra_cp_split or cp_cutedsl_equals"
   L="1,65536,16,2;1,131072,8,2"
-  step 200 split_ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cp4,cutedsl-cpauto,fla \
-    --shapes "$L" --deadline 180 --out $M/split
+  step 300 split_ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cp2,cutedsl-cp4,cutedsl-cpauto,fla \
+    --no-check --shapes "$L" --deadline 280 --out $M/split
   step 70 trace_cp4 python -m benchmarks.trace --shape 1,65536,16,2 --impl cutedsl-cp4 \
     --mode fwd --top 25 --out /tmp/t_cp4
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/split_test.log | tail -8
