@@ -247,6 +247,10 @@ class GatedDeltaProduct(nnx.Module):
         backward: one state per N + 1 chunks), None for its default.
       intra_cp: the op's ``intra_cp`` (None, S or "auto": CP over S segments inside one
         device for rows too few to fill it); not with ``cp_axis``.
+      batch_invariant: the op's ``batch_invariant`` (its outputs and gradients for a
+        sequence the same bits alone, in a batch or in a pack). It covers the op only: the
+        projections, convolution and norms around it are XLA's (a matmul may pick its
+        algorithm by shape).
       dtype: compute dtype of the projections and the op's inputs; None follows x (bf16
         activations with float32 parameters compute in bf16, so "auto" can pick the
         kernels).
@@ -272,7 +276,8 @@ class GatedDeltaProduct(nnx.Module):
                  allow_neg_eigval: bool = True, qkv_activation: bool = True,
                  learn_initial_state: bool = False, norm_eps: float = 1e-5,
                  cp_axis: Optional[str] = None, backend: str = "auto",
-                 recompute_chunk_num: Optional[int] = None, intra_cp=None, dtype=None,
+                 recompute_chunk_num: Optional[int] = None, intra_cp=None,
+                 batch_invariant: bool = False, dtype=None,
                  param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(),
                  rngs: nnx.Rngs):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
@@ -295,6 +300,9 @@ class GatedDeltaProduct(nnx.Module):
         self.qkv_activation, self.learn_initial_state = qkv_activation, learn_initial_state
         self.norm_eps, self.cp_axis, self.backend = norm_eps, cp_axis, backend
         self.recompute_chunk_num, self.intra_cp = recompute_chunk_num, intra_cp
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant={batch_invariant!r}; expected a bool")
+        self.batch_invariant = batch_invariant
         self.dtype = dtype
 
         H, HV, K, V, n = num_heads, num_v_heads, head_k_dim, head_v_dim, num_householder
@@ -423,7 +431,8 @@ class GatedDeltaProduct(nnx.Module):
                                     use_qk_l2norm=True, cp_axis=self.cp_axis,
                                     backend=self.backend,
                                     recompute_chunk_num=self.recompute_chunk_num,
-                                    intra_cp=self.intra_cp)
+                                    intra_cp=self.intra_cp,
+                                    batch_invariant=self.batch_invariant)
         y = self.readout(o, p["z"])
         return y if cache is None else (y, GDPCache(state, p["conv_tail"]))
 
@@ -452,7 +461,7 @@ class GatedDeltaProduct(nnx.Module):
         o, state_next = gated_delta_product(
             p["q"], p["k"], p["v"], p["g"], p["beta"], initial_state=state,
             output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
-            backend=self.backend)
+            backend=self.backend, batch_invariant=self.batch_invariant)
         return o, state_next.astype(state.dtype)
 
     def _check_cache(self, cache, N):

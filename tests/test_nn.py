@@ -304,6 +304,27 @@ def test_s3_streaming_equals_parallel_forward():
     assert rel(stream, par) < 1e-5                      # float32 model
 
 
+def test_batch_invariant_passes_through(monkeypatch):
+    """``batch_invariant=True`` reaches the op (the plain call and the cached prefill) and
+    changes no value (float64); a non-bool is a TypeError naming it."""
+    from gdp_jax import nn as gnn
+    seen = []
+    op = gnn.gated_delta_product
+    monkeypatch.setattr(gnn, "gated_delta_product",
+                        lambda *a, **kw: seen.append(kw["batch_invariant"]) or op(*a, **kw))
+    x = rand_x(2, 70)
+    base = make()
+    _, params = nnx.split(base, nnx.Param)
+    inv = make(batch_invariant=True)
+    nnx.update(inv, params)
+    assert rel(fwd(inv, x), fwd(base, x)) < 1e-10
+    y, _ = inv(x, cache=inv.init_cache(2))
+    assert rel(y, fwd(base, x)) < 1e-10
+    assert seen == [True, False, True]
+    with pytest.raises(TypeError, match="batch_invariant"):
+        make(batch_invariant=1)
+
+
 def test_recompute_and_intra_cp_pass_through():
     """The layer hands recompute_chunk_num and intra_cp to the op: the same outputs and
     parameter gradients as without them (float64)."""
