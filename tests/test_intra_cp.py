@@ -187,3 +187,20 @@ def test_one_token_checks_intra_cp_then_runs_unsplit():
         OP(*inp[:5], intra_cp="yes")
     np.testing.assert_array_equal(np.asarray(OP(*inp[:5], intra_cp=4)),
                                   np.asarray(OP(*inp[:5])))
+
+
+def test_response_product_keeps_float32_precision():
+    """engine._response on bfloat16 rows: the float32 state as bf16 hi + lo gives the
+    product to ~2^-17 (float64 on the same rows as the reference), where the state
+    rounded to bf16 alone would be ~2^-9 off."""
+    from gdp_jax import engine
+    rng = np.random.default_rng(0)
+    xk = jnp.asarray(rng.standard_normal((1, 3, 2, 64, 32)), jnp.bfloat16)
+    d = jnp.asarray(rng.standard_normal((1, 2, 32, 16)), jnp.float32)
+    want = np.einsum("bnhrk,bhkv->bnhrv", np.asarray(xk, np.float64), np.asarray(d, np.float64))
+    got = np.asarray(engine._response(xk, d), np.float64)
+    err = lambda a: np.sqrt(np.mean((a - want) ** 2) / np.mean(want ** 2))
+    assert err(got) < 3e-5
+    hi_only = np.einsum("bnhrk,bhkv->bnhrv", np.asarray(xk, np.float64),
+                        np.asarray(d.astype(jnp.bfloat16), np.float64))
+    assert err(hi_only) > 3e-4
