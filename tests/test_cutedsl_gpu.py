@@ -348,13 +348,15 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
     (64, 128, 3, 1, 3, True),                  # GVA, K != V, packed: empty, one-token
 ])
 def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
-    """``chunk_forward.NARROW_TILES``: the recursion kernels on 16-column value tiles give
-    the same bits as on 32-column ones (a state column's products run the same k-order
-    whatever the tile), for o, the final state and every gradient; and within GRAD_TOL of
-    float64. These calls are too small for 64-wide tiles. Written in s22: NOT YET RUN."""
+    """``chunk_forward.NARROW_TILES`` (on by default since s24): the recursion kernels on
+    16-column value tiles give the same bits as on 32-column ones (a state column's
+    products run the same k-order whatever the tile), for o, the final state and every
+    gradient; and within GRAD_TOL of float64. These calls are too small for 64-wide
+    tiles. Passed on the H200 in s24-1 (with the switch then off by default)."""
     from gdp_jax.kernels import chunk_forward
     args, cu = _rows_or_pack(8, packed, n, H, HV, K, V, "bfloat16")
     B = args[0].shape[0]
+    monkeypatch.setattr(chunk_forward, "NARROW_TILES", False)
     assert chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V) == 32
     base, got = grads_off_on(monkeypatch, chunk_forward, "NARROW_TILES", args, cu)
     assert chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V) == 16
@@ -372,7 +374,7 @@ def test_walk_readout_same_bits(monkeypatch, K, V, n, H, HV, packed, N):
     state kept in 16 bits, what its MMAs read) and the readout kernel over all chunks give
     the fused walk's bits - o, the final state and every gradient (the backward's
     checkpoints are every (N + 1)-th kept state); and within GRAD_TOL of float64.
-    Written in s22: NOT YET RUN."""
+    Passed on the H200 in s24-1 (with 32-column tiles: NARROW_TILES was off then)."""
     from gdp_jax.kernels import chunk_forward
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     args, cu = _rows_or_pack(9, packed, n, H, HV, K, V, "bfloat16")
