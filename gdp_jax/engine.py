@@ -153,21 +153,36 @@ def add_response(x, V: int, seq_of_rows, seqs, delta):
     return out
 
 
+_RESPONSE = "bnhrk,bhkv->bnhrv"
+
+
 def _response(xk, d):
     """xk [B, R, HV, r, K] @ d [B, HV, K, V] per chunk, in d's dtype. bfloat16 xk (the
-    cutedsl passes' rows, checkpoints and dS_end): d as bfloat16 hi + lo, two 16-bit
-    products with float32 sums - exact products of a 16-bit-mantissa d (2^-17 relative,
-    below the bfloat16 rows they are added to) on the tensor cores, where the full float32
-    product ran the GPU's float32 units (1.5 ms of a 8.8 ms split forward, s24) on a
-    float32 copy of xk."""
-    spec = "bnhrk,bhkv->bnhrv"
+    cutedsl passes' rows, checkpoints and dS_end) with a float32 d: on a GPU two 16-bit
+    products of d's hi + lo (:func:`_response_hi_lo`, tensor cores) where the full float32
+    product ran the float32 units (1.5 ms of an 8.8 ms split forward, s24) on a float32
+    copy of xk; CPU runtimes lack the mixed 16-bit dot, so there it stays float32."""
     if xk.dtype == jnp.bfloat16 and d.dtype == jnp.float32:
-        hi = d.astype(jnp.bfloat16)
-        lo = (d - hi.astype(d.dtype)).astype(jnp.bfloat16)
-        mm = lambda b, out: jnp.einsum(spec, xk, b, preferred_element_type=out)
-        # lo's product is 2^-8 of hi's: its bfloat16 result adds 2^-17, half the bytes
-        return mm(hi, jnp.float32) + mm(lo, jnp.bfloat16).astype(jnp.float32)
-    return jnp.einsum(spec, xk.astype(d.dtype), d, precision=lax.Precision.HIGHEST)
+        return lax.platform_dependent(xk, d, cpu=_response_f32, default=_response_hi_lo)
+    return _response_f32(xk, d)
+
+
+def _response_f32(xk, d):
+    return jnp.einsum(_RESPONSE, xk.astype(d.dtype), d, precision=lax.Precision.HIGHEST)
+
+
+def bf16_hi_lo(d):
+    """float32 d as bfloat16 hi + lo (hi + lo = d to ~2^-17 relative)."""
+    hi = d.astype(jnp.bfloat16)
+    return hi, (d - hi.astype(d.dtype)).astype(jnp.bfloat16)
+
+
+def _response_hi_lo(xk, d):
+    """Exact products of bfloat16 xk with d's hi and lo, float32 sums; lo's product is
+    2^-8 of hi's, so its bfloat16 result adds 2^-17 (and half the bytes)."""
+    hi, lo = bf16_hi_lo(d)
+    mm = lambda b, out: jnp.einsum(_RESPONSE, xk, b, preferred_element_type=out)
+    return mm(hi, jnp.float32) + mm(lo, jnp.bfloat16).astype(jnp.float32)
 
 
 class ForwardResponse(NamedTuple):

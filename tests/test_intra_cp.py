@@ -190,17 +190,21 @@ def test_one_token_checks_intra_cp_then_runs_unsplit():
 
 
 def test_response_product_keeps_float32_precision():
-    """engine._response on bfloat16 rows: the float32 state as bf16 hi + lo gives the
-    product to ~2^-17 (float64 on the same rows as the reference), where the state
-    rounded to bf16 alone would be ~2^-9 off."""
+    """engine._response on bfloat16 rows: on a GPU the float32 state enters as bf16
+    hi + lo, whose products (exact, float32 sums) give ~2^-17, where the state rounded to
+    bf16 alone would be ~2^-9 off (the algebra, in float64 here: this CPU runtime lacks
+    the mixed 16-bit dot, and ``_response`` keeps float32 on CPUs)."""
     from gdp_jax import engine
     rng = np.random.default_rng(0)
     xk = jnp.asarray(rng.standard_normal((1, 3, 2, 64, 32)), jnp.bfloat16)
     d = jnp.asarray(rng.standard_normal((1, 2, 32, 16)), jnp.float32)
-    want = np.einsum("bnhrk,bhkv->bnhrv", np.asarray(xk, np.float64), np.asarray(d, np.float64))
-    got = np.asarray(engine._response(xk, d), np.float64)
+    f64 = lambda a: np.asarray(a, np.float64)
+    mm = lambda a, b: np.einsum("bnhrk,bhkv->bnhrv", f64(a), f64(b))
+    want = mm(xk, d)
     err = lambda a: np.sqrt(np.mean((a - want) ** 2) / np.mean(want ** 2))
-    assert err(got) < 3e-5
-    hi_only = np.einsum("bnhrk,bhkv->bnhrv", np.asarray(xk, np.float64),
-                        np.asarray(d.astype(jnp.bfloat16), np.float64))
-    assert err(hi_only) > 3e-4
+    hi, lo = engine.bf16_hi_lo(d)
+    assert hi.dtype == lo.dtype == jnp.bfloat16
+    assert err(mm(xk, hi) + f64(jnp.asarray(mm(xk, lo), jnp.bfloat16))) < 3e-5
+    assert err(mm(xk, hi)) > 3e-4
+    assert err(f64(jax.jit(engine._response)(xk, d))) < 1e-6       # float32 on CPUs
+    assert jax.jit(engine._response)(xk, d).dtype == jnp.float32
