@@ -10,7 +10,7 @@ and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP insi
 ``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
 and any of them with ``+<switch>`` suffixes that turn a kernel opt-in on while the op is
-traced (:data:`SWITCHES`: ``+narrow``, ``+walk``, ``+save``), e.g. ``cutedsl+narrow+walk``:
+traced (:data:`SWITCHES`: ``+narrow``, ``+walk``, ``+save``, ``+hilo``), e.g. ``cutedsl+narrow+walk``:
 ours vs ours in one process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
@@ -184,7 +184,7 @@ class OursOp:
 
         def switched(*a):           # the kernels read their switches when the op is traced
             import importlib
-            mods = [(importlib.import_module(f"gdp_jax.kernels.{m}"), n) for m, n in self.switches]
+            mods = [(importlib.import_module(f"gdp_jax.{m}"), n) for m, n in self.switches]
             old = [getattr(m, n) for m, n in mods]
             for m, n in mods:
                 setattr(m, n, True)
@@ -260,11 +260,12 @@ class OursStep:
                      fresh_state=lambda: jnp.array(x.S))
 
 
-# ``+<switch>`` suffixes of an implementation name: a kernel opt-in (module of
-# gdp_jax.kernels, boolean attribute) turned on while the op is traced
-SWITCHES = {"narrow": ("chunk_forward", "NARROW_TILES"),
-            "walk": ("chunk_forward", "WALK_READOUT"),
-            "save": ("pipeline", "SAVE_OPERANDS")}
+# ``+<switch>`` suffixes of an implementation name: an opt-in (module of gdp_jax, boolean
+# attribute) turned on while the op is traced
+SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
+            "walk": ("kernels.chunk_forward", "WALK_READOUT"),
+            "save": ("kernels.pipeline", "SAVE_OPERANDS"),
+            "hilo": ("engine", "RESPONSE_HI_LO")}
 
 
 def _ours(name: str, bench: str):
@@ -309,7 +310,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +walk / +save switch suffixes, fla")
+              "+narrow / +walk / +save / +hilo switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -206,5 +206,10 @@ def test_response_product_keeps_float32_precision():
     assert hi.dtype == lo.dtype == jnp.bfloat16
     assert err(mm(xk, hi) + f64(jnp.asarray(mm(xk, lo), jnp.bfloat16))) < 3e-5
     assert err(mm(xk, hi)) > 3e-4
-    assert err(f64(jax.jit(engine._response)(xk, d))) < 1e-6       # float32 on CPUs
-    assert jax.jit(engine._response)(xk, d).dtype == jnp.float32
+    for on in (False, True):                  # float32 on CPUs, with the switch or not
+        engine.RESPONSE_HI_LO = on
+        try:
+            got = jax.jit(engine._response)(xk, d)
+        finally:
+            engine.RESPONSE_HI_LO = False
+        assert got.dtype == jnp.float32 and err(f64(got)) < 1e-6
