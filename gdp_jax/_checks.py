@@ -184,6 +184,22 @@ def require_static(name: str, value) -> None:
             f"functools.partial before jitting")
 
 
+def is_traced_scale(scale) -> bool:
+    """A traced ``scale`` (the op and the step then run at scale 1 and scale o after:
+    o is linear in it, the states are not touched). TypeError unless it is 0-d."""
+    if not isinstance(scale, jax.core.Tracer):
+        return False
+    if jnp.shape(scale) != ():
+        raise TypeError(f"scale has shape {jnp.shape(scale)}; expected a scalar")
+    return True
+
+
+def scale_output(o, scale, dtype):
+    """o * scale (a traced 0-d scale), computed in float32 for 16-bit o, as ``dtype``."""
+    wide = jnp.promote_types(o.dtype, jnp.float32)
+    return (o.astype(wide) * scale.astype(wide)).astype(dtype)
+
+
 def check_scale(scale, K: int) -> float:
     """``scale``: None (K ** -0.5), a finite real number, or a concrete real 0-d array
     (a traced one is the callers' to handle: the output is linear in it)."""

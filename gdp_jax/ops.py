@@ -126,19 +126,11 @@ def gated_delta_product(
               cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, cp_axis=cp_axis,
               backend=backend, recompute_chunk_num=recompute_chunk_num, intra_cp=intra_cp,
               batch_invariant=batch_invariant)
-    if isinstance(scale, jax.core.Tracer):
-        return _with_traced_scale(scale, q, k, v, g, beta, **kw)
-    o, final = _run(q, k, v, g, beta, scale, **kw)
-    return (o, final) if output_final_state else o
-
-
-def _with_traced_scale(scale, q, k, v, g, beta, *, output_final_state, **kw):
-    """o is linear in scale: run at scale 1, multiply after (in float32 for 16-bit o)."""
-    if jnp.shape(scale) != ():
-        raise TypeError(f"scale has shape {jnp.shape(scale)}; expected a scalar")
-    o, final = _run(q, k, v, g, beta, 1.0, **kw)
-    wide = jnp.promote_types(o.dtype, jnp.float32)
-    o = (o.astype(wide) * scale.astype(wide)).astype(q.dtype)
+    if _checks.is_traced_scale(scale):        # o is linear in scale: run at 1, scale o
+        o, final = _run(q, k, v, g, beta, 1.0, **kw)
+        o = _checks.scale_output(o, scale, q.dtype)
+    else:
+        o, final = _run(q, k, v, g, beta, scale, **kw)
     return (o, final) if output_final_state else o
 
 

@@ -136,9 +136,7 @@ def gated_delta_product_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2no
     """
     _checks.check_backend_name(backend)
     _checks.require_static("use_qk_l2norm", use_qk_l2norm)
-    traced_scale = isinstance(scale, jax.core.Tracer)
-    if traced_scale and jnp.shape(scale) != ():
-        raise TypeError(f"scale has shape {jnp.shape(scale)}; expected a scalar")
+    traced_scale = _checks.is_traced_scale(scale)
     spec = _checks.check_step_inputs(q, k, v, g, beta, state,
                                      scale=1.0 if traced_scale else scale, backend=backend,
                                      use_qk_l2norm=use_qk_l2norm)
@@ -146,6 +144,5 @@ def gated_delta_product_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2no
     run = cutedsl_step if backend == "cutedsl" else xla_step
     o, S = run(spec, q, k, v, g, beta, state)
     if traced_scale:       # o is linear in scale (the state is not touched by it)
-        wide = jnp.promote_types(o.dtype, jnp.float32)
-        o = (o.astype(wide) * scale.astype(wide)).astype(o.dtype)
+        o = _checks.scale_output(o, scale, o.dtype)
     return o, S
