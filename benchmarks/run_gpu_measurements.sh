@@ -24,7 +24,7 @@ step() { local t=$1 name=$2; shift 2; local l; l=$(left); [ "$l" -lt 20 ] && { e
 rows() { grep -hE '^\| [0-9(]' "$@" | cut -c1-200; }
 P="python -m pytest -m gpu -q -rA -p no:cacheprovider"
 n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
-[ "$n" -lt 200 ] && step 100 build python ffi/build.py --jobs 14
+[ "$n" -lt 200 ] && step 150 build python ffi/build.py --jobs 15
 case "${1:-2}" in
 2)
   step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op

@@ -185,8 +185,8 @@ class ChunkForwardKernel:
         """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
         checkpoints of each ``recompute_chunk_nums``) and the CP rank's one pass (V + K
-        columns, the same checkpoints); each with both value tiles ``pick_bv`` picks (64
-        for calls that fill the GPU, 32 for few rows x heads)."""
+        columns, the same checkpoints); each with every value tile ``pick_bv`` picks (64
+        for calls that fill the GPU, 32 for few rows x heads, 16 for fewer)."""
         from gdp_jax.kernels import aot
         out = []
         for name in cls.DTYPES:
