@@ -23,9 +23,7 @@ class CallSpec:
     (B, or len(cu_seqlens) - 1 when packed); input_dtype: q/k/v dtype name; compute_dtype:
     "float32", or "float64" for float64 inputs; recompute_chunk_num: the cutedsl forward
     keeps one chunk-state checkpoint per recompute_chunk_num + 1 chunks; batch_invariant:
-    the XLA glue's sums in shape-independent orders (the op's flag); segments: the
-    in-device split's segment count S (``intra_cp``; 1 otherwise) - each segment is a rank
-    of a vmap axis the kernels fold into their rows, so a kernel launch has B x S rows.
+    the XLA glue's sums in shape-independent orders (the op's flag).
     """
     B: int
     T: int
@@ -43,17 +41,10 @@ class CallSpec:
     use_qk_l2norm: bool = False
     recompute_chunk_num: int = 0
     batch_invariant: bool = False
-    segments: int = 1
-
-    @property
-    def launch_rows(self) -> int:
-        """Rows of one kernel launch: B x segments (the vmap axis of the split folds into
-        the rows; inside it every array shows B)."""
-        return self.B * self.segments
 
     def __post_init__(self):
         dims = (self.B, self.T, self.n, self.H, self.HV, self.K, self.V)
-        if min(dims) < 1 or self.N < 1 or self.segments < 1:
+        if min(dims) < 1 or self.N < 1:
             raise ValueError(f"CallSpec: every dimension must be >= 1, got {self}")
         if self.HV % self.H:
             raise ValueError(f"CallSpec: HV={self.HV} is not a multiple of H={self.H}")

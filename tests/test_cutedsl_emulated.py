@@ -10,8 +10,6 @@ The kernels themselves are checked on the GPU (tests/test_cutedsl_gpu.py).
 """
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -938,29 +936,41 @@ def test_walk_readout_only_where_walks_leave_sms_idle(monkeypatch):
     # shapes only (the rule reads nothing else)
     ch = lambda B, NC, HV, V: grid.ChunkInputs(
         *(jax.ShapeDtypeStruct((B, NC, HV, C, d), jnp.bfloat16) for d in (8, 8, V)), None, None)
-    spec = lambda B, S=1: types.SimpleNamespace(launch_rows=B * S)
-    assert not pipeline.walk_readout(spec(1), ch(1, 4, 16, 128))       # the switch is off
+    assert not pipeline.walk_readout(ch(1, 4, 16, 128))             # the switch is off
     monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
-    assert pipeline.walk_readout(spec(1), ch(1, 4, 16, 128))           # 64 walks of 32 columns
-    assert not pipeline.walk_readout(spec(8), ch(8, 4, 16, 128))       # 512 walks: fused
-    assert not pipeline.walk_readout(spec(1, 8), ch(1, 4, 16, 128))    # 8 segments: 512
-    assert not pipeline.walk_readout(spec(1), ch(1, 70000, 2, 128))    # the readout's grid
+    assert pipeline.walk_readout(ch(1, 4, 16, 128))                 # 64 walks of 32 columns
+    assert not pipeline.walk_readout(ch(8, 4, 16, 128))             # 512 walks: fused
+    assert not pipeline.walk_readout(ch(1, 70000, 2, 128))          # the readout's grid
 
 
-def test_value_tile_counts_the_split_segments():
-    """Under intra_cp the arrays show B rows but a launch has B x S: the value tile is
-    picked for the launch (one long sequence split 4 ways fills the GPU at BV = 32)."""
-    from gdp_jax.kernels import chunk_forward, pipeline
-    C = grid.CHUNK
-    ch = grid.ChunkInputs(*(jax.ShapeDtypeStruct((1, 4, 16, C, 128), jnp.bfloat16)
-                            for _ in range(3)), None, None)
-    spec = lambda S: types.SimpleNamespace(launch_rows=S)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(chunk_forward, "NARROW_TILES", True)
-        assert pipeline._bv(spec(1), ch) == 16            # 64 walks of 32 columns: narrower
-        assert pipeline._bv(spec(4), ch) == 32            # 256 walks of 32: no narrower
-        assert pipeline._bv(spec(16), ch) == 64
-        assert pipeline._bv(spec(4), ch, 128) == 64       # the V + K summaries: 512 of 32
+def test_value_tile_is_picked_for_the_launch(monkeypatch):
+    """The recursion kernels pick their value tile for the rows a launch has after
+    ``jax.vmap`` or ``intra_cp`` folded into them (the trace shows fewer). One sequence,
+    16 heads, V = 128: unsplit 64 walks of 32 columns -> 16-column tiles; split in 4
+    (256 walks of 32) -> 32, the V + K pass -> 64 (forward and reverse); a user's vmap
+    of 4 problems the same as the split."""
+    from gdp_jax.kernels import emulate
+    seen = []
+    fwd, rev = emulate.chunk_kernel_call, emulate.dh_kernel_call
+    monkeypatch.setattr(emulate, "chunk_kernel_call", lambda *a, **k: seen.append(
+        ("fwd", a[0].shape[0], a[9].shape[-1], k["BV"])) or fwd(*a, **k))
+    monkeypatch.setattr(emulate, "dh_kernel_call", lambda *a, **k: seen.append(
+        ("rev", a[0].shape[0], a[9].shape[-1], k["BV"])) or rev(*a, **k))
+    inp = make_inputs(7, 1, 256, 1, 16, 16, 128, 128, jnp.bfloat16, gate="normal")
+    loss = lambda *a, **kw: jnp.sum(gdp_jax.gated_delta_product(
+        *a, backend="cutedsl", **kw).astype(jnp.float32))
+    with testing.emulated_kernels():
+        jax.jit(jax.grad(loss))(*inp[:5])
+        assert set(seen) == {("fwd", 1, 128, 16), ("rev", 1, 128, 16)}
+        seen.clear()
+        # (custom_vmap also traces the unmapped call once, at 1 row: not a launch)
+        launched = lambda: {c for c in seen if c[1] == 4}
+        jax.jit(jax.grad(lambda *a: loss(*a, intra_cp=4)))(*inp[:5])
+        assert launched() == {("fwd", 4, 256, 64), ("rev", 4, 256, 64)}
+        seen.clear()
+        four = [x.reshape((4, 1, 64) + x.shape[2:]) for x in inp[:5]]
+        jax.jit(jax.vmap(lambda *a: gdp_jax.gated_delta_product(*a, backend="cutedsl")))(*four)
+        assert launched() == {("fwd", 4, 128, 32)}
 
 
 def test_walk_readout_under_vmap(monkeypatch):

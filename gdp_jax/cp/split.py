@@ -72,7 +72,7 @@ def split_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens,
     [N, HV, K, V]); ``spec`` is the whole call's (checked) spec. ``fold``: 'gather' (None:
     the default) or 'scan' (GDP_CP_FOLD is for the cross-device CP and is not read here)."""
     S = segments
-    local = dataclasses.replace(spec, T=spec.T // S, segments=S)
+    local = dataclasses.replace(spec, T=spec.T // S)
     # the vmap axis's collectives are copies in one device's memory: the cross-device cost
     # model does not apply, and gathering the S summaries is one small copy
     fold = scan_fold.choose_fold(S, driver.summary_nbytes(local), fold or "gather")

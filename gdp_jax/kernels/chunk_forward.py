@@ -93,6 +93,12 @@ class ChunkForwardKernel:
             return 16
         return 32
 
+    @classmethod
+    def launch_bv(cls, rows_operand, state) -> int:
+        """:meth:`pick_bv` for a launch: rows_operand [rows, NC, HV, C, K] as the kernel
+        receives it, state [N, HV, K, V] (the walked columns)."""
+        return cls.pick_bv(rows_operand.shape[0], rows_operand.shape[2], state.shape[-1])
+
     @staticmethod
     def default_split(dtype) -> bool:
         """Split the recurrent operands into hi + lo parts for bfloat16 (8-bit mantissa)
@@ -105,13 +111,14 @@ class ChunkForwardKernel:
         return -(-NC // ckpt) if ckpt > 0 else 0
 
     @classmethod
-    def call(cls, w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
+    def call(cls, w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: Optional[int] = None,
              split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
              readout: bool = True):
-        """:meth:`raw_call`, ``jax.vmap``-able."""
+        """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: :meth:`pick_bv` for the rows
+        of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them."""
         f = binding.vmappable(
-            lambda *a: cls.raw_call(*a, BV=BV, split=split, ckpt=ckpt,
-                                    states_dtype=states_dtype, readout=readout),
+            lambda *a: cls.raw_call(*a, BV=BV or cls.launch_bv(a[0], a[9]), split=split,
+                                    ckpt=ckpt, states_dtype=states_dtype, readout=readout),
             seq_arg=7, table_arg=9, out_kinds=("rows" if readout else "dummy", "rows",
                                                "rows" if ckpt else "dummy"))
         return f(w, kt, qg, p, u, decay, reset, seq, last, h0)

@@ -245,14 +245,15 @@ def token_operands(spec, ch: grid.ChunkInputs, tokens) -> Optional[tuple]:
     return qkv if ChunkPrepKernel.can_read_tokens(spec, *qkv) else None
 
 
-def walk_readout(spec, ch: grid.ChunkInputs) -> bool:
+def walk_readout(ch: grid.ChunkInputs) -> bool:
     """Does the forward split its walk and its readout (``chunk_forward.WALK_READOUT``)?
     Where the fused walks leave SMs idle and the readout's grid (a CTA per chunk x row)
-    fits."""
-    _, NC, HV, _, _ = ch.k.shape
-    rows, V = spec.launch_rows, ch.v.shape[-1]
-    return (chunk_forward.WALK_READOUT and rows * HV * (V // 32) < ChunkForwardKernel.SMS
-            and binding.grid_limit(rows * NC, HV) is None)
+    fits. Decided on the rows the trace sees (under ``jax.vmap`` or ``intra_cp`` a launch
+    has more: the opt-in is for one long unsplit sequence)."""
+    B, NC, HV, _, _ = ch.k.shape
+    V = ch.v.shape[-1]
+    return (chunk_forward.WALK_READOUT and B * HV * (V // 32) < ChunkForwardKernel.SMS
+            and binding.grid_limit(B * NC, HV) is None)
 
 
 def _walk_then_readout(spec, operands, layout, h0, ch, ckpt):
@@ -265,7 +266,7 @@ def _walk_then_readout(spec, operands, layout, h0, ch, ckpt):
     split = ChunkForwardKernel.default_split(w.dtype)
     every_dtype = jnp.float32 if split else spec.checkpoint_dtype
     _, final, every = ChunkForwardKernel.call(
-        *operands, *_flags(layout), h0, BV=_bv(spec, ch), ckpt=1, states_dtype=every_dtype,
+        *operands, *_flags(layout), h0, ckpt=1, states_dtype=every_dtype,
         readout=False)
     V = u.shape[-1]
     oc = ChunkForwardKernel.call_readout(w, qg, p, u, every, BV=64 if V % 64 == 0 else 32)
@@ -277,13 +278,6 @@ def _flags(layout: grid.ChunkLayout):
     """(reset, seq, last) as the kernels' int32 [B, NC] flags."""
     i32 = lambda x: x.astype(jnp.int32)
     return i32(layout.reset), i32(layout.seq_of_chunk), i32(layout.is_last)
-
-
-def _bv(spec, ch, extra_columns=0):
-    """The recursion kernels' value tile for the rows a launch really has (under the
-    split, B x segments: the arrays here show B)."""
-    return ChunkForwardKernel.pick_bv(spec.launch_rows, ch.k.shape[2],
-                                      ch.v.shape[-1] + extra_columns)
 
 
 class CuTeDSLEngine(Engine):
@@ -345,12 +339,11 @@ class CuTeDSLEngine(Engine):
                 tokens=read, normalized=normalized)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
-        if walk_readout(spec, ch):
+        if walk_readout(ch):
             oc, final, states = _walk_then_readout(spec, operands, layout, h0, ch, ckpt)
         else:
             oc, final, states = ChunkForwardKernel.call(
-                *operands, *_flags(layout), h0, BV=_bv(spec, ch), ckpt=ckpt,
-                states_dtype=spec.checkpoint_dtype)
+                *operands, *_flags(layout), h0, ckpt=ckpt, states_dtype=spec.checkpoint_dtype)
         oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
         final = where_has_tokens(layout, final, h0).astype(spec.cdt)
         if save:
@@ -376,7 +369,6 @@ class CuTeDSLEngine(Engine):
         on_kernel = kernel_backward(spec, ch)
         ds_end, dh0 = StateGradKernel.call(*work.operands, *_flags(layout),
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
-                                           BV=_bv(spec, ch),
                                            ds_dtype=spec.ab_dtype if on_kernel else None,
                                            fuse_ddo=work.fuse_ddo)
         dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout, qkv=qkv)
@@ -407,7 +399,7 @@ class CuTeDSLEngine(Engine):
         # V + K pass of a CP rank cannot spare; the xla engine keeps float32 ones). u has
         # V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM).
         oc, final, states = ChunkForwardKernel.call(
-            w, kt, qg, p, u, decay, *_flags(layout), h0, BV=_bv(spec, ch, K),
+            w, kt, qg, p, u, decay, *_flags(layout), h0,
             ckpt=spec.checkpoint_stride if keep_states else 0,
             states_dtype=spec.checkpoint_dtype)
         states = states if keep_states else None
@@ -446,7 +438,7 @@ class CuTeDSLEngine(Engine):
         # in 16 bits for the local-gradient kernel, as the plain backward keeps it
         on_kernel = kernel_backward(spec, ch)
         ds_end, dh0 = StateGradKernel.call(kt, w, qg, ddo, do, decay, *_flags(layout), dfx,
-                                           BV=_bv(spec, ch, K), fuse_ddo=work.fuse_ddo,
+                                           fuse_ddo=work.fuse_ddo,
                                            ds_dtype=spec.ab_dtype if on_kernel else None)
         dh0 = where_has_tokens(layout, dh0, dfx)
         summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))

@@ -30,11 +30,14 @@ class StateGradKernel:
                                                 HV=HV, extra_columns=extra_columns)
 
     @classmethod
-    def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-             split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False):
-        """:meth:`raw_call`, ``jax.vmap``-able."""
-        f = binding.vmappable(lambda *a: cls.raw_call(*a, BV=BV, split=split,
-                                                      ds_dtype=ds_dtype, fuse_ddo=fuse_ddo),
+    def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *,
+             BV: Optional[int] = None, split: Optional[bool] = None, ds_dtype=None,
+             fuse_ddo: bool = False):
+        """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: the forward's tile choice for
+        the rows of the launch (``ChunkForwardKernel.launch_bv``)."""
+        f = binding.vmappable(lambda *a: cls.raw_call(
+            *a, BV=BV or ChunkForwardKernel.launch_bv(a[0], a[9]), split=split,
+            ds_dtype=ds_dtype, fuse_ddo=fuse_ddo),
                               seq_arg=7, table_arg=9, out_kinds=("rows", "rows"))
         return f(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
 
