@@ -9,9 +9,9 @@ Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>`
 and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP inside the device),
 ``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
-and any of them with ``+<switch>`` suffixes that turn a kernel opt-in on while the op is
-traced (:data:`SWITCHES`: ``+narrow``, ``+walk``, ``+save``, ``+hilo``), e.g. ``cutedsl+narrow+walk``:
-ours vs ours in one process, beside the same FLA.
+and any of them with ``+<switch>`` suffixes that turn an opt-in on while the op is traced
+(:data:`SWITCHES`: ``+narrow``, ``+walk``, ``+save``, ``+hilo``), e.g.
+``cutedsl+narrow+walk``: ours vs ours in one process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
 """

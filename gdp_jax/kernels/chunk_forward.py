@@ -32,13 +32,14 @@ BF16_SPLIT = False
 # (1, 65536, 16, 2) forward 7.81 -> 6.79 ms, fwd+bwd 26.56 -> 24.81 ms on the H200
 # (benchmarks/results/CURRENT.md, s24).
 NARROW_TILES = True
-# Opt-in (off, NOT MEASURED; ``pipeline.walk_readout``): where the walks cannot fill the
-# GPU (rows x heads x V / 32 < SMs: one long sequence, few heads), the forward walks
-# without the readout (no qg, P loads, half the MMAs a chunk on the serial path) keeping
-# every chunk's start state, and :meth:`ChunkForwardKernel.raw_readout` then makes o for
-# all chunks at once (FLA's forward is split so). The same bits as the fused walk; costs
-# B x NC x HV x K x V states in the checkpoint dtype in HBM (bfloat16 for bfloat16 inputs:
-# what FLA keeps).
+# Opt-in (off; measured slower, s24: at (1, 65536, 16, 2) the forward took 9.41 ms against
+# the fused walk's 7.81, 8.29 vs 6.79 with 16-column tiles; ``pipeline.walk_readout``):
+# where the walks cannot fill the GPU (rows x heads x V / 32 < SMs: one long sequence,
+# few heads), the forward walks without the readout (no qg, P loads, half the MMAs a
+# chunk on the serial path) keeping every chunk's start state, and
+# :meth:`ChunkForwardKernel.raw_readout` then makes o for all chunks at once (FLA's
+# forward is split so). The same bits as the fused walk; costs B x NC x HV x K x V
+# states in the checkpoint dtype in HBM (bfloat16 for bfloat16 inputs: what FLA keeps).
 WALK_READOUT = False
 
 
