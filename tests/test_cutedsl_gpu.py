@@ -346,6 +346,7 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
 @pytest.mark.parametrize("K,V,n,H,HV,packed", [
     (128, 128, 2, 1, 2, False),
     (64, 128, 3, 1, 3, True),                  # GVA, K != V, packed: empty, one-token
+    (128, 64, 1, 2, 2, False),                 # V = 64: four 16-column tiles (not yet run)
 ])
 def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
     """``chunk_forward.NARROW_TILES`` (on by default since s24): the recursion kernels on
