@@ -153,12 +153,12 @@ class OursOp:
     kept = bytes of ``jax.vjp``'s residuals beyond the inputs."""
     family = "ours"
 
-    def __init__(self, name, backend, N=None, intra_cp=None, save_operands=False,
-                 batch_invariant=False, switches=()):
+    def __init__(self, name, backend, N=None, intra_cp=None, batch_invariant=False,
+                 switches=()):
         self.name, self.backend, self.N, self.intra_cp = name, backend, N, intra_cp
         self.batch_invariant = batch_invariant
         # module switches set while the op is traced: ((module, attribute), ...)
-        self.switches = tuple(switches) + ((SWITCHES["save"],) if save_operands else ())
+        self.switches = tuple(switches)
         # without grad no checkpoints are kept, so the forward of N > 0 is N = 0's
         self.fwd_same_as = ("cutedsl" if backend == "cutedsl" and N and intra_cp is None
                             else None)
@@ -290,7 +290,7 @@ def _ours(name: str, bench: str):
     if name == "cutedsl":
         return OursOp("cutedsl", "cutedsl", 0)
     if name == "cutedsl-save":
-        return OursOp(name, "cutedsl", 0, save_operands=True)
+        return OursOp(name, "cutedsl", 0, switches=(SWITCHES["save"],))    # = cutedsl+save
     if name in ("cutedsl-inv", "xla-inv"):
         backend = name.split("-")[0]
         return OursOp(name, backend, 0 if backend == "cutedsl" else None,
