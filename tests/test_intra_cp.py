@@ -111,11 +111,12 @@ def test_emulated_cutedsl_split_matches_xla(packed):
 
 
 def test_forward_only_split_keeps_no_checkpoints(monkeypatch):
-    """A split call that nothing differentiates runs the driver's primal: its V + K kernel
-    pass writes no chunk-state checkpoints (ckpt = 0) and its operands come from the
+    """A split call that nothing differentiates runs the driver's primal: its kernel walks
+    write no chunk-state checkpoints (ckpt = 0) and its operands come from the
     token-major kernel; its outputs still equal the differentiated call's forward and the
     float64 reference, packed with empty and length-1 sequences. Under jax.grad the same
-    call keeps its checkpoints."""
+    call keeps its checkpoints (on the walk with the readout; with CP_REWALK the summary
+    walk before it keeps none)."""
     from gdp_jax.kernels import emulate
     T = 256
     cu = jnp.asarray([0, 30, 30, 31, 200, T], jnp.int32)
@@ -126,20 +127,73 @@ def test_forward_only_split_keeps_no_checkpoints(monkeypatch):
     # the emulations recorded (emulated_kernels installs what emulate holds on entry)
     walk, tokens = emulate.chunk_kernel_call, emulate.chunk_prep_tokens_call
     monkeypatch.setattr(emulate, "chunk_kernel_call",
-                        lambda *a, **k: ckpts.append(k["ckpt"]) or walk(*a, **k))
+                        lambda *a, **k: ckpts.append((k["ckpt"], k.get("readout", True)))
+                        or walk(*a, **k))
     monkeypatch.setattr(emulate, "chunk_prep_tokens_call",
                         lambda *a, **k: prep.append("tokens") or tokens(*a, **k))
     with emulated_kernels():
         o, s = jax.jit(lambda *a: OP(*a, **kw))(*inp[:5])
-        assert ckpts and set(ckpts) == {0} and prep
+        assert ckpts and {c for c, _ in ckpts} == {0} and prep
         ckpts.clear()
         (o2, s2), _ = jax.jit(lambda *a: jax.vjp(lambda *x: OP(*x, **kw), *a))(*inp[:5])
-        assert ckpts and min(ckpts) > 0
+        assert ckpts and min(c for c, readout in ckpts if readout) > 0
+        assert all(c == 0 for c, readout in ckpts if not readout)
     f64 = lambda x: x.astype(jnp.float64)
     ref_o, ref_s = REF(*map(f64, inp[:5]), initial_state=f64(inp.initial_state),
                        output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True)
     assert rel_max(o, o2) < 1e-2 and rel_max(s, s2) < 1e-2
     assert rel_max(o, ref_o) < 2e-2 and rel_max(s, ref_s) < 2e-2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_emulated_cutedsl_rewalk_equals_response(monkeypatch, packed):
+    """The CP pass both ways (``chunk_forward.CP_REWALK``), emulated kernels under the
+    split: on, prepare's V + K walks write no output rows, checkpoints or dS_end
+    (readout=False, ckpt=0 / write_ds=False) and apply walks V columns; off, one V + K
+    walk with all of them and apply's response products. Outputs, final states and every
+    gradient agree with each other and with the xla backend (bfloat16 inputs, packed
+    with empty and length-1 sequences, recompute_chunk_num=1)."""
+    from gdp_jax.kernels import chunk_forward, emulate
+    T = 256
+    cu = jnp.asarray([0, 30, 30, 31, 200, T], jnp.int32) if packed else None
+    inp = make_inputs(11, 1, T, 2, 1, 2, 64, 64, jnp.bfloat16, gate="strong",
+                      N=5 if packed else None)
+    kw = dict(initial_state=inp.initial_state, output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, recompute_chunk_num=1)
+    wo, ws = default_weights(inp, cu, None)
+    f32 = lambda x: x.astype(jnp.float32)
+
+    def run(backend, **more):        # a fresh function per call: no trace is reused
+        def loss(q, k, v, g, beta):
+            o, s = OP(q, k, v, g, beta, backend=backend, **kw, **more)
+            return jnp.sum(f32(o) * wo) + jnp.sum(f32(s) * ws), (o, s)
+        (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                                        has_aux=True))(*inp[:5])
+        return (o, s) + tuple(grads)
+
+    calls = []
+    fwd, rev = emulate.chunk_kernel_call, emulate.dh_kernel_call
+    monkeypatch.setattr(emulate, "chunk_kernel_call", lambda *a, **k: calls.append(
+        ("fwd", a[9].shape[-1], k.get("readout", True), k["ckpt"])) or fwd(*a, **k))
+    monkeypatch.setattr(emulate, "dh_kernel_call", lambda *a, **k: calls.append(
+        ("rev", a[9].shape[-1], k.get("write_ds", True))) or rev(*a, **k))
+    got = {}
+    for rewalk in (True, False):
+        monkeypatch.setattr(chunk_forward, "CP_REWALK", rewalk)
+        calls.clear()
+        with emulated_kernels():
+            got[rewalk] = run("cutedsl", intra_cp=4)
+        wide = {c for c in calls if c[1] == 128}           # the V + K passes
+        if rewalk:
+            assert wide == {("fwd", 128, False, 0), ("rev", 128, False)}
+            assert {c for c in calls if c[1] == 64} == {("fwd", 64, True, 2),
+                                                        ("rev", 64, True)}
+        else:
+            assert wide == {("fwd", 128, True, 2), ("rev", 128, True)}
+    ref = run("xla")
+    names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta")
+    for name, a, b, c in zip(names, got[True], got[False], ref):
+        assert rel_max(a, b) < 2e-2 and rel_max(a, c) < 2e-2, name
 
 
 def test_under_vmap():

@@ -6,7 +6,7 @@ gradient w.r.t. the state) in float32 registers. Per chunk c, in reverse (operan
 precomputed by XLA, see ``gdp_jax.kernels.pipeline``):
 
     dS     += dfinal[seq[c]]             if is_last[c]        (the sequence ends here)
-    dS_end[c] <- dS                                 (written, float32 or 16-bit)
+    dS_end[c] <- dS                     (written, float32 or 16-bit; not with write_ds=False)
     dDelta  = ddo_c + Kt_c dS                                  [C, BV]   ddo = P^T dO
     dS     <- decay_c dS + qg_c^T dO_c - w_c^T dDelta          [K, BV]
     dh0[seq[c]] <- dS;  dS <- 0          if reset[c]          (the sequence starts here)
@@ -40,7 +40,7 @@ class ChunkBwdDhSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype, hi/lo split."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
-                 fuse_ddo: bool = False, do_cols: int = 0):
+                 fuse_ddo: bool = False, do_cols: int = 0, write_ds: bool = True):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128)
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
@@ -50,6 +50,9 @@ class ChunkBwdDhSm90:
         # V): the CP pass's K response columns need no zeros in HBM
         self.do_cols = do_cols or V
         assert self.do_cols % BV == 0 and self.do_cols <= V
+        # False: the walk for the start-state gradients alone (a CP summary): mDsEnd is a
+        # placeholder nobody reads, and no chunk's dS_end is stored
+        self.write_ds = write_ds
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -142,8 +145,9 @@ class ChunkBwdDhSm90:
             if last != 0:
                 gF = c_tile(thr_mma, mDfinal[seq, hv, None, None], (K, BV), (0, vt))
                 acc_S.store(acc_S.load() + gF.load())
-            c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(
-                acc_S.load().to(mDsEnd.element_type))
+            if cutlass.const_expr(self.write_ds):
+                c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(
+                    acc_S.load().to(mDsEnd.element_type))
             toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
             if cutlass.const_expr(self.do_cols == self.V):
                 toD.store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt)).load(),
@@ -202,8 +206,10 @@ _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
-               fuse_ddo: bool = False, do_cols: int = 0) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V)
+               fuse_ddo: bool = False, do_cols: int = 0,
+               write_ds: bool = True) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds)
     if key not in _KERNELS:
-        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols)
+        _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols,
+                                       write_ds)
     return _KERNELS[key]

@@ -41,6 +41,17 @@ NARROW_TILES = True
 # forward is split so). The same bits as the fused walk; costs B x NC x HV x K x V
 # states in the checkpoint dtype in HBM (bfloat16 for bfloat16 inputs: what FLA keeps).
 WALK_READOUT = False
+# The CP pass (cross-device ranks and ``intra_cp``'s segments), both directions: prepare
+# walks the V + K columns for the summary alone (no readout, checkpoints or dS_end: the
+# kernels' ``readout=False`` / ``write_ds=False``), and apply runs the plain single-device
+# pass on V columns from the folded start state (end-state gradient) - Megatron's apply.
+# Off: one V + K walk that also writes every output row, checkpoint and dS_end on V + K
+# columns, and apply adds their response to the folded state by per-chunk float32
+# products in XLA (s24-1 trace of intra_cp = 4's forward at (1, 65536, 16, 2): 2.85 of
+# its 8.8 ms; twice the plain op's peak memory). On: one more walk a direction, half as
+# wide. NOT measured on a GPU yet (written in s25, which had no device):
+# `bash benchmarks/run_gpu_measurements.sh 5` (``+respond`` in the runner turns it off).
+CP_REWALK = True
 
 
 class ChunkForwardKernel:
@@ -192,24 +203,32 @@ class ChunkForwardKernel:
     def variants(cls, recompute_chunk_nums=(0,)):
         """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
-        checkpoints of each ``recompute_chunk_nums``) and the CP rank's one pass (V + K
-        columns, the same checkpoints); each with every value tile ``pick_bv`` picks (64
-        for calls that fill the GPU, 32 for few rows x heads, 16 for fewer)."""
+        checkpoints of each ``recompute_chunk_nums``) and the CP rank's pass on V + K
+        columns (u on the first V): the summary walk with :data:`CP_REWALK`, else the
+        walk with the readout and the same checkpoints; each with every value tile
+        ``pick_bv`` picks (64 for calls that fill the GPU, 32 for few rows x heads, 16 for
+        fewer)."""
         from gdp_jax.kernels import aot
         out = []
         for name in cls.DTYPES:
             for K in cls.HEAD_DIMS:
                 for V in cls.HEAD_DIMS:
-                    # the CP pass: V + K columns (u on the first V), with and without
-                    # checkpoints (a forward that nothing differentiates keeps none)
-                    runs = [(V, 0), (V + K, 0)] + [(Vx, r + 1) for Vx in (V, V + K)
-                                                   for r in recompute_chunk_nums]
-                    for (Vx, ckpt) in runs:
+                    # (state columns, ckpt, readout); a forward that nothing
+                    # differentiates keeps no checkpoints
+                    runs = [(V, 0, True)] + [(V, r + 1, True) for r in recompute_chunk_nums]
+                    if CP_REWALK:
+                        runs += [(V + K, 0, False)]
+                    else:
+                        runs += [(V + K, 0, True)] + [(V + K, r + 1, True)
+                                                      for r in recompute_chunk_nums]
+                    for (Vx, ckpt, readout) in runs:
                         for BV in cls.value_tiles(Vx):
                             fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
-                                                   states_dtype=checkpoint_dtype(name))
+                                                   states_dtype=checkpoint_dtype(name),
+                                                   readout=readout)
                             out.append(aot.Variant(
-                                f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt} BV={BV}",
+                                f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt}"
+                                + ("" if readout else " summary") + f" BV={BV}",
                                 fn, _avals(name, K, Vx, u_cols=V)))
                     if WALK_READOUT:          # the split forward's two kernels
                         sdt = (jnp.float32 if cls.default_split(jnp.dtype(name))

@@ -76,9 +76,10 @@ def chunk_readout_call(w, qg, p, u, states, *, BV, split=None):
 
 
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None,
-                   ds_dtype=None, fuse_ddo=False):
+                   ds_dtype=None, fuse_ddo=False, write_ds=True):
     """The reverse kernel's contract (``StateGradKernel.raw_call``): dS_end in
-    ``ds_dtype`` (rounded once, as stored; the walk carries the accumulator dtype); with
+    ``ds_dtype`` (rounded once, as stored; the walk carries the accumulator dtype; a NaN
+    [1] placeholder with ``write_ds=False``); with
     ``fuse_ddo`` ``ddo`` is the readout matrix P and ddo = P^T dO (in the accumulator
     dtype: P and dO are exact 16-bit values)."""
     del BV, split
@@ -106,6 +107,8 @@ def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, s
     dh0 = _scatter_rows(dfinal.shape[0], seq.reshape(-1),
                         ds_start.reshape((B * NC,) + ds_start.shape[2:]),
                         reset.reshape(-1) != 0)
+    if not write_ds:
+        return jnp.full((1,), jnp.nan, ds_dtype or acc), dh0
     return ds_end.astype(ds_dtype or acc), dh0
 
 

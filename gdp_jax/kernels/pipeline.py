@@ -30,13 +30,15 @@ Backward:
     with dq, dk, dv written token-major (:class:`gdp_jax.engine.TokenCotangents`); where
     it cannot run, the same written out in XLA
     (:func:`gdp_jax.chunked.local_grads_direct`).
-CP (one kernel pass per direction per rank): the same two recursion kernels on V + K
-state columns. Columns of the state never mix, so from the start [h0' | I] with
-u = [u | 0] the last K columns of every output row, checkpoint and final state are their
-response to the sequence's start state: [E | M] is read off the final state, and apply
-adds o_K (S - h0'), S0_K (S - h0'), M (S - h0') for the folded start state S (parallel
-matmuls, no second walk). Likewise dfinal = [dfinal' | I], dO = [dO | 0] give
-[gamma | M^T] and the response of every dS_end to the incoming end-state gradient. Exact.
+CP (``chunk_forward.CP_REWALK``, on): per direction, prepare runs the recursion kernel on
+V + K state columns for the summary alone (no readout, checkpoints or dS_end): columns of
+the state never mix, so from the start [h0' | I] with u = [u | 0] the last K columns of
+the final state are its response to the sequence's start state, and [E | M] is read off
+it (dfinal = [dfinal' | I], dO = [dO | 0] give [gamma | M^T]). Apply then runs the plain
+single-device pass from the folded start state (end-state gradient) on V columns. Off:
+the one V + K walk also writes every output row, checkpoint and dS_end on V + K columns,
+and apply adds o_K (S - h0'), S0_K (S - h0'), M (S - h0') for the folded start state S
+(parallel matmuls, no second walk). Both exact.
 """
 from __future__ import annotations
 
@@ -381,36 +383,49 @@ class CuTeDSLEngine(Engine):
 
     def forward_prepare(self, spec, ch, layout, h0p, differentiated=False, keep_states=True,
                         tokens=None):
-        """The one forward kernel pass of a CP rank: from [h0p | I] with u = [u | 0], so
-        the K extra columns of every output row, checkpoint and final state are their
-        response to the start state of their sequence. Without ``keep_states`` (no
-        backward follows) the pass writes no checkpoints, and its operands kernel reads
-        ``tokens`` (the rank's q, k, v) itself where it can, as the plain forward does.
-        -> ((E, M), :class:`ForwardResponse`)."""
+        """The CP rank's forward kernel pass on V + K columns from [h0p | I] with
+        u = [u | 0]: the K extra columns of the final states are their response to the
+        sequence's start state. With ``chunk_forward.CP_REWALK`` the walk writes nothing
+        else (-> ((E, M), :class:`ForwardWalk`), for apply's plain walk); else it also
+        writes the V + K output rows and checkpoints (-> ((E, M),
+        :class:`ForwardResponse`)). Without ``keep_states`` (no backward follows) no
+        checkpoints are kept, and the operands kernel reads ``tokens`` (the rank's q, k,
+        v) itself where it can, as the plain forward does."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        (w, kt, qg, p, u, decay), bad = masked_operands(
+        operands, bad = masked_operands(
             spec, ch, use_kernel=self._prep_kernel(spec, ch, differentiated), layout=layout,
             tokens=None if keep_states else tokens)
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
-        # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
-        # would skip one rounding of the response columns for twice the bytes, which the
-        # V + K pass of a CP rank cannot spare; the xla engine keeps float32 ones). u has
-        # V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM).
-        oc, final, states = ChunkForwardKernel.call(
-            w, kt, qg, p, u, decay, *_flags(layout), h0,
-            ckpt=spec.checkpoint_stride if keep_states else 0,
-            states_dtype=spec.checkpoint_dtype)
-        states = states if keep_states else None
+        # u has V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM)
+        if chunk_forward.CP_REWALK:
+            _, final, _ = ChunkForwardKernel.call(*operands, *_flags(layout), h0, ckpt=0,
+                                                  readout=False)
+            work = ForwardWalk(operands, bad)
+        else:
+            # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
+            # would skip one rounding of the response columns for twice the bytes)
+            oc, final, states = ChunkForwardKernel.call(
+                *operands, *_flags(layout), h0,
+                ckpt=spec.checkpoint_stride if keep_states else 0,
+                states_dtype=spec.checkpoint_dtype)
+            work = ForwardResponse(h0p, oc, None, states if keep_states else None, bad)
         final = where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
-        return (E, M), ForwardResponse(h0p, oc, final, states, bad)
+        if isinstance(work, ForwardResponse):
+            work = work._replace(final=final)
+        return (E, M), work
 
     def forward_resume(self, spec, ch, layout, h0, seqs, work, keep_states=True):
-        """The forward from the true start states h0 without a second kernel pass: the
-        prepare's rows, checkpoints and final states plus their response to h0 - h0p."""
+        """The forward from the true start states h0: a :class:`ForwardWalk` runs the plain
+        forward's walk on the prepare's operands; a :class:`ForwardResponse` adds the
+        response to h0 - h0p to the prepare's rows, checkpoints and final states (no
+        second walk). -> (o rows, final states, checkpoints or None)."""
+        if isinstance(work, ForwardWalk):
+            return self.forward(spec, ch, layout, h0, keep_states=keep_states,
+                                work=tuple(work))
         oc, final, delta = resume_rows_and_final(work, layout, h0, seqs)
         if work.states is None:
             return oc, final.astype(spec.cdt), None
@@ -423,32 +438,40 @@ class CuTeDSLEngine(Engine):
         return self.backward_prepare(spec, ch, layout, doc, dfinal)
 
     def backward_prepare(self, spec, ch, layout, doc, dfinal):
-        """The one reverse kernel pass of a CP rank: dfinal = [dfinal | I], dO = [dO | 0],
-        so the K extra columns of every dS_end and start-state gradient are their
-        response to the end-state gradient of their sequence.
-        -> ((gamma, M^T), :class:`BackwardResponse`)."""
+        """The CP rank's reverse kernel pass on V + K columns from dfinal = [dfinal | I],
+        dO = [dO | 0]: the K extra columns of the start-state gradients are their response
+        to the end-state gradient of their sequence. With ``chunk_forward.CP_REWALK`` the
+        walk writes nothing else (-> ((gamma, M^T), :class:`BackwardWork`), for apply's
+        plain backward); else it also writes every dS_end on V + K columns (-> ((gamma,
+        M^T), :class:`BackwardResponse`))."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype,
-                            on_kernel=kernel_backward(spec, ch))
+        on_kernel = kernel_backward(spec, ch)
+        work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype, on_kernel=on_kernel)
         kt, w, qg, ddo, do, decay = work.operands
         df = dfinal.astype(acc_dtype(spec.ab_dtype))
         dfx = identity_columns(df, K)
         # dO, ddo on their V columns (the kernel takes the response columns' as 0); dS_end
         # in 16 bits for the local-gradient kernel, as the plain backward keeps it
-        on_kernel = kernel_backward(spec, ch)
-        ds_end, dh0 = StateGradKernel.call(kt, w, qg, ddo, do, decay, *_flags(layout), dfx,
-                                           fuse_ddo=work.fuse_ddo,
-                                           ds_dtype=spec.ab_dtype if on_kernel else None)
+        rewalk = chunk_forward.CP_REWALK
+        ds_end, dh0 = StateGradKernel.call(
+            kt, w, qg, ddo, do, decay, *_flags(layout), dfx, fuse_ddo=work.fuse_ddo,
+            ds_dtype=spec.ab_dtype if on_kernel and not rewalk else None,
+            write_ds=not rewalk)
         dh0 = where_has_tokens(layout, dh0, dfx)
         summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))
+        if rewalk:
+            return summary, work
         return summary, BackwardResponse(work, df, ds_end, dh0)
 
     def backward_resume(self, spec, ch, layout, h0, doc, dfinal, states, seqs, work):
-        """The backward from the true end-state gradients without a second kernel pass:
-        dS_end and dh0 plus their response to dfinal - the prepare's, then the chunk-local
-        gradients (:func:`local_grads`) at the chunk states recomputed from the
-        checkpoints."""
+        """The backward from the true end-state gradients dfinal: a :class:`BackwardWork`
+        runs the plain backward on it; a :class:`BackwardResponse` adds the response to
+        dfinal - dfinal' to the prepare's dS_end and dh0 (no second walk). Then the
+        chunk-local gradients (:func:`local_grads`) at the chunk states recomputed from
+        the checkpoints."""
+        if isinstance(work, BackwardWork):
+            return self.backward(spec, ch, layout, h0, doc, dfinal, states, work=work)
         V = dfinal.shape[-1]
         bw = work.work
         ddf = dfinal.astype(work.dfinal.dtype) - work.dfinal
@@ -461,6 +484,13 @@ class CuTeDSLEngine(Engine):
         # dq, dk, dv token-major where the kernel can, as the single-device backward
         dch = local_grads(spec, ch, bw, S0, doc, ds_end, layout=layout)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
+
+
+class ForwardWalk(NamedTuple):
+    """The CP forward's summary walk, kept for apply's plain walk: the forward kernel's
+    operands (w, kt, qg, p, u, decay) and the non-finite rows ``bad`` [B, NC, HV, C]."""
+    operands: tuple
+    bad: jax.Array
 
 
 class BackwardResponse(NamedTuple):

@@ -3,7 +3,8 @@
 One CTA per (value tile, head, row) walks that row's chunks backwards with dS in
 registers (dS does not depend on S): dS_end = carry (+ dfinal on a sequence's last chunk),
 dDelta = ddo + Kt dS_end, dS_start = decay dS_end + qg^T dO - w^T dDelta, restarting at
-``reset`` chunks. It writes dS_end of every chunk and the initial-state gradients.
+``reset`` chunks. It writes dS_end of every chunk (unless ``write_ds=False``: a CP
+summary, the start-state gradients alone) and the initial-state gradients.
 ddo = P^T dO comes in (float32), or with ``fuse_ddo`` the kernel forms it from the
 readout matrix P (16-bit [C, C]) and dO itself.
 """
@@ -15,7 +16,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from gdp_jax import grid
-from gdp_jax.kernels import binding
+from gdp_jax.kernels import binding, chunk_forward
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
 
@@ -32,21 +33,23 @@ class StateGradKernel:
     @classmethod
     def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *,
              BV: Optional[int] = None, split: Optional[bool] = None, ds_dtype=None,
-             fuse_ddo: bool = False):
+             fuse_ddo: bool = False, write_ds: bool = True):
         """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: the forward's tile choice for
         the rows of the launch (``ChunkForwardKernel.launch_bv``)."""
         f = binding.vmappable(lambda *a: cls.raw_call(
             *a, BV=BV or ChunkForwardKernel.launch_bv(a[0], a[9]), split=split,
-            ds_dtype=ds_dtype, fuse_ddo=fuse_ddo),
-                              seq_arg=7, table_arg=9, out_kinds=("rows", "rows"))
+            ds_dtype=ds_dtype, fuse_ddo=fuse_ddo, write_ds=write_ds),
+                              seq_arg=7, table_arg=9,
+                              out_kinds=("rows" if write_ds else "dummy", "rows"))
         return f(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
 
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
-                 split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False):
+                 split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False,
+                 write_ds: bool = True):
         """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
         or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
-        MMAs anyway),
+        MMAs anyway) - a [1] placeholder with ``write_ds=False`` (the walk for dh0 alone) -,
         dh0 [N, HV, K, V] float32).
 
         kt, w, qg: [B, NC, HV, C, K] and do: [B, NC, HV, C, Vo] in one 16-bit dtype; ddo:
@@ -72,39 +75,46 @@ class StateGradKernel:
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
             raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
                              f"got {ds_dtype.name}")
-        outputs = (binding.out((B, NC, HV, K, V), ds_dtype),
+        outputs = (binding.out((B, NC, HV, K, V) if write_ds else (1,), ds_dtype),
                    binding.out(dfinal.shape, jnp.float32))
         return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
                                    (kt, w, qg, ddo, do, decay, reset, seq, last, dfinal),
-                                   tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2),
+                                   tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2,
+                                              2 if write_ds else 1, 2),
                                    K=K, V=V, BV=BV, ab_name=ab_name, split=split,
                                    **({"fuse_ddo": True} if fuse_ddo else {}),
-                                   **({"do_cols": Vo} if Vo < V else {}))
+                                   **({"do_cols": Vo} if Vo < V else {}),
+                                   **({} if write_ds else {"write_ds": False}))
 
     @classmethod
     def variants(cls):
         """The variants the cutedsl engine runs: per dtype and head dims, the backward
         (dS_end in the 16-bit dtype for the local-gradient kernel, float32 for the XLA
-        local gradients) and the CP pass (V + K columns, dO on the first V), ddo formed in
-        the kernel or read; the value tiles as the forward's
+        local gradients) and the CP pass on V + K columns (dO on the first V): the summary
+        walk (no dS_end) with ``chunk_forward.CP_REWALK``, else every dS_end in either
+        dtype; ddo formed in the kernel or read; the value tiles as the forward's
         (``ChunkForwardKernel.value_tiles``)."""
         from gdp_jax.kernels import aot
         out = []
         for name in ChunkForwardKernel.DTYPES:
             for K in ChunkForwardKernel.HEAD_DIMS:
                 for V in ChunkForwardKernel.HEAD_DIMS:
-                    for Vx in (V, V + K):
-                        for ds, fused in ((name, True), (name, False), ("float32", True),
-                                          ("float32", False)):
-                            if Vx == V and (ds, fused) == ("float32", True):
-                                continue          # the XLA local gradients: ddo in XLA
-                            for BV in ChunkForwardKernel.value_tiles(Vx):
-                                fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
-                                                       fuse_ddo=fused)
-                                out.append(aot.Variant(
-                                    f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} dS_end {ds}"
-                                    + (" fused ddo" if fused else "") + f" BV={BV}",
-                                    fn, _avals(name, K, Vx, fused, do_cols=V)))
+                    # (state columns, dS_end dtype or None: not written, fused ddo)
+                    runs = [(V, name, True), (V, name, False), (V, "float32", False)]
+                    if chunk_forward.CP_REWALK:
+                        runs += [(V + K, None, True), (V + K, None, False)]
+                    else:
+                        runs += [(V + K, ds, fused) for ds in (name, "float32")
+                                 for fused in (True, False)]
+                    for Vx, ds, fused in runs:
+                        for BV in ChunkForwardKernel.value_tiles(Vx):
+                            fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
+                                                   fuse_ddo=fused, write_ds=ds is not None)
+                            out.append(aot.Variant(
+                                f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
+                                + (f"dS_end {ds}" if ds else "summary")
+                                + (" fused ddo" if fused else "") + f" BV={BV}",
+                                fn, _avals(name, K, Vx, fused, do_cols=V)))
         return out
 
 
@@ -132,8 +142,9 @@ def _launcher():
     def launch(stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0):
-        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols)(
+               fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0,
+               write_ds: cutlass.Constexpr = True):
+        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
