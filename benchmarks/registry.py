@@ -10,7 +10,7 @@ and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP insi
 ``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
 and any of them with ``+<switch>`` suffixes that turn an opt-in on while the op is traced
-(:data:`SWITCHES`: ``+narrow``, ``+walk``, ``+save``, ``+hilo``), e.g.
+(:data:`SWITCHES`: ``+narrow``, ``+walk``, ``+save``, ``+hilo``, ``+rewalk``), e.g.
 ``cutedsl+narrow+walk``: ours vs ours in one process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
@@ -265,7 +265,8 @@ class OursStep:
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "walk": ("kernels.chunk_forward", "WALK_READOUT"),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
-            "hilo": ("engine", "RESPONSE_HI_LO")}
+            "hilo": ("engine", "RESPONSE_HI_LO"),
+            "rewalk": ("kernels.chunk_forward", "CP_REWALK")}
 
 
 def _ours(name: str, bench: str):

@@ -95,8 +95,11 @@ def gated_delta_product(
       intra_cp: None (default), an int S or "auto": cut each row's T into S equal
         segments and run them as context-parallel ranks inside this device (a
         ``jax.vmap`` axis; :mod:`gdp_jax.cp.split`), so a call of few rows x heads walks
-        S x as many in parallel. "auto" picks S from B x HV and T (1 = no split). Same
-        results up to rounding; not with ``cp_axis``.
+        S x as many in parallel. "auto" picks S from B x HV x V and T (1 = no split:
+        where the unsplit kernels already occupy at least half the GPU) and splits only
+        a call that nothing differentiates (under ``jax.grad`` it runs the unsplit
+        forward and backward, which measured faster). Same results up to rounding; not
+        with ``cp_axis``.
       batch_invariant: make each sequence's outputs, final state and gradients the same
         bits whatever else is in the batch or the pack: the XLA glue's sums (the L2 norm
         and its backward) in an order that does not depend on the tensors' shapes
@@ -180,6 +183,10 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
         o, final = driver.cp_gated_delta_product(
             spec, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
             backend=backend)
+    elif segments > 1 and intra_cp == "auto":
+        unsplit = functools.partial(_op, backends.engine(backend), spec)
+        o, final = split.forward_only_split(unsplit, spec, q, k, v, g, beta, initial_state,
+                                            cu_seqlens, segments=segments, backend=backend)
     elif segments > 1:
         o, final = split.split_gated_delta_product(
             spec, q, k, v, g, beta, initial_state, cu_seqlens, segments=segments,

@@ -211,14 +211,55 @@ def _spec(B, T, HV):
 
 
 def test_auto_segments():
-    assert split.num_segments(_spec(1, 65536, 16), "auto") == 8     # 16 walks -> 128
-    assert split.num_segments(_spec(8, 4096, 16), "auto") == 1      # already 128 walks
+    # _spec's V = 64: B x HV x 4 CTAs of 16 columns; split where they are <= 66
+    assert split.num_segments(_spec(1, 65536, 16), "auto") == 4     # 64 CTAs -> 256
+    assert split.num_segments(_spec(1, 65536, 17), "auto") == 1     # 68: half the SMs busy
+    assert split.num_segments(_spec(8, 4096, 16), "auto") == 1      # 512 CTAs
+    assert split.num_segments(_spec(1, 262144, 1), "auto") == 64    # 4 CTAs -> 256
     assert split.num_segments(_spec(1, 4096, 2), "auto") == 1       # segments too short
     assert split.num_segments(_spec(1, 8193, 1), "auto") == 1       # 2 does not divide T
     assert split.num_segments(_spec(1, 12288, 1), "auto") == 2      # 4 segments too short
     assert split.num_segments(_spec(1, 8192, 1), None) == 1
     assert split.num_segments(_spec(1, 8192, 1), 4) == 4
     assert split.num_segments(_spec(1, 8192, 1), np.int64(2)) == 2
+
+
+def test_auto_splits_only_a_call_nothing_differentiates(monkeypatch):
+    """intra_cp="auto": the forward alone runs split (the same bits as intra_cp=S);
+    under differentiation the unsplit op's forward and backward run (the same bits as
+    intra_cp=None: o, final state, every gradient), under jax.jit and jax.vmap too."""
+    monkeypatch.setattr(split, "MIN_SEGMENT_TOKENS", 64)
+    T = 256
+    cu = jnp.asarray([0, 0, 1, 150, 151, T], jnp.int32)
+    inp = make_inputs(2, 1, T, 2, 1, 2, 8, 8, jnp.float64, gate="strong", N=5)
+    assert split.num_segments(_spec(1, T, 2), "auto") == 4
+    calls = []
+    real = split.split_gated_delta_product
+    monkeypatch.setattr(split, "split_gated_delta_product",
+                        lambda *a, **k: calls.append(k["segments"]) or real(*a, **k))
+    kw = dict(initial_state=inp.initial_state, output_final_state=True, cu_seqlens=cu)
+    o, s = jax.jit(lambda *a: OP(*a, intra_cp="auto", **kw))(*inp[:5])
+    o4, s4 = jax.jit(lambda *a: OP(*a, intra_cp=4, **kw))(*inp[:5])
+    assert calls == [4, 4]
+    assert np.array_equal(o, o4) and np.array_equal(s, s4)
+    calls.clear()
+    w = default_weights(inp, cu, None)
+    got = loss_and_grads(OP, inp, w, cu_seqlens=cu, intra_cp="auto")
+    plain = loss_and_grads(OP, inp, w, cu_seqlens=cu)
+    assert calls == []
+    assert np.array_equal(got[0], plain[0]) and np.array_equal(got[1], plain[1])
+    assert set(got[3]) >= {"q", "k", "v", "g", "beta", "initial_state"}
+    for name in got[3]:
+        assert np.array_equal(got[3][name], plain[3][name]), name
+    ref = loss_and_grads(REF, inp, w, cu_seqlens=cu)
+    assert rel_max(o, ref[0]) < 1e-10 and rel_max(got[3]["q"], ref[3]["q"]) < 1e-10
+    # a user's vmap of the differentiated call: each problem as its own call
+    two = make_inputs(4, 2, T, 1, 1, 1, 8, 8, jnp.float64)
+    f = lambda q, k, v, g, b, intra: jnp.sum(OP(q[None], k[None], v[None], g[None], b[None],
+                                                intra_cp=intra) ** 2)
+    gv = jax.jit(jax.vmap(jax.grad(lambda *a: f(*a, "auto"))))(*two[:5])
+    gp = jax.jit(jax.vmap(jax.grad(lambda *a: f(*a, None))))(*two[:5])
+    assert np.array_equal(gv, gp)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, True, "yes"])

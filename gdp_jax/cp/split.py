@@ -28,11 +28,18 @@ from gdp_jax.cp import driver
 from gdp_jax.cp import fold as scan_fold
 
 AXIS = "gdp_intra_device_cp"
-# "auto": segments of at least this many tokens, doubling S while the walks (B x HV x S
-# chains of chunks, each walked by one kernel program) number at most FILL_WALKS; the H200
-# has 132 SMs. Both values are first guesses, to be set from a GPU sweep.
+# "auto", modeled on the cutedsl recursion kernels (one CTA per row x head x value tile,
+# tiles down to 16 columns; the H200 has 132 SMs): split only where the unsplit walks
+# leave at least half of the SMs without a CTA (B x HV x V / 16 <= SMS / 2), into the
+# fewest segments (a power of two) that give more CTAs than SMs, each of at least
+# MIN_SEGMENT_TOKENS tokens; and only a call that nothing differentiates (training runs
+# unsplit). From two measured points (H200, s24, intra_cp=4 on the CP pass of then):
+# at 64 such CTAs, (1, 131072, 8, 2), the split forward took 8.93 ms against 10.32
+# unsplit; at 128, (1, 65536, 16, 2), 8.91 against 6.79; fwd+bwd lost at both (35.8 vs
+# 34.6, 35.5 vs 24.8 ms). To be set again from a GPU sweep.
+SMS = 132
+NARROWEST_TILE = 16
 MIN_SEGMENT_TOKENS = 4096
-FILL_WALKS = 128
 
 
 def check(intra_cp) -> None:
@@ -47,14 +54,18 @@ def check(intra_cp) -> None:
 
 def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
     """S for this call: 1 (no split) for None; ``intra_cp`` itself for an int (it must
-    divide T); for "auto", the largest power of two with B x HV x S <= FILL_WALKS and
-    T / S >= MIN_SEGMENT_TOKENS tokens that divides T."""
+    divide T); for "auto", 1 unless B x HV x V / 16 <= SMS / 2, then the smallest power of
+    two S with S x B x HV x V / 16 > SMS, T / S >= MIN_SEGMENT_TOKENS and S | T (the
+    largest such power below it where none reaches SMS)."""
     check(intra_cp)
     if intra_cp is None:
         return 1
     if intra_cp == "auto":
+        ctas = spec.B * spec.HV * max(spec.V // NARROWEST_TILE, 1)
         S = 1
-        while (spec.B * spec.HV * 2 * S <= FILL_WALKS and spec.T % (2 * S) == 0
+        if 2 * ctas > SMS:
+            return S
+        while (S * ctas <= SMS and spec.T % (2 * S) == 0
                and spec.T // (2 * S) >= MIN_SEGMENT_TOKENS):
             S *= 2
         return S
@@ -64,6 +75,26 @@ def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
                          f"[{spec.B}, {spec.T}, {spec.H}, {spec.K}]): the segments must be "
                          f"equal")
     return intra_cp
+
+
+def forward_only_split(unsplit, spec, q, k, v, g, beta, initial_state, cu_seqlens, *,
+                       segments: int, backend: str):
+    """``intra_cp="auto"``: :func:`split_gated_delta_product` where nothing differentiates
+    the call, ``unsplit`` (the plain op: (q, k, v, g, beta, initial_state, cu_seqlens) ->
+    (o, final)) under differentiation - its forward and backward (a custom_vjp whose
+    primal is the split and whose rules are the unsplit op's)."""
+    def primal(*args):
+        return split_gated_delta_product(spec, *args, segments=segments, backend=backend)
+
+    def fwd(*args):
+        return jax.vjp(unsplit, *args)
+
+    def bwd(vjp, cts):
+        return vjp(cts)[:-1] + (None,)           # no cotangent for the integer offsets
+
+    op = jax.custom_vjp(primal)
+    op.defvjp(fwd, bwd)
+    return op(q, k, v, g, beta, initial_state, cu_seqlens)
 
 
 def split_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *,

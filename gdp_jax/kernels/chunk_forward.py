@@ -41,17 +41,18 @@ NARROW_TILES = True
 # forward is split so). The same bits as the fused walk; costs B x NC x HV x K x V
 # states in the checkpoint dtype in HBM (bfloat16 for bfloat16 inputs: what FLA keeps).
 WALK_READOUT = False
-# The CP pass (cross-device ranks and ``intra_cp``'s segments), both directions: prepare
+# Opt-in (off; NOT measured on a GPU: written in s25, which had no device): the CP pass
+# (cross-device ranks and ``intra_cp``'s segments), both directions, as Megatron's: prepare
 # walks the V + K columns for the summary alone (no readout, checkpoints or dS_end: the
 # kernels' ``readout=False`` / ``write_ds=False``), and apply runs the plain single-device
-# pass on V columns from the folded start state (end-state gradient) - Megatron's apply.
-# Off: one V + K walk that also writes every output row, checkpoint and dS_end on V + K
-# columns, and apply adds their response to the folded state by per-chunk float32
-# products in XLA (s24-1 trace of intra_cp = 4's forward at (1, 65536, 16, 2): 2.85 of
-# its 8.8 ms; twice the plain op's peak memory). On: one more walk a direction, half as
-# wide. NOT measured on a GPU yet (written in s25, which had no device):
-# `bash benchmarks/run_gpu_measurements.sh 5` (``+respond`` in the runner turns it off).
-CP_REWALK = True
+# pass on V columns from the folded start state (end-state gradient). One more walk a
+# direction, but no V + K output rows, checkpoints or dS_end in HBM and none of apply's
+# per-chunk float32 response products in XLA (s24-1 trace of intra_cp = 4's forward at
+# (1, 65536, 16, 2): 2.85 of its 8.8 ms; the split's fwd+bwd peak is twice the plain
+# op's). In s5 a two-pass CP (the summary pass then with its readout) measured about as
+# fast as the one pass (history/2026-12-01/cp21_one_pass_cp.md). A/B:
+# `bash benchmarks/run_gpu_measurements.sh 5` (``+rewalk`` in the runner).
+CP_REWALK = False
 
 
 class ChunkForwardKernel:

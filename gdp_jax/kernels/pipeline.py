@@ -30,15 +30,15 @@ Backward:
     with dq, dk, dv written token-major (:class:`gdp_jax.engine.TokenCotangents`); where
     it cannot run, the same written out in XLA
     (:func:`gdp_jax.chunked.local_grads_direct`).
-CP (``chunk_forward.CP_REWALK``, on): per direction, prepare runs the recursion kernel on
+CP (``chunk_forward.CP_REWALK``, opt-in): per direction, prepare runs the recursion kernel on
 V + K state columns for the summary alone (no readout, checkpoints or dS_end): columns of
 the state never mix, so from the start [h0' | I] with u = [u | 0] the last K columns of
 the final state are its response to the sequence's start state, and [E | M] is read off
 it (dfinal = [dfinal' | I], dO = [dO | 0] give [gamma | M^T]). Apply then runs the plain
-single-device pass from the folded start state (end-state gradient) on V columns. Off:
-the one V + K walk also writes every output row, checkpoint and dS_end on V + K columns,
-and apply adds o_K (S - h0'), S0_K (S - h0'), M (S - h0') for the folded start state S
-(parallel matmuls, no second walk). Both exact.
+single-device pass from the folded start state (end-state gradient) on V columns. Off
+(the default): the one V + K walk also writes every output row, checkpoint and dS_end on
+V + K columns, and apply adds o_K (S - h0'), S0_K (S - h0'), M (S - h0') for the folded
+start state S (parallel matmuls, no second walk). Both exact.
 """
 from __future__ import annotations
 
