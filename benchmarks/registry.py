@@ -311,7 +311,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +walk / +save / +hilo switch suffixes, fla")
+              "+narrow / +walk / +save / +hilo / +rewalk switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -550,14 +550,19 @@ def test_cp_cutedsl_equals_single_device(num_gpus, packed):
         assert max(errs) < GRAD_TOL, (name, errs)
 
 
+@pytest.mark.parametrize("rewalk", [False, True], ids=["respond", "rewalk"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
-def test_intra_cp_split_equals_unsplit(packed):
+def test_intra_cp_split_equals_unsplit(monkeypatch, packed, rewalk):
     """``intra_cp=4`` (CP over 4 segments inside the GPU, issue 20) == the unsplit op, both
     on the cutedsl kernels: the forward that nothing differentiates (its own path: no
     checkpoints, the token-major operands kernel, u on V columns in the V + K pass) and
     o, final state and every gradient of the differentiated call; packed sequences cross
     the segment borders (with an empty and a one-token one). The two differ by the fold's
-    and the response columns' roundings only."""
+    and the response columns' roundings only. Both CP passes: apply's response products
+    and (``chunk_forward.CP_REWALK``, s25, NOT YET RUN) the summary walks (``readout=False``
+    / ``write_ds=False``) then apply's plain walks."""
+    from gdp_jax.kernels import chunk_forward
+    monkeypatch.setattr(chunk_forward, "CP_REWALK", rewalk)
     B, T = (1, 2048) if packed else (2, 1024)
     args = make(43, B, T, 2, 2, 4, 128, 128, jnp.bfloat16, N=5 if packed else None)
     cu = jnp.array([0, 300, 300, 301, 1500, 2048], jnp.int32) if packed else None
