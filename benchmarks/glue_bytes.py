@@ -77,7 +77,12 @@ def main(argv=None):
     p.add_argument("--intra-cp", default=None, help="the op's intra_cp (S or auto)")
     p.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a gdp_jax module switch before tracing (as benchmarks.run's), "
+                        "e.g. kernels.chunk_forward.CP_REWALK=True")
     a = p.parse_args(argv)
+    from benchmarks.run import apply_settings
+    apply_settings(a.set)
 
     import jax
     import jax.numpy as jnp
@@ -112,7 +117,7 @@ def main(argv=None):
             setattr(emulate, n_, f)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    print(f"{a.shape} intra_cp={S} {a.mode}: XLA bytes accessed "
+    print(f"{a.shape} intra_cp={S} {a.mode} {' '.join(a.set)}: XLA bytes accessed "
           f"{cost.get('bytes accessed', 0) / 2**30:.2f} GiB (its own instructions; the "
           f"kernels' not counted), temporaries "
           f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB")
