@@ -399,24 +399,19 @@ class CuTeDSLEngine(Engine):
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
         # u has V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM)
-        if chunk_forward.CP_REWALK:
-            _, final, _ = ChunkForwardKernel.call(*operands, *_flags(layout), h0, ckpt=0,
-                                                  readout=False)
-            work = ForwardWalk(operands, bad)
-        else:
-            # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
-            # would skip one rounding of the response columns for twice the bytes)
-            oc, final, states = ChunkForwardKernel.call(
-                *operands, *_flags(layout), h0,
-                ckpt=spec.checkpoint_stride if keep_states else 0,
-                states_dtype=spec.checkpoint_dtype)
-            work = ForwardResponse(h0p, oc, None, states if keep_states else None, bad)
+        rewalk = chunk_forward.CP_REWALK
+        # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
+        # would skip one rounding of the response columns for twice the bytes)
+        oc, final, states = ChunkForwardKernel.call(
+            *operands, *_flags(layout), h0,
+            ckpt=spec.checkpoint_stride if keep_states and not rewalk else 0,
+            states_dtype=spec.checkpoint_dtype, readout=not rewalk)
         final = where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
-        if isinstance(work, ForwardResponse):
-            work = work._replace(final=final)
-        return (E, M), work
+        if rewalk:
+            return (E, M), ForwardWalk(operands, bad)
+        return (E, M), ForwardResponse(h0p, oc, final, states if keep_states else None, bad)
 
     def forward_resume(self, spec, ch, layout, h0, seqs, work, keep_states=True):
         """The forward from the true start states h0: a :class:`ForwardWalk` runs the plain
