@@ -117,7 +117,7 @@ def main(argv=None):
             setattr(emulate, n_, f)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    print(f"{a.shape} intra_cp={S} {a.mode} {' '.join(a.set)}: XLA bytes accessed "
+    print(f"{a.shape} intra_cp={S} {' '.join([a.mode] + a.set)}: XLA bytes accessed "
           f"{cost.get('bytes accessed', 0) / 2**30:.2f} GiB (its own instructions; the "
           f"kernels' not counted), temporaries "
           f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB")
