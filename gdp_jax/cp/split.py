@@ -26,19 +26,18 @@ from jax import lax
 
 from gdp_jax.cp import driver
 from gdp_jax.cp import fold as scan_fold
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
 AXIS = "gdp_intra_device_cp"
 # "auto", modeled on the cutedsl recursion kernels (one CTA per row x head x value tile,
-# tiles down to 16 columns; the H200 has 132 SMs): split only where the unsplit walks
-# leave at least half of the SMs without a CTA (B x HV x V / 16 <= SMS / 2), into the
-# fewest segments (a power of two) that give more CTAs than SMs, each of at least
+# their narrowest tiles 16 columns; ``ChunkForwardKernel.SMS``): split only where the
+# unsplit walks leave at least half of the SMs without a CTA (B x HV x V / 16 <=
+# SMS / 2), into the fewest segments (a power of two) that give more CTAs than SMs, each of at least
 # MIN_SEGMENT_TOKENS tokens; and only a call that nothing differentiates (training runs
 # unsplit). From two measured points (H200, s24, intra_cp=4 on the CP pass of then):
 # at 64 such CTAs, (1, 131072, 8, 2), the split forward took 8.93 ms against 10.32
 # unsplit; at 128, (1, 65536, 16, 2), 8.91 against 6.79; fwd+bwd lost at both (35.8 vs
 # 34.6, 35.5 vs 24.8 ms). To be set again from a GPU sweep.
-SMS = 132
-NARROWEST_TILE = 16
 MIN_SEGMENT_TOKENS = 4096
 
 
@@ -61,7 +60,8 @@ def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
     if intra_cp is None:
         return 1
     if intra_cp == "auto":
-        ctas = spec.B * spec.HV * max(spec.V // NARROWEST_TILE, 1)
+        SMS = ChunkForwardKernel.SMS
+        ctas = spec.B * spec.HV * spec.V // min(ChunkForwardKernel.value_tiles(spec.V))
         S = 1
         if 2 * ctas > SMS:
             return S
