@@ -88,7 +88,6 @@ class Case:
     """One (shape, P, packed) case: inputs, the mesh and the three callables' builders."""
 
     def __init__(self, shape, P, packed, backend, devices):
-        import jax
         import numpy as np
         from jax.sharding import Mesh
         self.shape, self.P, self.packed, self.backend = shape, P, packed, backend

@@ -22,7 +22,7 @@ import re
 import numpy as np
 
 _KERNELS = ("local_grad_call", "local_grad_tokens_call", "chunk_prep_call",
-            "chunk_prep_tokens_call", "chunk_kernel_call", "chunk_readout_call",
+            "chunk_prep_tokens_call", "chunk_kernel_call",
             "dh_kernel_call", "inverse_kernel_call")
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
           "pred": 1, "s8": 1, "u8": 1}

@@ -285,7 +285,6 @@ def emulated_kernels():
         (ChunkPrepKernel, "raw_call", staticmethod(emulate.chunk_prep_call)),
         (ChunkPrepKernel, "raw_call_tokens", staticmethod(emulate.chunk_prep_tokens_call)),
         (ChunkForwardKernel, "raw_call", staticmethod(emulate.chunk_kernel_call)),
-        (ChunkForwardKernel, "raw_readout", staticmethod(emulate.chunk_readout_call)),
         (StateGradKernel, "raw_call", staticmethod(emulate.dh_kernel_call)),
         (WYInverseKernel, "raw_call", staticmethod(emulate.inverse_kernel_call)),
         (ChunkForwardKernel, "can_implement", staticmethod(_no_limits)),

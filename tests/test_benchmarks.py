@@ -160,19 +160,21 @@ def test_intra_cp_impl_names():
 
 
 def test_switch_suffixes_turn_kernel_opt_ins_on_only_while_tracing(monkeypatch):
-    """``cutedsl+narrow+walk``: the op runs with both chunk_forward switches on, and they
-    are off again after it (so the next implementation in the process sees the defaults)."""
+    """``cutedsl-cp4+rewalk+hilo``: the op runs with both opt-ins on, and they are off
+    again after it (so the next implementation in the process sees the defaults)."""
     import gdp_jax
+    from gdp_jax import engine
     from gdp_jax.kernels import chunk_forward
     seen = []
     monkeypatch.setattr(gdp_jax, "gated_delta_product", lambda *a, **kw: seen.append(
-        (chunk_forward.NARROW_TILES, chunk_forward.WALK_READOUT, kw["backend"])))
-    before = (chunk_forward.NARROW_TILES, chunk_forward.WALK_READOUT)
-    o = registry.impl("cutedsl-cp4+narrow+walk", "fwdbwd")
-    assert (o.name, o.intra_cp, o.fwd_same_as) == ("cutedsl-cp4+narrow+walk", 4, None)
+        (chunk_forward.CP_REWALK, engine.RESPONSE_HI_LO, kw["backend"])))
+    before = (chunk_forward.CP_REWALK, engine.RESPONSE_HI_LO)
+    assert before == (False, False)
+    o = registry.impl("cutedsl-cp4+rewalk+hilo", "fwdbwd")
+    assert (o.name, o.intra_cp, o.fwd_same_as) == ("cutedsl-cp4+rewalk+hilo", 4, None)
     o.op()(1, 2, 3, 4, 5)
     assert seen == [(True, True, "cutedsl")]
-    assert (chunk_forward.NARROW_TILES, chunk_forward.WALK_READOUT) == before
+    assert (chunk_forward.CP_REWALK, engine.RESPONSE_HI_LO) == before
     with pytest.raises(ValueError, match="unknown switch"):
         registry.impl("cutedsl+narow", "fwdbwd")
     with pytest.raises(ValueError, match="unknown implementation"):

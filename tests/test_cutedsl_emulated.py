@@ -904,45 +904,6 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     assert calls == [("prep", l2norm, False)]       # the plain forward: raw tokens
 
 
-@pytest.mark.parametrize("case", ["batched-N0", "packed-N2"])
-def test_walk_then_readout_equals_fused(monkeypatch, case):
-    """``chunk_forward.WALK_READOUT``: the forward walks without the readout, keeping every
-    chunk's start state, and the readout kernel makes o from them; outputs, final states
-    and every gradient match the reference as the fused walk does (float64), the
-    backward's checkpoints are every (N + 1)-th kept state (N = 2), packed sequences
-    reset inside the walk."""
-    from gdp_jax.kernels import chunk_forward
-    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-    calls = []
-    raw = ChunkForwardKernel.raw_readout
-    monkeypatch.setattr(ChunkForwardKernel, "raw_readout", staticmethod(
-        lambda *a, **kw: calls.append(a[-1].shape) or raw(*a, **kw)))
-    monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
-    if case == "batched-N0":
-        inp = make_inputs(41, 2, 150, 2, 1, 2, 8, 12, gate="normal")
-        _compare(inp, recompute_chunk_num=0)
-    else:
-        inp = make_inputs(42, 1, 130, 2, 2, 4, 8, 6, N=5, gate="strong",
-                          beta_range=(0.05, 1.95))
-        _compare(inp, cu=np.array([0, 0, 45, 46, 46, 130], np.int32), recompute_chunk_num=2,
-                 use_qk_l2norm=True)
-    assert calls, "the readout kernel did not run"
-    assert all(len(s) == 5 for s in calls)          # every chunk's state [B, NC, HV, K, V]
-
-
-def test_walk_readout_only_where_walks_leave_sms_idle(monkeypatch):
-    from gdp_jax.kernels import chunk_forward, pipeline
-    C = grid.CHUNK
-    # shapes only (the rule reads nothing else)
-    ch = lambda B, NC, HV, V: grid.ChunkInputs(
-        *(jax.ShapeDtypeStruct((B, NC, HV, C, d), jnp.bfloat16) for d in (8, 8, V)), None, None)
-    assert not pipeline.walk_readout(ch(1, 4, 16, 128))             # the switch is off
-    monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
-    assert pipeline.walk_readout(ch(1, 4, 16, 128))                 # 64 walks of 32 columns
-    assert not pipeline.walk_readout(ch(8, 4, 16, 128))             # 512 walks: fused
-    assert not pipeline.walk_readout(ch(1, 70000, 2, 128))          # the readout's grid
-
-
 def test_value_tile_is_picked_for_the_launch(monkeypatch):
     """The recursion kernels pick their value tile for the rows a launch has after
     ``jax.vmap`` or ``intra_cp`` folded into them (the trace shows fewer). One sequence,
@@ -978,28 +939,3 @@ def test_value_tile_is_picked_for_the_launch(monkeypatch):
         four = [x.reshape((4, 1, 64) + x.shape[2:]) for x in inp[:5]]
         jax.jit(jax.vmap(lambda *a: gdp_jax.gated_delta_product(*a, backend="cutedsl")))(*four)
         assert launched() == {("fwd", 4, 128, 32)}
-
-
-def test_walk_readout_under_vmap(monkeypatch):
-    """``WALK_READOUT`` under jax.vmap: the walk's placeholder o and the readout's rows
-    fold the mapped axis like the fused kernel's, and each mapped problem (outputs and
-    gradients) equals its own call."""
-    from gdp_jax.kernels import chunk_forward
-    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-    calls = []
-    raw = ChunkForwardKernel.raw_readout
-    monkeypatch.setattr(ChunkForwardKernel, "raw_readout", staticmethod(
-        lambda *a, **kw: calls.append(a[-1].shape) or raw(*a, **kw)))
-    monkeypatch.setattr(chunk_forward, "WALK_READOUT", True)
-    inp = make_inputs(43, 1, 90, 2, 1, 2, 8, 8, gate="normal")
-    other = make_inputs(44, 1, 90, 2, 1, 2, 8, 8, gate="normal")
-    stack = lambda i: jnp.stack([inp[i], other[i]])
-    loss = lambda *a: jnp.sum(OP(*a, use_qk_l2norm=True, backend="cutedsl") ** 2)
-    vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
-    lv, gv = jax.jit(jax.vmap(vg))(*(stack(i) for i in range(5)))
-    assert calls and calls[-1][0] == 2             # the mapped axis folded into the rows
-    for m, x in enumerate((inp, other)):
-        l1, g1 = jax.jit(vg)(*x[:5])
-        assert rel_max(lv[m], l1) < 1e-12
-        for a, b in zip(gv, g1):
-            assert rel_max(a[m], b) < 1e-10

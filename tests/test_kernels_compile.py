@@ -99,27 +99,21 @@ def test_chunk_kernel_with_checkpoints_compiles(ckpt):
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 128, 64)])
-def test_walk_and_readout_kernels_compile(K, V, BV, split):
-    """``WALK_READOUT``'s two kernels: the walk without the readout (o a [1] placeholder,
-    every chunk's start state kept) and the readout of all chunks from those states."""
+@pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 128, 64), (128, 128, 16)])
+def test_summary_walk_kernel_compiles(K, V, BV, split):
+    """The CP summary walk (``readout=False``, ``chunk_forward.CP_REWALK``'s prepare): V + K
+    state columns, u on the first V only, no output rows (o a [1] placeholder) and no
+    checkpoints - only the final states."""
     B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
     dtype = jnp.bfloat16
-    sdt = jnp.float32 if split else dtype
     avals = (S((B, NC, HV, C, K), dtype),) * 3 + (
         S((B, NC, HV, C, C), dtype), S((B, NC, HV, C, V), jnp.float32),
         S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
-        S((N, HV, K, V), jnp.float32),)
-    walk = lambda *a: ChunkForwardKernel.call(*a, BV=BV, split=split, ckpt=1,
-                                              states_dtype=sdt, readout=False)
-    o, final, every = jax.eval_shape(walk, *avals)
-    assert o.shape == (1,) and final.shape == (N, HV, K, V)
-    assert every.shape == (B, NC, HV, K, V) and every.dtype == jnp.dtype(sdt)
+        S((N, HV, K, V + K), jnp.float32),)
+    walk = lambda *a: ChunkForwardKernel.call(*a, BV=BV, split=split, readout=False)
+    o, final, states = jax.eval_shape(walk, *avals)
+    assert o.shape == (1,) and states.shape == (1,) and final.shape == (N, HV, K, V + K)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
-    rav = (avals[0], avals[2], avals[3], avals[4], every)
-    readout = lambda *a: ChunkForwardKernel.call_readout(*a, BV=BV, split=split)
-    assert jax.eval_shape(readout, *rav).shape == (B, NC, HV, C, V)
-    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(readout, *rav)
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -32,15 +32,6 @@ BF16_SPLIT = False
 # (1, 65536, 16, 2) forward 7.81 -> 6.79 ms, fwd+bwd 26.56 -> 24.81 ms on the H200
 # (benchmarks/results/CURRENT.md, s24).
 NARROW_TILES = True
-# Opt-in (off; measured slower, s24: at (1, 65536, 16, 2) the forward took 9.41 ms against
-# the fused walk's 7.81, 8.29 vs 6.79 with 16-column tiles; ``pipeline.walk_readout``):
-# where the walks cannot fill the GPU (rows x heads x V / 32 < SMs: one long sequence,
-# few heads), the forward walks without the readout (no qg, P loads, half the MMAs a
-# chunk on the serial path) keeping every chunk's start state, and
-# :meth:`ChunkForwardKernel.raw_readout` then makes o for all chunks at once (FLA's
-# forward is split so). The same bits as the fused walk; costs B x NC x HV x K x V
-# states in the checkpoint dtype in HBM (bfloat16 for bfloat16 inputs: what FLA keeps).
-WALK_READOUT = False
 # Opt-in (off; NOT measured on a GPU: written in s25, which had no device): the CP pass
 # (cross-device ranks and ``intra_cp``'s segments), both directions, as Megatron's: prepare
 # walks the V + K columns for the summary alone (no readout, checkpoints or dS_end: the
@@ -136,32 +127,6 @@ class ChunkForwardKernel:
                                                "rows" if ckpt else "dummy"))
         return f(w, kt, qg, p, u, decay, reset, seq, last, h0)
 
-    @classmethod
-    def call_readout(cls, w, qg, p, u, states, *, BV: int, split: Optional[bool] = None):
-        """:meth:`raw_readout`, ``jax.vmap``-able."""
-        # a 1-tuple: the vmap rule walks the results as a tuple
-        f = binding.vmappable(lambda *a: (cls.raw_readout(*a, BV=BV, split=split),),
-                              out_kinds=("rows",))
-        return f(w, qg, p, u, states)[0]
-
-    @staticmethod
-    def raw_readout(w, qg, p, u, states, *, BV: int, split: Optional[bool] = None):
-        """The readout of every chunk at once (``chunk_fwd_sm90.ChunkReadoutSm90``) from
-        the per-chunk start states of a walk with ``readout=False, ckpt=1``: w, qg [B, NC,
-        HV, C, K], p [B, NC, HV, C, C] (16-bit), u [B, NC, HV, C, V] float32, states [B, NC,
-        HV, K, V] (the operand dtype, or float32) -> o rows [B, NC, HV, C, V] - the bits the
-        fused walk writes when the states carry what its MMAs read (16-bit states without
-        the split, float32 ones with it)."""
-        B, NC, HV, C_, K = w.shape
-        V = u.shape[-1]
-        ab_name = jnp.dtype(w.dtype).name
-        split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
-        return binding.custom_call(_readout_launcher, "gdp_chunk_readout_sm90",
-                                   binding.out((B, NC, HV, C_, V), w.dtype),
-                                   (w, qg, p, u, states), tile_dims=(2, 2, 2, 2, 2, 2),
-                                   key=(jnp.dtype(states.dtype).name,), K=K, V=V, BV=BV,
-                                   ab_name=ab_name, split=split)
-
     @staticmethod
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
@@ -169,7 +134,7 @@ class ChunkForwardKernel:
         """Per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
-        p are not read; o is a [1] placeholder) - with ckpt = 1 for :meth:`raw_readout`.
+        p are not read; o is a [1] placeholder): the CP pass's summary walk.
 
         w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
         [B, NC, HV, C, Vu] float32, the first Vu <= V state columns' (the rest take u = 0:
@@ -231,21 +196,6 @@ class ChunkForwardKernel:
                                 f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt}"
                                 + ("" if readout else " summary") + f" BV={BV}",
                                 fn, _avals(name, K, Vx, u_cols=V)))
-                    if WALK_READOUT:          # the split forward's two kernels
-                        sdt = (jnp.float32 if cls.default_split(jnp.dtype(name))
-                               else checkpoint_dtype(name))
-                        for BV in cls.value_tiles(V):
-                            out.append(aot.Variant(
-                                f"gdp_chunk_fwd_sm90 {name} K={K} V={V} walk BV={BV}",
-                                functools.partial(cls.raw_call, BV=BV, ckpt=1,
-                                                  states_dtype=sdt, readout=False),
-                                _avals(name, K, V)))
-                        a = _avals(name, K, V)
-                        BV = 64 if V % 64 == 0 else 32
-                        out.append(aot.Variant(
-                            f"gdp_chunk_readout_sm90 {name} K={K} V={V} BV={BV}",
-                            functools.partial(cls.raw_readout, BV=BV),
-                            (a[0], a[2], a[3], a[4], _state_aval(sdt, K, V))))
         return out
 
     @classmethod
@@ -266,12 +216,6 @@ def _avals(dtype, K, V, u_cols=None):
             + (S((1, 1, K, V), f32),))
 
 
-def _state_aval(dtype, K, V):
-    """Per-chunk states [1, 1, 1, K, V] (the readout kernel's canonical operand)."""
-    import jax
-    return jax.ShapeDtypeStruct((1, 1, 1, K, V), jnp.dtype(dtype))
-
-
 @functools.lru_cache(maxsize=None)
 def _launcher():
     binding.import_cutlass()
@@ -287,20 +231,5 @@ def _launcher():
                u_cols: cutlass.Constexpr):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
-
-    return launch
-
-
-@functools.lru_cache(maxsize=None)
-def _readout_launcher():
-    binding.import_cutlass()
-    import cutlass
-    import cutlass.cute as cute
-    from gdp_jax.kernels import chunk_fwd_sm90 as mod
-
-    @cute.jit
-    def launch(stream, w, qg, p, u, states, o, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
-               BV: cutlass.Constexpr, ab_name: cutlass.Constexpr, split: cutlass.Constexpr):
-        mod.get_readout_kernel(K, V, BV, ab_name, split)(stream, w, qg, p, u, states, o)
 
     return launch

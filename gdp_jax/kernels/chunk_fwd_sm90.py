@@ -53,8 +53,7 @@ class ChunkFwdSm90:
         self.ab = ab_dtype
         self.split = split
         self.ckpt = ckpt      # write the start state of every ckpt-th chunk (0: none)
-        # False: the walk alone (no qg, P loads, no o; ``ChunkReadoutSm90`` reads the
-        # per-chunk states of ckpt = 1 and makes o for all chunks at once)
+        # False: the walk alone (no qg, P loads, no o): the CP pass's summary walk
         self.readout = readout
         # u holds the first u_cols state columns only, the rest are 0 (0: all V): the CP
         # pass's K response columns need no zeros in HBM
@@ -191,90 +190,6 @@ class ChunkFwdSm90:
             cute.arch.sync_threads()
 
 
-class ChunkReadoutSm90:
-    """The readout of every chunk at once from the walk's per-chunk start states: one CTA
-    per (value tile, head, chunk x row) computes
-
-        Delta = u_c - w_c S_c ;  o_c = qg_c S_c + P_c Delta
-
-    with S_c [K, BV] read from ``states`` [B, NC, HV, K, V] (the walk's ckpt = 1
-    checkpoints, after any reset; 16-bit or float32) and rounded to the operand dtype (hi
-    + lo with ``split``) as the walk rounds it - the same products in the same order as
-    the fused walk's readout, so the same bits."""
-
-    def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool):
-        assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128)
-        self.K, self.V, self.BV, self.ab, self.split = K, V, BV, ab_dtype, split
-
-    @cute.jit
-    def __call__(self, stream, mW, mQg, mP, mU, mStates, mO):
-        K, BV, ab = self.K, self.BV, self.ab
-        sK_layout = smem_layout(C, K)
-        sP_layout = smem_layout(C, C)
-        sS_layout = smem_layout(K, BV)
-        sD_layout = smem_layout(C, BV)
-        Storage = _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout)
-        B, NC, HV = mW.shape[0], mW.shape[1], mW.shape[2]
-        self.kernel(mW, mQg, mP, mU, mStates, mO, sK_layout, sP_layout, sS_layout,
-                    sD_layout, g2s_copy(ab, K), g2s_copy(ab, C), warp_mma(ab),
-                    Storage).launch(grid=(self.V // BV, HV, B * NC),
-                                    block=[NUM_THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, mW, mQg, mP, mU, mStates, mO, sK_layout: cute.ComposedLayout,
-               sP_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
-               sD_layout: cute.ComposedLayout, copy_K: cute.TiledCopy,
-               copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
-        K, BV, ab = self.K, self.BV, self.ab
-        tidx, _, _ = cute.arch.thread_idx()
-        vt, hv, z = cute.arch.block_idx()
-        NC = mW.shape[1]
-        b, c = z // NC, z % NC
-
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(Storage)
-        sW, sQ = st.sW.get_tensor(sK_layout), st.sQ.get_tensor(sK_layout)
-        sP = st.sP.get_tensor(sP_layout)
-        sS, sSl = st.sS.get_tensor(sS_layout), st.sSl.get_tensor(sS_layout)
-        sD, sDl = st.sD.get_tensor(sD_layout), st.sDl.get_tensor(sD_layout)
-
-        gK, gP = g2s(copy_K, tidx), g2s(copy_P, tidx)
-        gK.load(mW[b, c, hv, None, None], (C, K), gK.dest(sW))
-        gK.load(mQg[b, c, hv, None, None], (C, K), gK.dest(sQ))
-        gP.load(mP[b, c, hv, None, None], (C, C), gP.dest(sP))
-        cute.arch.cp_async_commit_group()
-
-        thr_mma = tiled_mma.get_slice(tidx)
-        acc_S = make_acc(thr_mma, (K, BV))
-        acc_D = make_acc(thr_mma, (C, BV))
-        acc_O = make_acc(thr_mma, (C, BV))
-        cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
-        W, Q = operand(thr_mma, cA, sW, True), operand(thr_mma, cA, sQ, True)
-        P = operand(thr_mma, cA, sP, True)
-        S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
-        Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
-        D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
-        Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
-        toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
-        toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
-
-        acc_S.store(c_tile(thr_mma, mStates[b, c, hv, None, None], (K, BV), (0, vt)).load()
-                    .to(cutlass.Float32))
-        toS.store_split(acc_S.load(), toS.dest(sS), toS.dest(sSl), self.split)
-        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, vt)).load().to(
-            cutlass.Float32)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-
-        acc_D.fill(0.0)
-        acc_O.fill(0.0)
-        mma_split_b(tiled_mma, K // MMA_K, [(acc_D, W), (acc_O, Q)], S, Sl, self.split)
-        toD.store_split(u - acc_D.load(), toD.dest(sD), toD.dest(sDl), self.split)
-        cute.arch.sync_threads()
-        mma_split_b(tiled_mma, C // MMA_K, [(acc_O, P)], D, Dl, self.split)
-        c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(acc_O.load().to(ab))
-
-
 def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
     """The recursion's shared memory (a ``cute.struct``): w, Kt, S hi / lo, Delta hi / lo
     and, where ``sP_layout`` is given (the readout), qg and P. (Built as an object: this
@@ -296,11 +211,4 @@ def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
                                      u_cols)
-    return _KERNELS[key]
-
-
-def get_readout_kernel(K: int, V: int, BV: int, ab_name: str, split: bool) -> ChunkReadoutSm90:
-    key = ("readout", K, V, BV, ab_name, split)
-    if key not in _KERNELS:
-        _KERNELS[key] = ChunkReadoutSm90(K, V, BV, ab_type(ab_name), split)
     return _KERNELS[key]

@@ -1,6 +1,6 @@
 """Pure-JAX stand-ins with the exact contracts of the CuTe DSL kernels (for CPU tests).
 
-``chunk_kernel_call`` (and ``chunk_readout_call``), ``dh_kernel_call``, ``inverse_kernel_call``, ``chunk_prep_call``,
+``chunk_kernel_call``, ``dh_kernel_call``, ``inverse_kernel_call``, ``chunk_prep_call``,
 ``local_grad_call`` and ``step_kernel_call`` take and return what the ``raw_call`` of
 ``ChunkForwardKernel``, ``StateGradKernel``, ``WYInverseKernel``, ``ChunkPrepKernel``,
 ``LocalGradKernel`` and ``StepKernel`` do, computed
@@ -62,17 +62,6 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
     states = S0[:, ::ckpt].astype(states_dtype or acc) if ckpt else jnp.zeros((1,), acc)
     o = o.astype(w.dtype) if readout else jnp.full((1,), jnp.nan, w.dtype)
     return o, final, states
-
-
-def chunk_readout_call(w, qg, p, u, states, *, BV, split=None):
-    """The readout kernel's contract (``ChunkForwardKernel.raw_readout``): every chunk's o
-    from its start state, as :func:`chunk_kernel_call`'s step computes it."""
-    del BV, split
-    acc = u.dtype
-    f = lambda x: x.astype(acc)
-    S = f(states)
-    delta = u - f(w) @ S
-    return (f(qg) @ S + f(p) @ delta).astype(w.dtype)
 
 
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None,

@@ -12,9 +12,7 @@ Forward:
     the backward's factors are XLA's too (XLA then shares them);
   kernel (:class:`~gdp_jax.kernels.chunk_forward.ChunkForwardKernel`): the state recursion
     fused with the output and the final states, and under differentiation the start state
-    of every (N + 1)-th chunk (N = recompute_chunk_num); with ``WALK_READOUT`` (opt-in)
-    where the walks leave SMs idle, the walk alone keeping every chunk's start state, then
-    the readout of all chunks at once (:func:`walk_readout`).
+    of every (N + 1)-th chunk (N = recompute_chunk_num).
 Backward:
   kernel (``ChunkPrepKernel`` with X): the forward's operands again and the WY inverse X
     (recomputed: nothing more is kept from the forward);
@@ -55,7 +53,7 @@ from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows
 from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
-from gdp_jax.kernels import binding, chunk_forward, wy_inverse
+from gdp_jax.kernels import chunk_forward, wy_inverse
 
 
 def acc_dtype(ab_dtype):
@@ -247,35 +245,6 @@ def token_operands(spec, ch: grid.ChunkInputs, tokens) -> Optional[tuple]:
     return qkv if ChunkPrepKernel.can_read_tokens(spec, *qkv) else None
 
 
-def walk_readout(ch: grid.ChunkInputs) -> bool:
-    """Does the forward split its walk and its readout (``chunk_forward.WALK_READOUT``)?
-    Where the fused walks leave SMs idle and the readout's grid (a CTA per chunk x row)
-    fits. Decided on the rows the trace sees (under ``jax.vmap`` or ``intra_cp`` a launch
-    has more: the opt-in is for one long unsplit sequence)."""
-    B, NC, HV, _, _ = ch.k.shape
-    V = ch.v.shape[-1]
-    return (chunk_forward.WALK_READOUT and B * HV * (V // 32) < ChunkForwardKernel.SMS
-            and binding.grid_limit(B * NC, HV) is None)
-
-
-def _walk_then_readout(spec, operands, layout, h0, ch, ckpt):
-    """(o rows, final, checkpoints or None) as the fused walk gives them: the walk keeps
-    every chunk's start state in the checkpoint dtype (bfloat16 for bfloat16 inputs, what
-    the walk's MMAs read of it; float32 for float16's range, and with the hi + lo split),
-    the readout kernel makes every chunk's o from them, and the backward's checkpoints
-    are every ckpt-th of them."""
-    w, _, qg, p, u, _ = operands
-    split = ChunkForwardKernel.default_split(w.dtype)
-    every_dtype = jnp.float32 if split else spec.checkpoint_dtype
-    _, final, every = ChunkForwardKernel.call(
-        *operands, *_flags(layout), h0, ckpt=1, states_dtype=every_dtype,
-        readout=False)
-    V = u.shape[-1]
-    oc = ChunkForwardKernel.call_readout(w, qg, p, u, every, BV=64 if V % 64 == 0 else 32)
-    states = every[:, ::ckpt].astype(spec.checkpoint_dtype) if ckpt else None
-    return oc, final, states
-
-
 def _flags(layout: grid.ChunkLayout):
     """(reset, seq, last) as the kernels' int32 [B, NC] flags."""
     i32 = lambda x: x.astype(jnp.int32)
@@ -341,11 +310,8 @@ class CuTeDSLEngine(Engine):
                 tokens=read, normalized=normalized)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
-        if walk_readout(ch):
-            oc, final, states = _walk_then_readout(spec, operands, layout, h0, ch, ckpt)
-        else:
-            oc, final, states = ChunkForwardKernel.call(
-                *operands, *_flags(layout), h0, ckpt=ckpt, states_dtype=spec.checkpoint_dtype)
+        oc, final, states = ChunkForwardKernel.call(
+            *operands, *_flags(layout), h0, ckpt=ckpt, states_dtype=spec.checkpoint_dtype)
         oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
         final = where_has_tokens(layout, final, h0).astype(spec.cdt)
         if save:
