@@ -30,10 +30,8 @@ import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
                                   c_tile_or_zero, g2s, g2s_copy, ldmatrix_copies, make_acc,
-                                  mma_split_b,
-                                  operand,
-                                  smem_layout, smem_tile, transpose_view, warp_mma)
-
+                                  mma_split_b, operand, smem_layout, smem_tile,
+                                  transpose_view, warp_mma)
 
 
 class ChunkBwdDhSm90:
