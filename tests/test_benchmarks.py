@@ -168,8 +168,10 @@ def test_switch_suffixes_turn_kernel_opt_ins_on_only_while_tracing(monkeypatch):
     seen = []
     monkeypatch.setattr(gdp_jax, "gated_delta_product", lambda *a, **kw: seen.append(
         (chunk_forward.CP_REWALK, engine.RESPONSE_HI_LO, kw["backend"])))
-    before = (chunk_forward.CP_REWALK, engine.RESPONSE_HI_LO)
-    assert before == (False, False)
+    # both off whatever the defaults are, so the suffixes have something to turn on
+    monkeypatch.setattr(chunk_forward, "CP_REWALK", False)
+    monkeypatch.setattr(engine, "RESPONSE_HI_LO", False)
+    before = (False, False)
     o = registry.impl("cutedsl-cp4+rewalk+hilo", "fwdbwd")
     assert (o.name, o.intra_cp, o.fwd_same_as) == ("cutedsl-cp4+rewalk+hilo", 4, None)
     o.op()(1, 2, 3, 4, 5)
