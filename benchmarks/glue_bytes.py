@@ -79,7 +79,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a gdp_jax module switch before tracing (as benchmarks.run's), "
-                        "e.g. kernels.chunk_forward.CP_REWALK=True")
+                        "e.g. kernels.pipeline.SAVE_OPERANDS=True")
     a = p.parse_args(argv)
     from benchmarks.run import apply_settings
     apply_settings(a.set)

@@ -10,8 +10,8 @@ and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP insi
 ``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
 and any of them with ``+<switch>`` suffixes that turn an opt-in on while the op is traced
-(:data:`SWITCHES`: ``+narrow``, ``+save``, ``+hilo``, ``+rewalk``), e.g.
-``cutedsl-cp4+rewalk``: ours vs ours in one process, beside the same FLA.
+(:data:`SWITCHES`: ``+narrow``, ``+save``), e.g. ``cutedsl+save``: ours vs ours in one
+process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
 """
@@ -263,9 +263,7 @@ class OursStep:
 # ``+<switch>`` suffixes of an implementation name: an opt-in (module of gdp_jax, boolean
 # attribute) turned on while the op is traced
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
-            "save": ("kernels.pipeline", "SAVE_OPERANDS"),
-            "hilo": ("engine", "RESPONSE_HI_LO"),
-            "rewalk": ("kernels.chunk_forward", "CP_REWALK")}
+            "save": ("kernels.pipeline", "SAVE_OPERANDS")}
 
 
 def _ours(name: str, bench: str):
@@ -310,7 +308,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +hilo / +rewalk switch suffixes, fla")
+              "+narrow / +save switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -7,10 +7,9 @@
 #   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) beside tuned FLA;
 #                                               # a trace of intra_cp = 4's forward
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
-#   bash benchmarks/run_gpu_measurements.sh 5   # s24 / s25's split changes (not measured): the opt-ins RESPONSE_HI_LO (the
-#                                               # response products on bf16 hi + lo) and CP_REWALK (summary walks, then
-#                                               # plain walks), the value tile counting the segments, "auto" counting CTAs:
-#                                               # the split GPU tests, the split A/B beside unsplit and tuned FLA, a trace
+#                                               # (SUITE_S: their time limit, default 420 s)
+#   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
+#                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
 # timeout so one slow step cannot take the others' results.
 source .gpu-deps/install.sh
@@ -41,9 +40,9 @@ case "${1:-2}" in
   (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' -newer .fla-autotune | tar -cJf $M/fla-autotune-new.tar.xz -T -)
   rows $M/long*.log; grep -h NOTE $M/long*.log; tail -30 $M/trace_cp4.log ;;
 4)
-  # five pytest processes at once (one GPU, no preallocation; s20-3's split), one 420 s limit
+  # five pytest processes at once (one GPU, no preallocation; s20-3's split), one time limit
   F=tests/test_cutedsl_gpu.py
-  job() { local name=$1; shift; ( timeout 420 "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job() { local name=$1; shift; ( timeout ${SUITE_S:-420} "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
   job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
   job grad2 $P $F -k "gradients_match and not token_major and not packed"
   job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
@@ -52,20 +51,10 @@ case "${1:-2}" in
   wait
   for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
 5)
-  # s24 / s25 (NOT measured): engine.RESPONSE_HI_LO (+hilo: apply's response products on
-  # bf16 hi + lo instead of a float32 GEMM, 1.55 ms of 8.8 in s24-1's trace, and its
-  # float32 copies); chunk_forward.CP_REWALK (+rewalk: prepare's V + K walks write only
-  # the summary, apply walks again on V columns: no response products at all); the
-  # split's value tile for B x S rows; "auto" (s25: counts CTAs, splits only the forward
-  # nothing differentiates: S = 4 at 8 heads, none at 16). Before (s24-2): intra_cp = 4
-  # forward 8.91 / 8.93 ms at the two shapes, fwd+bwd 35.48 / 35.80. Turn on what pays
-  # (and passes its test); remove the loser of respond vs rewalk.
-  step 150 split_test $P tests/test_cutedsl_gpu.py -k "intra_cp_split or cp_cutedsl_equals or response_hi_lo"
-  L="1,65536,16,2;1,131072,8,2"
-  step 300 split_ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cp4,cutedsl-cp4+hilo,cutedsl-cp4+rewalk,cutedsl-cpauto+rewalk,fla \
-    --no-check --shapes "$L" --deadline 280 --out $M/split
-  step 70 trace_cp4 python -m benchmarks.trace --shape 1,65536,16,2 --impl cutedsl-cp4+rewalk \
-    --mode fwd --top 25 --out /tmp/t_cp4
-  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/split_test.log | tail -8
-  rows $M/split_ab.log; tail -30 $M/trace_cp4.log ;;
+  # s27: the re-walk CP pass is the only one now; at (1, 65536, 16, 2) intra_cp = 4's
+  # forward measured 6.25 ms against 7.06 unsplit (H100), where "auto" does not split
+  step ${SWEEP_S:-300} sweep python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl-cp2,cutedsl-cp4,cutedsl-cp8,fla --no-check \
+    --shapes "1,65536,16,2;1,131072,8,2" --deadline $(( ${SWEEP_S:-300} - 20 )) --out $M/sweep
+  rows $M/sweep.log ;;
 esac

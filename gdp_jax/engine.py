@@ -154,41 +154,11 @@ def add_response(x, V: int, seq_of_rows, seqs, delta):
 
 
 _RESPONSE = "bnhrk,bhkv->bnhrv"
-# Opt-in (off, NOT MEASURED on a GPU: written in s24 after the device time was spent):
-# bfloat16 response columns times a float32 state change as two 16-bit products of the
-# state's hi + lo on the tensor cores (:func:`_response_hi_lo`) instead of the full
-# float32 product, which took 1.55 ms of an 8.8 ms split forward at (1, 65536, 16, 2) on
-# the float32 units plus ~1.3 ms of float32 copies of the columns (s24-1 trace). Measure:
-# `bash benchmarks/run_gpu_measurements.sh 5` (``cutedsl-cp4+hilo`` beside cutedsl-cp4).
-RESPONSE_HI_LO = False
 
 
 def _response(xk, d):
-    """xk [B, R, HV, r, K] @ d [B, HV, K, V] per chunk, in d's dtype. With
-    :data:`RESPONSE_HI_LO`, bfloat16 xk (the cutedsl passes' rows, checkpoints and dS_end)
-    and a float32 d take :func:`_response_hi_lo` on GPUs (CPU runtimes lack the mixed
-    16-bit dot: float32 there)."""
-    if RESPONSE_HI_LO and xk.dtype == jnp.bfloat16 and d.dtype == jnp.float32:
-        return lax.platform_dependent(xk, d, cpu=_response_f32, default=_response_hi_lo)
-    return _response_f32(xk, d)
-
-
-def _response_f32(xk, d):
+    """xk [B, R, HV, r, K] @ d [B, HV, K, V] per chunk, in d's dtype."""
     return jnp.einsum(_RESPONSE, xk.astype(d.dtype), d, precision=lax.Precision.HIGHEST)
-
-
-def bf16_hi_lo(d):
-    """float32 d as bfloat16 hi + lo (hi + lo = d to ~2^-17 relative)."""
-    hi = d.astype(jnp.bfloat16)
-    return hi, (d - hi.astype(d.dtype)).astype(jnp.bfloat16)
-
-
-def _response_hi_lo(xk, d):
-    """Exact products of bfloat16 xk with d's hi and lo, float32 sums; lo's product is
-    2^-8 of hi's, so its bfloat16 result adds 2^-17 (and half the bytes)."""
-    hi, lo = bf16_hi_lo(d)
-    mm = lambda b, out: jnp.einsum(_RESPONSE, xk, b, preferred_element_type=out)
-    return mm(hi, jnp.float32) + mm(lo, jnp.bfloat16).astype(jnp.float32)
 
 
 class ForwardResponse(NamedTuple):

@@ -160,23 +160,22 @@ def test_intra_cp_impl_names():
 
 
 def test_switch_suffixes_turn_kernel_opt_ins_on_only_while_tracing(monkeypatch):
-    """``cutedsl-cp4+rewalk+hilo``: the op runs with both opt-ins on, and they are off
+    """``cutedsl-cp4+narrow+save``: the op runs with both opt-ins on, and they are off
     again after it (so the next implementation in the process sees the defaults)."""
     import gdp_jax
-    from gdp_jax import engine
-    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels import chunk_forward, pipeline
     seen = []
     monkeypatch.setattr(gdp_jax, "gated_delta_product", lambda *a, **kw: seen.append(
-        (chunk_forward.CP_REWALK, engine.RESPONSE_HI_LO, kw["backend"])))
+        (chunk_forward.NARROW_TILES, pipeline.SAVE_OPERANDS, kw["backend"])))
     # both off whatever the defaults are, so the suffixes have something to turn on
-    monkeypatch.setattr(chunk_forward, "CP_REWALK", False)
-    monkeypatch.setattr(engine, "RESPONSE_HI_LO", False)
+    monkeypatch.setattr(chunk_forward, "NARROW_TILES", False)
+    monkeypatch.setattr(pipeline, "SAVE_OPERANDS", False)
     before = (False, False)
-    o = registry.impl("cutedsl-cp4+rewalk+hilo", "fwdbwd")
-    assert (o.name, o.intra_cp, o.fwd_same_as) == ("cutedsl-cp4+rewalk+hilo", 4, None)
+    o = registry.impl("cutedsl-cp4+narrow+save", "fwdbwd")
+    assert (o.name, o.intra_cp, o.fwd_same_as) == ("cutedsl-cp4+narrow+save", 4, None)
     o.op()(1, 2, 3, 4, 5)
     assert seen == [(True, True, "cutedsl")]
-    assert (chunk_forward.CP_REWALK, engine.RESPONSE_HI_LO) == before
+    assert (chunk_forward.NARROW_TILES, pipeline.SAVE_OPERANDS) == before
     with pytest.raises(ValueError, match="unknown switch"):
         registry.impl("cutedsl+narow", "fwdbwd")
     with pytest.raises(ValueError, match="unknown implementation"):
@@ -263,13 +262,14 @@ def test_fit_tiny(capsys):
 
 def test_glue_bytes_tiny(capsys):
     """benchmarks/glue_bytes: the cutedsl pipeline compiles with its kernels opaque; the
-    split forward lists the V + K walk among its largest instructions, and the emulations
-    are restored afterwards."""
+    split forward lists the V + K summary walk (o a [1] placeholder, the final states on
+    V + K columns) among its largest instructions, and the emulations are restored
+    afterwards."""
     from benchmarks import glue_bytes
     from gdp_jax.kernels import emulate
     before = emulate.chunk_kernel_call
     glue_bytes.main(["--shape", "1,512,2,2", "--intra-cp", "2", "--top", "40"])
     out = capsys.readouterr().out
     assert "intra_cp=2 fwd: XLA bytes accessed" in out
-    assert "custom-call" in out and ",64,256]" in out    # the walk's o rows, V + K columns
+    assert "custom-call  (bf16[1]{0}, f32[2,2,128,256]" in out    # the summary walk
     assert emulate.chunk_kernel_call is before

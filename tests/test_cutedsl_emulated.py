@@ -908,10 +908,9 @@ def test_value_tile_is_picked_for_the_launch(monkeypatch):
     """The recursion kernels pick their value tile for the rows a launch has after
     ``jax.vmap`` or ``intra_cp`` folded into them (the trace shows fewer). One sequence,
     16 heads, V = 128: unsplit 64 walks of 32 columns -> 16-column tiles; split in 4
-    (256 walks of 32) -> 32, the V + K pass -> 64 (forward and reverse; with
-    ``CP_REWALK`` apply's plain walks 32); a user's vmap of 4 problems the same as the
-    split."""
-    from gdp_jax.kernels import chunk_forward, emulate
+    (256 walks of 32) -> 32: the V + K summary walks -> 64, apply's plain walks 32
+    (forward and reverse); a user's vmap of 4 problems the same as the split."""
+    from gdp_jax.kernels import emulate
     seen = []
     fwd, rev = emulate.chunk_kernel_call, emulate.dh_kernel_call
     monkeypatch.setattr(emulate, "chunk_kernel_call", lambda *a, **k: seen.append(
@@ -927,15 +926,9 @@ def test_value_tile_is_picked_for_the_launch(monkeypatch):
         seen.clear()
         # (custom_vmap also traces the unmapped call once, at 1 row: not a launch)
         launched = lambda: {c for c in seen if c[1] == 4}
-        monkeypatch.setattr(chunk_forward, "CP_REWALK", False)
-        jax.jit(jax.grad(lambda *a: loss(*a, intra_cp=4)))(*inp[:5])
-        assert launched() == {("fwd", 4, 256, 64), ("rev", 4, 256, 64)}
-        seen.clear()
-        monkeypatch.setattr(chunk_forward, "CP_REWALK", True)
         jax.jit(jax.grad(lambda *a: loss(*a, intra_cp=4)))(*inp[:5])
         assert launched() == {("fwd", 4, 256, 64), ("rev", 4, 256, 64), ("fwd", 4, 128, 32),
                               ("rev", 4, 128, 32)}
-        monkeypatch.setattr(chunk_forward, "CP_REWALK", False)
         seen.clear()
         four = [x.reshape((4, 1, 64) + x.shape[2:]) for x in inp[:5]]
         jax.jit(jax.vmap(lambda *a: gdp_jax.gated_delta_product(*a, backend="cutedsl")))(*four)

@@ -526,19 +526,14 @@ def test_cp_cutedsl_equals_single_device(num_gpus, packed):
         assert max(errs) < GRAD_TOL, (name, errs)
 
 
-@pytest.mark.parametrize("rewalk", [False, True], ids=["respond", "rewalk"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
-def test_intra_cp_split_equals_unsplit(monkeypatch, packed, rewalk):
+def test_intra_cp_split_equals_unsplit(packed):
     """``intra_cp=4`` (CP over 4 segments inside the GPU, issue 20) == the unsplit op, both
     on the cutedsl kernels: the forward that nothing differentiates (its own path: no
-    checkpoints, the token-major operands kernel, u on V columns in the V + K pass) and
-    o, final state and every gradient of the differentiated call; packed sequences cross
-    the segment borders (with an empty and a one-token one). The two differ by the fold's
-    and the response columns' roundings only. Both CP passes: apply's response products
-    and (``chunk_forward.CP_REWALK``, s25, NOT YET RUN) the summary walks (``readout=False``
-    / ``write_ds=False``) then apply's plain walks."""
-    from gdp_jax.kernels import chunk_forward
-    monkeypatch.setattr(chunk_forward, "CP_REWALK", rewalk)
+    checkpoints, the token-major operands kernel, u on V columns in the V + K summary
+    walk) and o, final state and every gradient of the differentiated call; packed
+    sequences cross the segment borders (with an empty and a one-token one). The two
+    differ by the fold's and the summary columns' roundings only."""
     B, T = (1, 2048) if packed else (2, 1024)
     args = make(43, B, T, 2, 2, 4, 128, 128, jnp.bfloat16, N=5 if packed else None)
     cu = jnp.array([0, 300, 300, 301, 1500, 2048], jnp.int32) if packed else None
@@ -572,41 +567,6 @@ def test_intra_cp_split_equals_unsplit(monkeypatch, packed, rewalk):
         err = rel_rms(a, b)
         print(f"[intra_cp=4 grad {'packed' if packed else 'batched'}] {name} {err:.2e}")
         assert err < CROSS_GRAD_TOL, (name, err)
-
-
-def test_response_hi_lo_split(monkeypatch):
-    """``engine.RESPONSE_HI_LO`` (opt-in, s24; NOT YET RUN): the split's response products
-    on bf16 hi + lo give what the float32 products give, to a few bf16 output ulps, for o,
-    the final state and every gradient, and o stays as close to float64."""
-    from gdp_jax import engine
-    args = make(44, 1, 2048, 2, 2, 4, 128, 128, jnp.bfloat16)
-    kw = dict(initial_state=args[5], output_final_state=True, use_qk_l2norm=True,
-              backend="cutedsl", intra_cp=4)
-    wo = jax.random.normal(jax.random.PRNGKey(11), args[2].shape[:2] + args[2].shape[3:],
-                           jnp.float32)
-
-    def run():
-        def loss(q, k, v, g, beta, s0):
-            o, s = gated_delta_product(q, k, v, g, beta, **{**kw, "initial_state": s0})
-            return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s), (o, s)
-        (_, (o, s)), gr = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5),
-                                                     has_aux=True))(*args)
-        return (o, s) + tuple(gr)
-
-    monkeypatch.setattr(engine, "RESPONSE_HI_LO", False)
-    base = run()
-    monkeypatch.setattr(engine, "RESPONSE_HI_LO", True)
-    got = run()
-    ref_o = gated_delta_product_reference(
-        *[jnp.asarray(x, jnp.float64) for x in args[:5]],
-        initial_state=jnp.asarray(args[5], jnp.float64), use_qk_l2norm=True)
-    e_on, e_off = rel_rms(got[0], ref_o), rel_rms(base[0], ref_o)
-    print(f"[hi + lo] o vs float64 {e_on:.2e} (float32 products {e_off:.2e})")
-    assert e_on <= 1.05 * e_off + 1e-4, (e_on, e_off)
-    for name, a, b in zip(NAMES, got, base):
-        err = rel_rms(a, b)
-        print(f"[hi + lo vs float32] {name} {err:.2e}")
-        assert err < 2e-3, (name, err)
 
 
 def test_model_grad_inside_shard_map():

@@ -101,7 +101,7 @@ def test_chunk_kernel_with_checkpoints_compiles(ckpt):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 128, 64), (128, 128, 16)])
 def test_summary_walk_kernel_compiles(K, V, BV, split):
-    """The CP summary walk (``readout=False``, ``chunk_forward.CP_REWALK``'s prepare): V + K
+    """The CP summary walk (``readout=False``, the CP prepare's pass): V + K
     state columns, u on the first V only, no output rows (o a [1] placeholder) and no
     checkpoints - only the final states."""
     B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
@@ -288,16 +288,13 @@ def test_cp_summary_kernels_lower(K, V, prebuilt):
     assert txt.count("CuteDSLRT_NvJaxCutlassCall") >= 2          # inverse + reverse
 
 
-@pytest.mark.parametrize("packed,rewalk", [(False, True), (True, True), (True, False)])
-def test_cp_rank_kernel_passes(monkeypatch, packed, rewalk, prebuilt):
-    """One CP rank (the four protocol functions, lowered for cuda). With
-    ``chunk_forward.CP_REWALK``: per direction a V + K summary walk that writes only the
-    final states / start-state gradients (placeholders for the rest), then apply's plain
-    walk on V columns (o rows, checkpoints, dS_end in 16 bits). Without: ONE kernel pass a
-    direction on V + K columns, whose outputs apply resumes from."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp_rank_kernel_passes(packed, prebuilt):
+    """One CP rank (the four protocol functions, lowered for cuda): per direction a V + K
+    summary walk that writes only the final states / start-state gradients (placeholders
+    for the rest), then apply's plain walk on V columns (o rows, checkpoints, dS_end in
+    16 bits)."""
     from gdp_jax import cp as gcp
-    from gdp_jax.kernels import chunk_forward
-    monkeypatch.setattr(chunk_forward, "CP_REWALK", rewalk)
     B, T, n, H, HV, K, V = 1, 200, 2, 1, 2, 128, 64
     bf, f32 = jnp.bfloat16, jnp.float32
     N = 3 if packed else B
@@ -347,25 +344,18 @@ def test_cp_rank_kernel_passes(monkeypatch, packed, rewalk, prebuilt):
     args = [line.rsplit("->", 1)[0] for line in recursions(txt)]
     assert all(f"x64x{V}xf32>" in a and f"x64x{V + K}xf32>" not in a for a in args), args
     final_wide = f"x{HV}x{K}x{V + K}xf32>"
-    if rewalk:
-        summary = [o for o in out if final_wide in o]
-        plain = [o for o in out if final_wide not in o]
-        assert len(summary) == 1 and len(plain) == 1, out
-        # [1] placeholders for o and the states: no o rows, no checkpoints
-        assert summary[0].startswith(" (tensor<1xbf16>,") and "tensor<1xf32>)" in summary[0]
-        assert f"x64x{V}xbf16>" in plain[0] and f"x{K}x{V}xbf16>" in plain[0], out
-    else:
-        assert len(out) == 1 and f"x64x{V + K}xbf16>" in out[0], out   # o rows on V + K
+    summary = [o for o in out if final_wide in o]
+    plain = [o for o in out if final_wide not in o]
+    assert len(summary) == 1 and len(plain) == 1, out
+    # [1] placeholders for o and the states: no o rows, no checkpoints
+    assert summary[0].startswith(" (tensor<1xbf16>,") and "tensor<1xf32>)" in summary[0]
+    assert f"x64x{V}xbf16>" in plain[0] and f"x{K}x{V}xbf16>" in plain[0], out
     out = chunk_kernels(_lower(fwd_bwd, *avals, pre, S((B, T, HV, V), bf),
                                S((N, HV, K, V), f32)))
-    if rewalk:
-        assert len(out) == 4, out
-        reverse = [o for o in out if o.startswith(" (tensor<1xf32>,") and final_wide in o]
-        assert len(reverse) == 1, out                              # no dS_end written
-        assert sum(f"x{K}x{V}xbf16>, tensor<{N}x{HV}x{K}x{V}xf32>" in o for o in out) == 1
-    else:
-        assert len(out) == 2, out
-        assert f"x{K}x{V + K}xf32>" in out[1], out                 # dS_end on V + K
+    assert len(out) == 4, out
+    reverse = [o for o in out if o.startswith(" (tensor<1xf32>,") and final_wide in o]
+    assert len(reverse) == 1, out                              # no dS_end written
+    assert sum(f"x{K}x{V}xbf16>, tensor<{N}x{HV}x{K}x{V}xf32>" in o for o in out) == 1
 
 
 def test_forward_call_rejects_u_wider_than_the_state():

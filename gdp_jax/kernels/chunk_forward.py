@@ -32,18 +32,6 @@ BF16_SPLIT = False
 # (1, 65536, 16, 2) forward 7.81 -> 6.79 ms, fwd+bwd 26.56 -> 24.81 ms on the H200
 # (benchmarks/results/CURRENT.md, s24).
 NARROW_TILES = True
-# Opt-in (off; NOT measured on a GPU: written in s25, which had no device): the CP pass
-# (cross-device ranks and ``intra_cp``'s segments), both directions, as Megatron's: prepare
-# walks the V + K columns for the summary alone (no readout, checkpoints or dS_end: the
-# kernels' ``readout=False`` / ``write_ds=False``), and apply runs the plain single-device
-# pass on V columns from the folded start state (end-state gradient). One more walk a
-# direction, but no V + K output rows, checkpoints or dS_end in HBM and none of apply's
-# per-chunk float32 response products in XLA (s24-1 trace of intra_cp = 4's forward at
-# (1, 65536, 16, 2): 2.85 of its 8.8 ms; the split's fwd+bwd peak is twice the plain
-# op's). In s5 a two-pass CP (the summary pass then with its readout) measured about as
-# fast as the one pass (history/2026-12-01/cp21_one_pass_cp.md). A/B:
-# `bash benchmarks/run_gpu_measurements.sh 5` (``+rewalk`` in the runner).
-CP_REWALK = False
 
 
 class ChunkForwardKernel:
@@ -170,8 +158,7 @@ class ChunkForwardKernel:
         """The variants the cutedsl engine runs (``ffi/build.py`` prebuilds them): per
         dtype and head dims, the forward alone (ckpt 0), under differentiation (with the
         checkpoints of each ``recompute_chunk_nums``) and the CP rank's pass on V + K
-        columns (u on the first V): the summary walk with :data:`CP_REWALK`, else the
-        walk with the readout and the same checkpoints; each with every value tile
+        columns (u on the first V), the summary walk; each with every value tile
         ``pick_bv`` picks (64 for calls that fill the GPU, 32 for few rows x heads, 16 for
         fewer)."""
         from gdp_jax.kernels import aot
@@ -181,12 +168,8 @@ class ChunkForwardKernel:
                 for V in cls.HEAD_DIMS:
                     # (state columns, ckpt, readout); a forward that nothing
                     # differentiates keeps no checkpoints
-                    runs = [(V, 0, True)] + [(V, r + 1, True) for r in recompute_chunk_nums]
-                    if CP_REWALK:
-                        runs += [(V + K, 0, False)]
-                    else:
-                        runs += [(V + K, 0, True)] + [(V + K, r + 1, True)
-                                                      for r in recompute_chunk_nums]
+                    runs = ([(V, 0, True)] + [(V, r + 1, True) for r in recompute_chunk_nums]
+                            + [(V + K, 0, False)])
                     for (Vx, ckpt, readout) in runs:
                         for BV in cls.value_tiles(Vx):
                             fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,

@@ -28,15 +28,15 @@ Backward:
     with dq, dk, dv written token-major (:class:`gdp_jax.engine.TokenCotangents`); where
     it cannot run, the same written out in XLA
     (:func:`gdp_jax.chunked.local_grads_direct`).
-CP (``chunk_forward.CP_REWALK``, opt-in): per direction, prepare runs the recursion kernel on
-V + K state columns for the summary alone (no readout, checkpoints or dS_end): columns of
-the state never mix, so from the start [h0' | I] with u = [u | 0] the last K columns of
-the final state are its response to the sequence's start state, and [E | M] is read off
-it (dfinal = [dfinal' | I], dO = [dO | 0] give [gamma | M^T]). Apply then runs the plain
-single-device pass from the folded start state (end-state gradient) on V columns. Off
-(the default): the one V + K walk also writes every output row, checkpoint and dS_end on
-V + K columns, and apply adds o_K (S - h0'), S0_K (S - h0'), M (S - h0') for the folded
-start state S (parallel matmuls, no second walk). Both exact.
+CP (cross-device ranks and ``intra_cp``'s segments), per direction, as Megatron's: prepare
+runs the recursion kernel on V + K state columns for the summary alone (no readout,
+checkpoints or dS_end): columns of the state never mix, so from the start [h0' | I] with
+u = [u | 0] the last K columns of the final state are its response to the sequence's start
+state, and [E | M] is read off it (dfinal = [dfinal' | I], dO = [dO | 0] give
+[gamma | M^T]). Apply then runs the plain single-device pass from the folded start state
+(end-state gradient) on V columns. One walk more a direction than writing every V + K row
+and adding the response in XLA, and faster: nothing per chunk in float32 through HBM
+(benchmarks/results/CURRENT.md, s27).
 """
 from __future__ import annotations
 
@@ -46,14 +46,13 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _vma, chunked, grid
-from gdp_jax.engine import (Engine, ForwardResponse, TokenCotangents, add_response,
-                            identity_columns, mm_exact, resume_rows_and_final,
+from gdp_jax.engine import (Engine, TokenCotangents, identity_columns, mm_exact,
                             where_has_tokens)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows
 from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
-from gdp_jax.kernels import chunk_forward, wy_inverse
+from gdp_jax.kernels import wy_inverse
 
 
 def acc_dtype(ab_dtype):
@@ -349,14 +348,12 @@ class CuTeDSLEngine(Engine):
 
     def forward_prepare(self, spec, ch, layout, h0p, differentiated=False, keep_states=True,
                         tokens=None):
-        """The CP rank's forward kernel pass on V + K columns from [h0p | I] with
-        u = [u | 0]: the K extra columns of the final states are their response to the
-        sequence's start state. With ``chunk_forward.CP_REWALK`` the walk writes nothing
-        else (-> ((E, M), :class:`ForwardWalk`), for apply's plain walk); else it also
-        writes the V + K output rows and checkpoints (-> ((E, M),
-        :class:`ForwardResponse`)). Without ``keep_states`` (no backward follows) no
-        checkpoints are kept, and the operands kernel reads ``tokens`` (the rank's q, k,
-        v) itself where it can, as the plain forward does."""
+        """The CP rank's summary walk: the forward kernel on V + K columns from [h0p | I]
+        with u = [u | 0], writing only the final states, whose K extra columns are their
+        response to the sequence's start state. -> ((E, M) [N, HV, K, V], [N, HV, K, K];
+        :class:`ForwardWalk` for apply's plain walk, the engine's default resume).
+        Without ``keep_states`` (no backward follows) the operands kernel reads ``tokens``
+        (the rank's q, k, v) itself where it can, as the plain forward does."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
         operands, bad = masked_operands(
@@ -365,86 +362,34 @@ class CuTeDSLEngine(Engine):
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
         # u has V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM)
-        rewalk = chunk_forward.CP_REWALK
-        # checkpoints in the checkpoint dtype, as the plain forward keeps them (float32
-        # would skip one rounding of the response columns for twice the bytes)
-        oc, final, states = ChunkForwardKernel.call(
-            *operands, *_flags(layout), h0,
-            ckpt=spec.checkpoint_stride if keep_states and not rewalk else 0,
-            states_dtype=spec.checkpoint_dtype, readout=not rewalk)
+        _, final, _ = ChunkForwardKernel.call(*operands, *_flags(layout), h0, ckpt=0,
+                                              states_dtype=spec.checkpoint_dtype,
+                                              readout=False)
         final = where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
-        if rewalk:
-            return (E, M), ForwardWalk(operands, bad)
-        return (E, M), ForwardResponse(h0p, oc, final, states if keep_states else None, bad)
-
-    def forward_resume(self, spec, ch, layout, h0, seqs, work, keep_states=True):
-        """The forward from the true start states h0: a :class:`ForwardWalk` runs the plain
-        forward's walk on the prepare's operands; a :class:`ForwardResponse` adds the
-        response to h0 - h0p to the prepare's rows, checkpoints and final states (no
-        second walk). -> (o rows, final states, checkpoints or None)."""
-        if isinstance(work, ForwardWalk):
-            return self.forward(spec, ch, layout, h0, keep_states=keep_states,
-                                work=tuple(work))
-        oc, final, delta = resume_rows_and_final(work, layout, h0, seqs)
-        if work.states is None:
-            return oc, final.astype(spec.cdt), None
-        stride = spec.checkpoint_stride
-        states = add_response(work.states, h0.shape[-1], layout.seq_of_chunk[:, ::stride],
-                              seqs, delta)
-        return oc, final.astype(spec.cdt), states.astype(spec.checkpoint_dtype)
+        return (E, M), ForwardWalk(operands, bad)     # apply: the plain forward on it
 
     def backward_summaries(self, spec, ch, layout, doc, dfinal):
         return self.backward_prepare(spec, ch, layout, doc, dfinal)
 
     def backward_prepare(self, spec, ch, layout, doc, dfinal):
-        """The CP rank's reverse kernel pass on V + K columns from dfinal = [dfinal | I],
-        dO = [dO | 0]: the K extra columns of the start-state gradients are their response
-        to the end-state gradient of their sequence. With ``chunk_forward.CP_REWALK`` the
-        walk writes nothing else (-> ((gamma, M^T), :class:`BackwardWork`), for apply's
-        plain backward); else it also writes every dS_end on V + K columns (-> ((gamma,
-        M^T), :class:`BackwardResponse`))."""
+        """The CP rank's reverse summary walk: the state-gradient kernel on V + K columns
+        from dfinal = [dfinal | I], dO = [dO | 0], writing only the start-state gradients,
+        whose K extra columns are their response to the end-state gradient of their
+        sequence. -> ((gamma, M^T) [N, HV, K, V], [N, HV, K, K]; :class:`BackwardWork`
+        for apply's plain backward, the engine's default resume)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
         self._check(spec, ch, extra_columns=K)
-        on_kernel = kernel_backward(spec, ch)
-        work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype, on_kernel=on_kernel)
+        work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype,
+                            on_kernel=kernel_backward(spec, ch))
         kt, w, qg, ddo, do, decay = work.operands
-        df = dfinal.astype(acc_dtype(spec.ab_dtype))
-        dfx = identity_columns(df, K)
-        # dO, ddo on their V columns (the kernel takes the response columns' as 0); dS_end
-        # in 16 bits for the local-gradient kernel, as the plain backward keeps it
-        rewalk = chunk_forward.CP_REWALK
-        ds_end, dh0 = StateGradKernel.call(
-            kt, w, qg, ddo, do, decay, *_flags(layout), dfx, fuse_ddo=work.fuse_ddo,
-            ds_dtype=spec.ab_dtype if on_kernel and not rewalk else None,
-            write_ds=not rewalk)
+        dfx = identity_columns(dfinal.astype(acc_dtype(spec.ab_dtype)), K)
+        # dO, ddo on their V columns (the kernel takes the response columns' as 0)
+        _, dh0 = StateGradKernel.call(kt, w, qg, ddo, do, decay, *_flags(layout), dfx,
+                                      fuse_ddo=work.fuse_ddo, write_ds=False)
         dh0 = where_has_tokens(layout, dh0, dfx)
-        summary = (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype))
-        if rewalk:
-            return summary, work
-        return summary, BackwardResponse(work, df, ds_end, dh0)
-
-    def backward_resume(self, spec, ch, layout, h0, doc, dfinal, states, seqs, work):
-        """The backward from the true end-state gradients dfinal: a :class:`BackwardWork`
-        runs the plain backward on it; a :class:`BackwardResponse` adds the response to
-        dfinal - dfinal' to the prepare's dS_end and dh0 (no second walk). Then the
-        chunk-local gradients (:func:`local_grads`) at the chunk states recomputed from
-        the checkpoints."""
-        if isinstance(work, BackwardWork):
-            return self.backward(spec, ch, layout, h0, doc, dfinal, states, work=work)
-        V = dfinal.shape[-1]
-        bw = work.work
-        ddf = dfinal.astype(work.dfinal.dtype) - work.dfinal
-        ds_end = add_response(work.ds_end, V, layout.seq_of_chunk, seqs, ddf)
-        if kernel_backward(spec, ch):     # the 16 bits the local-gradient kernel rounds to
-            ds_end = ds_end.astype(spec.ab_dtype)
-        dh0 = work.dh0[..., :V] + mm_exact(work.dh0[..., V:], ddf)
-        S0 = chunked.states_from_checkpoints(bw.it, layout, h0, states,
-                                             spec.checkpoint_stride)
-        # dq, dk, dv token-major where the kernel can, as the single-device backward
-        dch = local_grads(spec, ch, bw, S0, doc, ds_end, layout=layout)
-        return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
+        return (dh0[..., :V].astype(dfinal.dtype), dh0[..., V:].astype(dfinal.dtype)), work
 
 
 class ForwardWalk(NamedTuple):
@@ -452,17 +397,6 @@ class ForwardWalk(NamedTuple):
     operands (w, kt, qg, p, u, decay) and the non-finite rows ``bad`` [B, NC, HV, C]."""
     operands: tuple
     bad: jax.Array
-
-
-class BackwardResponse(NamedTuple):
-    """The CP reverse kernel pass on V + K columns, kept for apply: the
-    :class:`BackwardWork`, the provisional dfinal [N, HV, K, V], dS_end
-    [B, NC, HV, K, V + K] (16-bit where the local-gradient kernel takes the backward, else
-    float32) and the start-state gradients [N, HV, K, V + K] float32."""
-    work: BackwardWork
-    dfinal: jax.Array
-    ds_end: jax.Array
-    dh0: jax.Array
 
 
 CUTEDSL = CuTeDSLEngine()

@@ -16,7 +16,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from gdp_jax import grid
-from gdp_jax.kernels import binding, chunk_forward
+from gdp_jax.kernels import binding
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
 
@@ -90,9 +90,8 @@ class StateGradKernel:
     def variants(cls):
         """The variants the cutedsl engine runs: per dtype and head dims, the backward
         (dS_end in the 16-bit dtype for the local-gradient kernel, float32 for the XLA
-        local gradients) and the CP pass on V + K columns (dO on the first V): the summary
-        walk (no dS_end) with ``chunk_forward.CP_REWALK``, else every dS_end in either
-        dtype; ddo formed in the kernel or read; the value tiles as the forward's
+        local gradients) and the CP pass's summary walk on V + K columns (dO on the first
+        V; no dS_end); ddo formed in the kernel or read; the value tiles as the forward's
         (``ChunkForwardKernel.value_tiles``)."""
         from gdp_jax.kernels import aot
         out = []
@@ -100,12 +99,8 @@ class StateGradKernel:
             for K in ChunkForwardKernel.HEAD_DIMS:
                 for V in ChunkForwardKernel.HEAD_DIMS:
                     # (state columns, dS_end dtype or None: not written, fused ddo)
-                    runs = [(V, name, True), (V, name, False), (V, "float32", False)]
-                    if chunk_forward.CP_REWALK:
-                        runs += [(V + K, None, True), (V + K, None, False)]
-                    else:
-                        runs += [(V + K, ds, fused) for ds in (name, "float32")
-                                 for fused in (True, False)]
+                    runs = [(V, name, True), (V, name, False), (V, "float32", False),
+                            (V + K, None, True), (V + K, None, False)]
                     for Vx, ds, fused in runs:
                         for BV in ChunkForwardKernel.value_tiles(Vx):
                             fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
