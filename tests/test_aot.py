@@ -96,7 +96,9 @@ def test_build_lists_every_kernel_class():
     whats = [v.what for v in build.all_variants(recompute=(0, 3))]
     for BV in (32, 64):                                  # both value tiles (pick_bv)
         assert f"gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=4 BV={BV}" in whats  # --recompute 3
-        assert f"gdp_chunk_bwd_dh_sm90 float16 K=64 V=192 dS_end float32 BV={BV}" in whats  # CP
+        assert f"gdp_chunk_bwd_dh_sm90 float16 K=64 V=192 summary BV={BV}" in whats  # CP
+        assert f"gdp_chunk_fwd_sm90 float16 K=64 V=192 ckpt=0 summary BV={BV}" in whats
+        assert f"gdp_chunk_fwd_sm90 float16 K=64 V=192 ckpt=1 BV={BV}" not in whats
         assert (f"gdp_chunk_bwd_dh_sm90 float16 K=64 V=64 dS_end float16 fused ddo BV={BV}"
                 in whats)                                                         # 1 device
     assert "gdp_chunk_prep_sm90 bfloat16 K=128 V=64 inverse" in whats          # backward
