@@ -96,7 +96,7 @@ def gated_delta_product(
         segments and run them as context-parallel ranks inside this device (a
         ``jax.vmap`` axis; :mod:`gdp_jax.cp.split`), so a call of few rows x heads walks
         S x as many in parallel. "auto" picks S from B x HV x V and T (1 = no split:
-        where the unsplit kernels already occupy at least half the GPU) and splits only
+        where the unsplit kernels launch more than one CTA an SM) and splits only
         a call that nothing differentiates (under ``jax.grad`` it runs the unsplit
         forward and backward, which measured faster). Same results up to rounding; not
         with ``cp_axis``.

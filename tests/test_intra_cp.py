@@ -201,9 +201,11 @@ def _spec(B, T, HV):
 
 
 def test_auto_segments():
-    # _spec's V = 64: B x HV x 4 CTAs of 16 columns; split where they are <= 66
-    assert split.num_segments(_spec(1, 65536, 16), "auto") == 4     # 64 CTAs -> 256
-    assert split.num_segments(_spec(1, 65536, 17), "auto") == 1     # 68: half the SMs busy
+    # _spec's V = 64: B x HV x 4 CTAs of 16 columns; split where they are <= 132, into
+    # more than 264
+    assert split.num_segments(_spec(1, 65536, 16), "auto") == 8     # 64 CTAs -> 512
+    assert split.num_segments(_spec(1, 65536, 33), "auto") == 4     # 132 -> 528
+    assert split.num_segments(_spec(1, 65536, 34), "auto") == 1     # 136: every SM busy
     assert split.num_segments(_spec(8, 4096, 16), "auto") == 1      # 512 CTAs
     assert split.num_segments(_spec(1, 262144, 1), "auto") == 64    # 4 CTAs -> 256
     assert split.num_segments(_spec(1, 4096, 2), "auto") == 1       # segments too short

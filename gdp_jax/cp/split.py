@@ -31,13 +31,12 @@ from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 AXIS = "gdp_intra_device_cp"
 # "auto", modeled on the cutedsl recursion kernels (one CTA per row x head x value tile,
 # their narrowest tiles 16 columns; ``ChunkForwardKernel.SMS``): split only where the
-# unsplit walks leave at least half of the SMs without a CTA (B x HV x V / 16 <=
-# SMS / 2), into the fewest segments (a power of two) that give more CTAs than SMs, each of at least
+# unsplit walks launch at most one CTA an SM (B x HV x V / 16 <= SMS), into the fewest
+# segments (a power of two) that give more than 2 x SMS CTAs, each of at least
 # MIN_SEGMENT_TOKENS tokens; and only a call that nothing differentiates (training runs
-# unsplit). From two measured points (H200, s24, intra_cp=4 on the CP pass of then):
-# at 64 such CTAs, (1, 131072, 8, 2), the split forward took 8.93 ms against 10.32
-# unsplit; at 128, (1, 65536, 16, 2), 8.91 against 6.79; fwd+bwd lost at both (35.8 vs
-# 34.6, 35.5 vs 24.8 ms). To be set again from a GPU sweep.
+# unsplit). Measured (H100, s27, the re-walk CP pass): at 128 such CTAs,
+# (1, 65536, 16, 2), the forward split in 4 took 6.25 ms against 7.06 unsplit (FLA 7.32);
+# fwd+bwd 28.2 against 24.8, hence unsplit under differentiation.
 MIN_SEGMENT_TOKENS = 4096
 
 
@@ -53,9 +52,9 @@ def check(intra_cp) -> None:
 
 def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
     """S for this call: 1 (no split) for None; ``intra_cp`` itself for an int (it must
-    divide T); for "auto", 1 unless B x HV x V / 16 <= SMS / 2, then the smallest power of
-    two S with S x B x HV x V / 16 > SMS, T / S >= MIN_SEGMENT_TOKENS and S | T (the
-    largest such power below it where none reaches SMS)."""
+    divide T); for "auto", 1 unless B x HV x V / 16 <= SMS, then the smallest power of
+    two S with S x B x HV x V / 16 > 2 x SMS, T / S >= MIN_SEGMENT_TOKENS and S | T (the
+    largest such power below it where none reaches 2 x SMS)."""
     check(intra_cp)
     if intra_cp is None:
         return 1
@@ -63,9 +62,9 @@ def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
         SMS = ChunkForwardKernel.SMS
         ctas = spec.B * spec.HV * spec.V // min(ChunkForwardKernel.value_tiles(spec.V))
         S = 1
-        if 2 * ctas > SMS:
+        if ctas > SMS:
             return S
-        while (S * ctas <= SMS and spec.T % (2 * S) == 0
+        while (S * ctas <= 2 * SMS and spec.T % (2 * S) == 0
                and spec.T // (2 * S) >= MIN_SEGMENT_TOKENS):
             S *= 2
         return S
