@@ -384,16 +384,22 @@ def test_can_implement():
     many = {**ok, "rows": 70000, "NC": 1, "HV": 1, "K": 64, "V": 64}
     assert "70000 rows x 1 heads" in ChunkForwardKernel.can_implement(**many)
     assert "65535" in StepKernel.can_implement(dtype=jnp.bfloat16, B=70000, HV=1, K=64, V=64)
-    # the CP summaries run V + K state columns
+    # the CP summary walks run V + K state columns but write only per-sequence final
+    # states: the per-chunk extents stay V wide
     big = {**ok, "NC": 100000, "HV": 1}
     assert StateGradKernel.can_implement(**big) is None
-    assert "32-bit" in StateGradKernel.can_implement(**big, extra_columns=128)
-    # the engine's statement is the kernels' (and it includes the summaries' columns)
-    T, bf = 5_000_000, jnp.bfloat16         # 78125 chunks: V fits, V + K does not
-    spec = _checks.check_inputs(S((1, T, 1, 128), bf), S((1, T, 1, 1, 128), bf),
-                                S((1, T, 1, 1, 128), bf), None, S((1, T, 1, 1), bf))
-    assert ChunkForwardKernel.can_implement(**{**ok, "NC": T // 64, "HV": 1}) is None
-    assert "32-bit" in CuTeDSLEngine.can_implement(spec)
+    assert StateGradKernel.can_implement(**big, extra_columns=128, sequences=5) is None
+    # sequences not given: up to rows x NC of [K, V + K] each
+    assert "CP summary states" in StateGradKernel.can_implement(**big, extra_columns=128)
+    assert "CP summary states" in StateGradKernel.can_implement(**big, extra_columns=128,
+                                                                sequences=70000)
+    # the engine's statement is the kernels': (1, 262144, 16, 1) fits (s27 on the GPU
+    # refused it while the summaries' columns counted per chunk)
+    T, bf = 262144, jnp.bfloat16
+    spec = _checks.check_inputs(S((1, T, 16, 128), bf), S((1, T, 1, 16, 128), bf),
+                                S((1, T, 1, 16, 128), bf), None, S((1, T, 1, 16), bf))
+    assert CuTeDSLEngine.can_implement(spec) is None
+    assert "32-bit" in CuTeDSLEngine.can_implement(spec.replace(T=2 * T))
     assert CuTeDSLEngine.can_implement(spec.replace(T=64)) is None
     assert "bfloat16/float16" in CuTeDSLEngine.can_implement(spec.replace(
         T=64, input_dtype="float32"))

@@ -42,9 +42,12 @@ class ChunkForwardKernel:
 
     @staticmethod
     def can_implement(*, dtype, K: int, V: int, rows: int, NC: int, HV: int,
-                      extra_columns: int = 0) -> Optional[Unsupported]:
-        """None if the kernel runs these shapes (``extra_columns``: state columns beyond
-        V, as the CP summaries use), else why not."""
+                      extra_columns: int = 0,
+                      sequences: Optional[int] = None) -> Optional[Unsupported]:
+        """None if the kernel runs these shapes, else why not. ``extra_columns``: state
+        columns beyond V, as the CP summary walks run; those walks write only the
+        per-sequence final states [``sequences`` (None: up to rows x NC), HV, K,
+        V + extra_columns], no per-chunk tensor, so every per-chunk extent is V wide."""
         name = jnp.dtype(dtype).name
         if name == "float64":   # no kernel takes it (no float64 tensor cores): argument error
             return Unsupported("q has dtype float64 (k, v too); the cutedsl kernels take 16-bit "
@@ -56,12 +59,16 @@ class ChunkForwardKernel:
         if name not in ChunkForwardKernel.DTYPES:
             return Unsupported(f"q has dtype {name} (k, v too); the cutedsl kernels take "
                                f"bfloat16/float16 inputs (16-bit tensor-core operands)")
-        Vx = V + extra_columns
         if binding.grid_limit(rows, HV):
             return Unsupported(binding.grid_limit(rows, HV))
-        if rows * NC * HV * max(C * max(K, Vx, C), K * Vx) > binding.MAX_ELEMS:
+        if rows * NC * HV * max(C * max(K, V, C), K * V) > binding.MAX_ELEMS:
             return Unsupported(f"{rows} rows x {NC} chunks x {HV} heads are too many for "
                                f"the kernel's 32-bit offsets")
+        N = rows * NC if sequences is None else sequences
+        if extra_columns and N * HV * K * (V + extra_columns) > binding.MAX_ELEMS:
+            return Unsupported(f"{N} sequences x {HV} heads of [{K}, {V + extra_columns}] "
+                               f"CP summary states are too many for the kernel's 32-bit "
+                               f"offsets")
         return None
 
     # streaming multiprocessors of the GPUs the kernels target (H100 / H200 SXM: 132)

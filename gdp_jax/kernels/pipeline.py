@@ -262,14 +262,15 @@ class CuTeDSLEngine(Engine):
         NC = grid.num_chunks(spec.T, spec.n, spec.N, spec.packed)
         kw = dict(dtype=spec.ab_dtype, K=spec.K, V=spec.V, rows=spec.B, NC=NC, HV=spec.HV)
         return (ChunkForwardKernel.can_implement(**kw)
-                or StateGradKernel.can_implement(**kw, extra_columns=spec.K))
+                or StateGradKernel.can_implement(**kw, extra_columns=spec.K, sequences=spec.N))
 
     @staticmethod
-    def _check(spec, ch, extra_columns=0):
+    def _check(spec, ch, layout, extra_columns=0):
         B, NC, HV, _, K = ch.k.shape
         why = ChunkForwardKernel.can_implement(dtype=spec.ab_dtype, K=K, V=ch.v.shape[-1],
                                                rows=B, NC=NC, HV=HV,
-                                               extra_columns=extra_columns)
+                                               extra_columns=extra_columns,
+                                               sequences=layout.seq_len.shape[0])
         if why is not None:
             raise ValueError(f"backend='cutedsl' cannot run this call: {why}")
 
@@ -290,7 +291,7 @@ class CuTeDSLEngine(Engine):
         forward sharing them measured faster (benchmarks/results/CURRENT.md, s18-2) -
         unless the backward reads token-major too (:func:`token_operands`): then both read
         the normalised per-token operands."""
-        self._check(spec, ch)
+        self._check(spec, ch, layout)
         save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
         if save:
             operands, bad, X = ChunkPrepKernel.call(ch, scale=spec.scale,
@@ -318,7 +319,7 @@ class CuTeDSLEngine(Engine):
         return oc, final, states if keep_states else None
 
     def backward(self, spec, ch, layout, h0, doc, dfinal, states, work=None, tokens=None):
-        self._check(spec, ch)
+        self._check(spec, ch, layout)
         prep = None
         if isinstance(states, tuple):          # the forward kept its operands
             states, prep = states
@@ -355,7 +356,7 @@ class CuTeDSLEngine(Engine):
         Without ``keep_states`` (no backward follows) the operands kernel reads ``tokens``
         (the rank's q, k, v) itself where it can, as the plain forward does."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
-        self._check(spec, ch, extra_columns=K)
+        self._check(spec, ch, layout, extra_columns=K)
         operands, bad = masked_operands(
             spec, ch, use_kernel=self._prep_kernel(spec, ch, differentiated), layout=layout,
             tokens=None if keep_states else tokens)
@@ -380,7 +381,7 @@ class CuTeDSLEngine(Engine):
         sequence. -> ((gamma, M^T) [N, HV, K, V], [N, HV, K, K]; :class:`BackwardWork`
         for apply's plain backward, the engine's default resume)."""
         K, V = ch.k.shape[-1], ch.v.shape[-1]
-        self._check(spec, ch, extra_columns=K)
+        self._check(spec, ch, layout, extra_columns=K)
         work = BackwardWork(ch, doc, spec.scale, spec.ab_dtype,
                             on_kernel=kernel_backward(spec, ch))
         kt, w, qg, ddo, do, decay = work.operands

@@ -25,10 +25,11 @@ class StateGradKernel:
 
     @staticmethod
     def can_implement(*, dtype, K: int, V: int, rows: int, NC: int, HV: int,
-                      extra_columns: int = 0):
+                      extra_columns: int = 0, sequences: Optional[int] = None):
         """The forward kernel's limits: the same operands, tiles and 32-bit offsets."""
         return ChunkForwardKernel.can_implement(dtype=dtype, K=K, V=V, rows=rows, NC=NC,
-                                                HV=HV, extra_columns=extra_columns)
+                                                HV=HV, extra_columns=extra_columns,
+                                                sequences=sequences)
 
     @classmethod
     def call(cls, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *,
