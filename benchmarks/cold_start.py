@@ -46,11 +46,12 @@ args = (jnp.asarray(f(B, T, H, K), bf), jnp.asarray(f(B, T, n, H, K), bf),
 w = jnp.asarray(f(B, T, H, V), bf)
 jax.block_until_ready((args, w))
 
-def loss(q, k, v, g, beta):
+def loss(q, k, v, g, beta, w):          # w an argument: no constant in the program
     o = gdp_jax.gated_delta_product(q, k, v, g, beta, use_qk_l2norm=True, backend="cutedsl")
     return jnp.sum((o * w).astype(jnp.float32))
 
 step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+args = args + (w,)
 t1 = time.perf_counter()
 jax.block_until_ready(step(*args))
 t_first = time.perf_counter() - t1

@@ -201,9 +201,12 @@ class OursOp:
         import numpy as np
         op = self.op()
         args = (x.q, x.k, x.v, x.g, x.beta)
-        loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32) * x.w)
+        # w is an argument: closed over, jit would embed it as a constant (2 GB at
+        # (1, 262144, 16, 1): slow compiles, host memory)
+        loss = lambda *a: jnp.sum(op(*a[:5]).astype(jnp.float32) * a[5])
         fwd = jax.jit(op)
         vg_jit = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        vg_args = args + (x.w,)
         compiled = []           # compiled once (on first use): timed and asked for its memory
 
         def vg(*a):
@@ -220,9 +223,9 @@ class OursOp:
                     "xla_gb": xla_bytes_accessed(compiled[0]) / 1e9}
 
         return Built(sync=jax.block_until_ready, fwd=lambda: fwd(*args),
-                     fwdbwd=lambda: vg(*args), grads_of=lambda r: r[1], memory=memory,
+                     fwdbwd=lambda: vg(*vg_args), grads_of=lambda r: r[1], memory=memory,
                      to_np=lambda a: np.asarray(a.astype(jnp.float32)),
-                     jitted={"fwd": (fwd, args), "fwdbwd": (vg_jit, args)})
+                     jitted={"fwd": (fwd, args), "fwdbwd": (vg_jit, vg_args)})
 
 
 def xla_bytes_accessed(compiled) -> float:
