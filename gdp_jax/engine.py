@@ -525,16 +525,22 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
     _, pull_gates = jax.vjp(lambda g_, b_: tuple(grid.steps_to_chunks(layout, *tok[:3], g_,
                                                                        b_))[3:], *tok[3:])
 
-    def pull_inputs(dch):
-        if isinstance(dch, TokenCotangents):
-            dg, dbeta = pull_gates((dch.g.astype(tok[3].dtype), dch.beta.astype(tok[4].dtype)))
-            dqkv = tuple(d.astype(t.dtype) for d, t in zip(dch[:3], tok[:3]))
-            return pull_tokens(_vma.cotangent_like(dqkv, tuple(tok[:3])) + (dg, dbeta))
-        return pull_tokens(pull_steps(dch))
-
+    # a Partial (a pytree of its residuals), so the problem can leave a jax.vmap
+    pull_inputs = jax.tree_util.Partial(_pull_inputs, pull_tokens, pull_steps, pull_gates,
+                                        tuple(tok))
     doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))
     return BackwardProblem(layout, ch, pull_inputs, doc, dfinal.astype(spec.cdt),
                            OpTokens((q, k, v), tok))
+
+
+def _pull_inputs(pull_tokens, pull_steps, pull_gates, tok, dch):
+    """:class:`BackwardProblem`'s ``pull_inputs``: chunk-input (or token-major)
+    cotangents -> those of (q, k, v, g, beta)."""
+    if isinstance(dch, TokenCotangents):
+        dg, dbeta = pull_gates((dch.g.astype(tok[3].dtype), dch.beta.astype(tok[4].dtype)))
+        dqkv = tuple(d.astype(t.dtype) for d, t in zip(dch[:3], tok[:3]))
+        return pull_tokens(_vma.cotangent_like(dqkv, tuple(tok[:3])) + (dg, dbeta))
+    return pull_tokens(pull_steps(dch))
 
 
 def outputs(layout, oc, dtype):

@@ -98,8 +98,8 @@ def gated_delta_product(
         S x as many in parallel. "auto" picks S from B x HV x V and T (1 = no split:
         where the unsplit kernels launch more than one CTA an SM) and splits only
         a call that nothing differentiates (under ``jax.grad`` it runs the unsplit
-        forward and backward, which measured faster). Same results up to rounding; not
-        with ``cp_axis``.
+        forward and backward, which measured faster). Same results up to rounding. With
+        ``cp_axis`` each rank splits its shard (needs ``shard_map(check_vma=True)``).
       batch_invariant: make each sequence's outputs, final state and gradients the same
         bits whatever else is in the batch or the pack: the XLA glue's sums (the L2 norm
         and its backward) in an order that does not depend on the tensors' shapes
@@ -137,6 +137,13 @@ def gated_delta_product(
     return (o, final) if output_final_state else o
 
 
+def _cp_op(spec, q, k, v, g, beta, h0, cu_seqlens, *, cp_axis, backend):
+    """The op on this rank's shard of T under ``jax.shard_map`` CP (:mod:`gdp_jax.cp.driver`)."""
+    from gdp_jax.cp import driver
+    return driver.cp_gated_delta_product(spec, q, k, v, g, beta, h0, cu_seqlens,
+                                         cp_axis=cp_axis, backend=backend)
+
+
 def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, cp_axis,
          backend, recompute_chunk_num, intra_cp=None, batch_invariant=False,
          output_final_state=True):
@@ -158,9 +165,6 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
         raise ValueError(f"batch_invariant=True with cp_axis={cp_axis!r}, "
                          f"intra_cp={intra_cp!r}: where a sequence is cut depends on what "
                          f"else is in the batch; pass cp_axis=None and intra_cp=None")
-    if cp_axis is not None and intra_cp not in (None, 1):
-        raise ValueError(f"intra_cp={intra_cp!r} with cp_axis={cp_axis!r}: the split inside "
-                         f"a device does not compose with shard_map CP yet; pass one")
     if one_token:
         split.check(intra_cp)          # checked, then run unsplit
         segments = 1
@@ -179,18 +183,21 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
     if one_token:
         from gdp_jax import step           # one token: the decoding step, not a chunk
         o, final = step.one_token_op(backend, spec, q, k, v, g, beta, initial_state)
-    elif cp_axis is not None:
-        o, final = driver.cp_gated_delta_product(
-            spec, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
-            backend=backend)
     elif segments > 1 and intra_cp == "auto":
-        unsplit = functools.partial(_op, backends.engine(backend), spec)
+        if cp_axis is not None:
+            unsplit = functools.partial(_cp_op, spec, cp_axis=cp_axis, backend=backend)
+        else:
+            unsplit = functools.partial(_op, backends.engine(backend), spec)
         o, final = split.forward_only_split(unsplit, spec, q, k, v, g, beta, initial_state,
-                                            cu_seqlens, segments=segments, backend=backend)
+                                            cu_seqlens, segments=segments, backend=backend,
+                                            cp_axis=cp_axis)
     elif segments > 1:
         o, final = split.split_gated_delta_product(
             spec, q, k, v, g, beta, initial_state, cu_seqlens, segments=segments,
-            backend=backend)
+            backend=backend, cp_axis=cp_axis)
+    elif cp_axis is not None:
+        o, final = _cp_op(spec, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
+                          backend=backend)
     else:
         o, final = _op(backends.engine(backend), spec, q, k, v, g, beta, initial_state,
                        cu_seqlens)

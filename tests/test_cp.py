@@ -127,6 +127,7 @@ class Case(NamedTuple):
     final: bool                     # output_final_state
     cus: Optional[tuple] = None     # packed layouts (GLOBAL offsets), all with the same N
     kw: tuple = ()                  # static op kwargs (use_qk_l2norm, scale)
+    cp_kw: tuple = ()               # static kwargs of the CP call alone (intra_cp)
 
 
 # Hand-made packings of T = 24. With 2, 4 and 8 ranks (6, 3 tokens each when 4, 8) the
@@ -164,6 +165,12 @@ CASES = {
                            (("scale", 0.37),)),
     # strong gates (exact zeros, -1e4 wipes), n = 3, final state without initial state
     "batched-strong-P4": Case(4, 2, 12, 3, 1, 1, 3, 5, "strong", False, True),
+    # CP ranks that split their shard too (intra_cp): the P x S segments fold as one CP;
+    # sequences cross segment and rank borders, empty and one-token ones included
+    "packed-P2-split2": Case(2, 1, 24, 3, 2, 2, 5, 3, "normal", True, True,
+                             (CU24_A, CU24_B), cp_kw=(("intra_cp", 2),)),
+    "batched-P4-split3": Case(4, 2, 24, 2, 1, 2, 4, 6, "strong", True, True,
+                              cp_kw=(("intra_cp", 3),)),
 }
 
 
@@ -174,7 +181,7 @@ def _check_f64_case(case: Case, seed: int, cu):
     args = _args(inp)
     w = _weights(seed + 1, (case.B, case.T, case.HV, case.V), (N, case.HV, case.K, case.V))
     kw = case.kw
-    o, s, dg = _run("cp", args, cu, w, case.final, case.n_dev, kw)
+    o, s, dg = _run("cp", args, cu, w, case.final, case.n_dev, kw + case.cp_kw)
     o1, s1, dg1 = _run("op", args, cu, w, case.final, 1, kw)
     o_r, s_r, dg_r = _run("ref", args, cu, w, case.final, 1, kw)
 

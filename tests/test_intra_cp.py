@@ -1,5 +1,5 @@
 """Context parallelism inside one device (``intra_cp``, gdp_jax.cp.split): T cut into S
-segments run as CP ranks of a vmap axis.
+segments run as CP ranks along a vmap axis (and under shard_map CP, each rank's shard).
 
 float64, random inputs, against the unsplit op and the token recurrence: outputs, final
 states and every input's gradient (initial_state included), dense rows and packed
@@ -52,30 +52,51 @@ def test_packed_sequences_cross_segments():
 
 
 @pytest.mark.parametrize("S,packed", [(5, True), (8, False)])
-def test_scan_fold_under_vmap(monkeypatch, S, packed):
-    """fold='scan' over the segment axis: its shifts are ppermutes, which jax.vmap batches
-    only as full permutations (partial ones failed: "Permutation doesn't match the axis
-    size", seen on the H200 in s24 when "auto" picked the scan). Outputs and every gradient
-    equal the unsplit op and the reference, packed sequences crossing segments too."""
-    from gdp_jax.cp import driver
-    import functools
-    calls = []
-    scanned = driver._scanned_slice
-    monkeypatch.setattr(driver, "_scanned_slice",
-                        lambda *a, **k: calls.append(1) or scanned(*a, **k))
-    monkeypatch.setattr(split, "split_gated_delta_product", functools.partial(
-        split.split_gated_delta_product, fold="scan"))
+def test_many_segments(S, packed):
+    """S = 5 (packed: sequences crossing several segments) and 8 (dense rows): outputs and
+    every gradient equal the unsplit op and the reference."""
     T = 320 if packed else 256
     cu = jnp.asarray([0, 0, 1, 150, 151, 230, T], jnp.int32) if packed else None
     inp = make_inputs(7, 1 if packed else 2, T, 2, 1, 2, 8, 6, jnp.float64,
                       N=6 if packed else None, gate="strong")
     _compare(inp, cu, S, 1e-10, backend="xla")
-    assert calls
+
+
+def test_cp_ranks_split_their_shards(monkeypatch):
+    """``intra_cp`` under ``cp_axis``: each rank cuts its shard (the P x S segments fold
+    as one CP; tests/test_cp.py checks the numbers), with the fold's one all_gather over
+    cp_axis outside the segment vmaps; the same call as the plain CP op's but for
+    rounding. Under shard_map(check_vma=False), where inputs passed replicated cannot be
+    told from shards, it is a ValueError."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+    inp = make_inputs(3, 1, 64, 2, 1, 2, 8, 8, jnp.float64, N=4, gate="normal")
+    cu = jnp.asarray([0, 5, 5, 40, 64], jnp.int32)
+    calls = []
+    real = split.split_gated_delta_product
+    monkeypatch.setattr(split, "split_gated_delta_product",
+                        lambda *a, **k: calls.append((k["segments"], k["cp_axis"]))
+                        or real(*a, **k))
+
+    def run(check_vma=True, **kw):
+        f = jax.shard_map(lambda q, k, v, g, b, h0, c: OP(
+            q, k, v, g, b, initial_state=h0, cu_seqlens=c, cp_axis="cp",
+            output_final_state=True, **kw),
+            mesh=mesh, in_specs=(P(None, "cp"),) * 5 + (P(), P()),
+            out_specs=(P(None, "cp"), P()), check_vma=check_vma)
+        return f(*inp[:5], inp.initial_state, cu)
+
+    o, s = run(intra_cp=4)
+    assert calls == [(4, "cp")]
+    o1, s1 = run()
+    assert rel_max(o, o1) < 1e-10 and rel_max(s, s1) < 1e-10
+    with pytest.raises(ValueError, match="check_vma=True"):
+        run(check_vma=False, intra_cp=4)
 
 
 def test_split_folds_by_gather_by_default(monkeypatch):
-    """The split's collectives are copies in one device: it gathers even where the
-    cross-device cost model (and GDP_CP_FOLD) would pick the scan."""
+    """The split folds its stacked summaries (no collective): never the scan, even where
+    the cross-device cost model (and GDP_CP_FOLD) would pick it."""
     from gdp_jax.cp import driver
     monkeypatch.setenv("GDP_CP_FOLD", "scan")
     monkeypatch.setattr(driver, "_scanned_slice", lambda *a, **k: pytest.fail("scan fold"))

@@ -171,8 +171,13 @@ def _mask_rows(x, keep):
 
 def _gathered_slice(summary, mask, cp_axis, packed: bool):
     """All P summaries, [P, F, HV, K, V + K], and which of them this rank composes."""
-    gathered = lax.all_gather(summary, cp_axis)
-    return SummarySlice(gathered[:, None] if packed else gathered, mask)
+    return gathered_slice(lax.all_gather(summary, cp_axis), mask, packed)
+
+
+def gathered_slice(every, mask, packed: bool):
+    """The :class:`SummarySlice` of all P ranks' summaries ``every`` [P, ...] (stacked as
+    the ranks return them) and ``mask`` [P], which of them this rank composes."""
+    return SummarySlice(every[:, None] if packed else every, mask)
 
 
 def _scanned_slice(summary, meta, cu_seqlens, cp_axis, P: int, local_len: int,
@@ -220,31 +225,56 @@ def _cp_op(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens, replicated)
 
 def rank_forward(backend, cp_axis, fold, q, k, v, g, beta, h0, cu_seqlens, replicated=None):
     """One rank's forward: ((o, this rank's part of the final states), residuals); the
-    custom_vjp's primal and (with ``backend.for_differentiation()``) its fwd, also run
-    under a vmap axis by :mod:`gdp_jax.cp.split`. ``replicated``: :func:`rank_metadata`'s."""
+    custom_vjp's primal and (with ``backend.for_differentiation()``) its fwd.
+    ``replicated``: :func:`rank_metadata`'s."""
     P = axis_size(cp_axis)
-    rank = lax.axis_index(cp_axis)
+    summary, local_ctx, meta = rank_prepare(backend, lax.axis_index(cp_axis), P, q, k, v, g,
+                                            beta, h0, cu_seqlens, replicated)
+    preceding = _fold_slice(fold, summary, meta, cu_seqlens, cp_axis, q.shape[1], False)
+    return rank_apply(backend, fold, local_ctx, meta, preceding, h0.dtype, cu_seqlens)
+
+
+def rank_prepare(backend, rank, P: int, q, k, v, g, beta, h0, cu_seqlens, replicated=None):
+    """The forward's first half on rank ``rank`` of ``P``: (summary, local context,
+    :class:`CPRankMetadata`); also run under a vmap over segments by :mod:`gdp_jax.cp.split`
+    (no collective in it)."""
     meta = rank_metadata(cu_seqlens, rank, P, q.shape[1], q.shape[0], replicated)
     inputs = GDPInputs(q, k, v, g, beta, h0, meta.cu_local, meta.first_seq, meta.last_seq,
                        meta.continues_in, meta.continues_out)
     summary, local_ctx = backend.cp_forward_prepare(inputs)
-    preceding = _fold_slice(fold, summary, meta, cu_seqlens, cp_axis, q.shape[1], False)
+    return summary, local_ctx, meta
+
+
+def rank_apply(backend, fold, local_ctx, meta, preceding, h0_dtype, cu_seqlens):
+    """The forward's second half from the folded :class:`SummarySlice` ``preceding``:
+    ((o, this rank's part of the final states), residuals)."""
     o, final_local, saved = backend.cp_forward_apply(local_ctx, preceding)
     saved = dataclasses.replace(saved, metadata=dataclasses.replace(saved.metadata, fold=fold))
-    final = _mask_rows(final_local, meta.owns_end).astype(h0.dtype)   # this rank's part
-    h0_dtype_tag = jnp.zeros((0,), h0.dtype)     # carries the primal dtype to the backward
+    final = _mask_rows(final_local, meta.owns_end).astype(h0_dtype)   # this rank's part
+    h0_dtype_tag = jnp.zeros((0,), h0_dtype)     # carries the primal dtype to the backward
     return (o, final), (saved, meta, cu_seqlens, h0_dtype_tag)
 
 
 def rank_backward(backend, cp_axis, fold, res, cts):
     """One rank's backward: the cotangents of (q, k, v, g, beta, this rank's part of h0's,
     None for cu_seqlens) from those of (o, its final-state part)."""
-    saved, meta, cu_seqlens, h0_dtype_tag = res
-    do, dfinal = cts
-    dfinal_local = _mask_rows(dfinal, meta.owns_end)
-    summary, bwd_ctx = backend.cp_backward_prepare((do, dfinal_local), saved)
+    summary, bwd_ctx = rank_backward_prepare(backend, res, cts)
+    saved, meta, cu_seqlens, _ = res
     following = _fold_slice(saved.metadata.fold, summary, meta, cu_seqlens, cp_axis,
-                            do.shape[1], True)
+                            cts[0].shape[1], True)
+    return rank_backward_apply(backend, res, bwd_ctx, following)
+
+
+def rank_backward_prepare(backend, res, cts):
+    """The backward's first half: (summary, backward context); no collective in it."""
+    saved, meta, _, _ = res
+    do, dfinal = cts
+    return backend.cp_backward_prepare((do, _mask_rows(dfinal, meta.owns_end)), saved)
+
+
+def rank_backward_apply(backend, res, bwd_ctx, following):
+    """The backward's second half from the folded :class:`SummarySlice` ``following``."""
+    _, meta, _, h0_dtype_tag = res
     dq, dk, dv, dg, dbeta, dh0 = backend.cp_backward_apply(bwd_ctx, following)
     dh0 = _mask_rows(dh0, meta.owns_start)        # this rank's part; summed outside
     return dq, dk, dv, dg, dbeta, dh0.astype(h0_dtype_tag.dtype), None

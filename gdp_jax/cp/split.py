@@ -1,16 +1,17 @@
 """Context parallelism inside one device: each row's T cut into S contiguous segments that
-run as the CP ranks of a ``jax.vmap`` axis.
+run as CP ranks along a ``jax.vmap`` axis.
 
 A device walks each (row, head) chunk by chunk; with few rows x heads (one long sequence)
 most of a GPU idles. Cutting T into S segments gives S x as many walks, joined by the CP
 algebra of :mod:`gdp_jax.cp.driver`: every segment's summary, one fold, then every
 segment's pass from its folded start state - forward and backward, packed sequences
 crossing segments included (the offsets stay global, as under ``shard_map``). The
-collectives are the vmap axis's, so nothing leaves the device; the kernels' vmap rule
-folds the segment axis into their rows.
+summaries come out of the vmap stacked, so the fold needs no collective; the kernels'
+vmap rule folds the segment axis into their rows. Under ``shard_map`` CP a rank may split
+its shard too: the P x S segments fold as one CP of P x S ranks (one all_gather).
 
 Results equal the unsplit op up to the fold's rounding (float64: ~1e-15). The summaries
-cost a pass on V + K state columns per segment, so it pays only where the unsplit op
+cost a walk on V + K state columns per segment, so it pays only where the unsplit op
 cannot fill the device.
 """
 from __future__ import annotations
@@ -22,13 +23,13 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from gdp_jax import _vma
 from gdp_jax.cp import driver
-from gdp_jax.cp import fold as scan_fold
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
-AXIS = "gdp_intra_device_cp"
 # "auto", modeled on the cutedsl recursion kernels (one CTA per row x head x value tile,
 # their narrowest tiles 16 columns; ``ChunkForwardKernel.SMS``): split only where the
 # unsplit walks launch at most one CTA an SM (B x HV x V / 16 <= SMS), into the fewest
@@ -77,13 +78,14 @@ def num_segments(spec, intra_cp: Union[None, int, str]) -> int:
 
 
 def forward_only_split(unsplit, spec, q, k, v, g, beta, initial_state, cu_seqlens, *,
-                       segments: int, backend: str):
+                       segments: int, backend: str, cp_axis: Optional[str] = None):
     """``intra_cp="auto"``: :func:`split_gated_delta_product` where nothing differentiates
     the call, ``unsplit`` (the plain op: (q, k, v, g, beta, initial_state, cu_seqlens) ->
     (o, final)) under differentiation - its forward and backward (a custom_vjp whose
     primal is the split and whose rules are the unsplit op's)."""
     def primal(*args):
-        return split_gated_delta_product(spec, *args, segments=segments, backend=backend)
+        return split_gated_delta_product(spec, *args, segments=segments, backend=backend,
+                                         cp_axis=cp_axis)
 
     def fwd(*args):
         return jax.vjp(unsplit, *args)
@@ -97,17 +99,23 @@ def forward_only_split(unsplit, spec, q, k, v, g, beta, initial_state, cu_seqlen
 
 
 def split_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens, *,
-                              segments: int, backend: str, fold: Optional[str] = None):
+                              segments: int, backend: str, cp_axis: Optional[str] = None):
     """The op on ``segments`` CP ranks of one device: (o [B, T, HV, V], final states
-    [N, HV, K, V]); ``spec`` is the whole call's (checked) spec. ``fold``: 'gather' (None:
-    the default) or 'scan' (GDP_CP_FOLD is for the cross-device CP and is not read here)."""
+    [N, HV, K, V]); ``spec`` is the whole call's (checked) spec. With ``cp_axis`` (inside
+    ``jax.shard_map``, which must track varying axes): this rank's shard of T is cut, and
+    the P x S segments fold as one CP over P x S ranks (rank r's segment s is number
+    r S + s; ``cu_seqlens`` global, as under plain CP)."""
     S = segments
     local = dataclasses.replace(spec, T=spec.T // S)
-    # the vmap axis's collectives are copies in one device's memory: the cross-device cost
-    # model does not apply, and gathering the S summaries is one small copy
-    fold = scan_fold.choose_fold(S, driver.summary_nbytes(local), fold or "gather")
     if initial_state is None:
         initial_state = jnp.zeros((spec.N, spec.HV, spec.K, spec.V), spec.cdt)
+    if cp_axis is not None:
+        if not _vma.checks_vma(cp_axis):
+            raise ValueError(f"intra_cp={S} with cp_axis={cp_axis!r} needs "
+                             f"jax.shard_map(check_vma=True) (the default), where inputs "
+                             f"passed replicated can be told from shards of T")
+        driver.check_split(cp_axis, q=q, k=k, v=v, g=g, beta=beta)
+        initial_state = _vma.vary(initial_state, cp_axis)   # rank parts of dh0 summed
 
     def cut(x):             # [B, T, ...] -> [S, B, T / S, ...]
         if x is None:
@@ -115,46 +123,96 @@ def split_gated_delta_product(spec, q, k, v, g, beta, initial_state, cu_seqlens,
         x = x.reshape((x.shape[0], S, x.shape[1] // S) + x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
 
-    o, final = _split_op(driver.backend_for(local, backend), fold, cut(q), cut(k), cut(v),
+    o, final = _split_op(driver.backend_for(local, backend), cp_axis, cut(q), cut(k), cut(v),
                          cut(g), cut(beta), initial_state, cu_seqlens)
+    if cp_axis is not None:
+        final = lax.psum(final, cp_axis)
     o = jnp.moveaxis(o, 0, 1)
     return o.reshape((o.shape[0], spec.T) + o.shape[3:]), final
 
 
-# The custom_vjp sits OUTSIDE the vmap: JAX does not keep a vmap axis name bound while it
-# transposes a custom_vjp inside the vmap (the rank's backward needs the axis for its
-# fold), so the backward runs its own vmap over the segment axis. The collectives around
-# the per-rank custom_vjp under shard_map (psum of the final-state parts, the sum of the
-# initial-state gradient parts) are written out here, with their transposes.
+# Two vmaps over the segment axis a direction, the fold between them OUTSIDE the vmaps:
+# every segment's summary comes out of the first as one stacked array (all of them, with
+# no collective), and under shard_map one all_gather over cp_axis adds the other ranks'
+# (a collective over a vmap axis inside shard_map(check_vma=True) fails in jax 0.10).
+# The custom_vjp sits outside the vmaps too: JAX does not keep a vmap axis bound while it
+# transposes a custom_vjp inside one.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _split_op(backend, fold, q, k, v, g, beta, h0, cu_seqlens):
+def _split_op(backend, cp_axis, q, k, v, g, beta, h0, cu_seqlens):
     # the primal runs only where nothing differentiates the call: keep no chunk states
-    return _split_fwd(backend.for_inference(), fold, q, k, v, g, beta, h0, cu_seqlens)[0]
+    return _split_fwd(backend.for_inference(), cp_axis, q, k, v, g, beta, h0, cu_seqlens)[0]
 
 
-def _split_fwd(backend, fold, q, k, v, g, beta, h0, cu_seqlens):
-    def rank(q, k, v, g, beta):
-        (o, final_part), res = driver.rank_forward(backend, AXIS, fold, q, k, v, g, beta, h0,
-                                                   cu_seqlens)
-        return (o, lax.psum(final_part, AXIS)), res
-
-    (o, final), res = jax.vmap(rank, axis_name=AXIS)(q, k, v, g, beta)
-    return (o, final[0]), res
+def _all_summaries(summary, cp_axis):
+    """Every segment's summary [P S, ...] from this rank's stacked ones [S, ...]."""
+    if cp_axis is None:
+        return summary
+    every = lax.all_gather(summary, cp_axis)                   # [P, S, ...]
+    return every.reshape((-1,) + summary.shape[1:])
 
 
-def _split_bwd(backend, fold, res, cts):
-    do, dfinal = cts            # dfinal reaches every segment (the transpose of the psum)
+def _vmap_leaves(f, *args):
+    """``jax.vmap(f)(*args)`` for an ``f`` whose result holds non-array leaves too (the
+    engine's spec in a CP context: the same for every segment) -> (the result's array
+    leaves, stacked; ``rebuild``), ``rebuild(leaves)`` giving the result back from leaves
+    (stacked ones outside a vmap, one segment's inside)."""
+    box = []
 
-    def rank(res, do):
-        return driver.rank_backward(backend, AXIS, fold, res, (do, dfinal))
+    def arrays_of(*a):
+        leaves, treedef = jax.tree_util.tree_flatten(f(*a))
+        is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+        box.append((treedef, is_array, [None if m else x for x, m in zip(leaves, is_array)]))
+        return [x for x, m in zip(leaves, is_array) if m]
 
-    dq, dk, dv, dg, dbeta, dh0, _ = jax.vmap(rank, axis_name=AXIS)(res, do)
+    stacked = jax.vmap(arrays_of)(*args)
+    treedef, is_array, static = box[-1]
+
+    def rebuild(arrays):
+        it = iter(arrays)
+        return jax.tree_util.tree_unflatten(
+            treedef, [next(it) if m else x for m, x in zip(is_array, static)])
+
+    return stacked, rebuild
+
+
+def _split_fwd(backend, cp_axis, q, k, v, g, beta, h0, cu_seqlens):
+    S = q.shape[0]
+    P = 1 if cp_axis is None else driver.axis_size(cp_axis)
+    first = 0 if cp_axis is None else lax.axis_index(cp_axis) * S
+    leaves, rebuild = _vmap_leaves(lambda s, *x: driver.rank_prepare(
+        backend, first + s, P * S, *x, h0, cu_seqlens),
+        jnp.arange(S, dtype=jnp.int32), q, k, v, g, beta)
+    every = _all_summaries(rebuild(leaves)[0], cp_axis)
+    packed = cu_seqlens is not None
+
+    def apply(leaves):
+        _, ctx, meta = rebuild(leaves)
+        return driver.rank_apply(backend, "gather", ctx, meta,
+                                 driver.gathered_slice(every, meta.fwd_mask, packed),
+                                 h0.dtype, cu_seqlens)
+
+    (o, final), res = jax.vmap(apply)(leaves)
+    return (o, final.sum(0)), res
+
+
+def _split_bwd(backend, cp_axis, res, cts):
+    do, dfinal = cts            # dfinal reaches every segment (the transpose of the sum)
+    leaves, rebuild = _vmap_leaves(lambda r, d: driver.rank_backward_prepare(
+        backend, r, (d, dfinal)), res, do)
+    every = _all_summaries(rebuild(leaves)[0], cp_axis)
+    packed = res[2] is not None
+
+    def apply(r, leaves):
+        return driver.rank_backward_apply(
+            backend, r, rebuild(leaves)[1], driver.gathered_slice(every, r[1].bwd_mask, packed))
+
+    dq, dk, dv, dg, dbeta, dh0, _ = jax.vmap(apply)(res, leaves)
     return dq, dk, dv, dg, dbeta, dh0.sum(0), None
 
 
-def _split_fwd_differentiated(backend, fold, *args):
-    return _split_fwd(backend.for_differentiation(), fold, *args)
+def _split_fwd_differentiated(backend, cp_axis, *args):
+    return _split_fwd(backend.for_differentiation(), cp_axis, *args)
 
 
 _split_op.defvjp(_split_fwd_differentiated, _split_bwd)

@@ -107,6 +107,7 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
 
 
+@jax.tree_util.register_pytree_node_class
 class BackwardWork:
     """What the backward and the CP backward summary both need, computed once: the
     factors of the chunk-local backward (``w``, ``u``, ``X`` = (I + A)^-1, and ``it``, the
@@ -156,6 +157,17 @@ class BackwardWork:
         qg = scale * self.it.gam[..., None] * ch.q
         self.operands = (cast(self.it.Kt), cast(self.it.w), cast(qg), ddo.astype(acc), do,
                          jnp.exp(self.it.G_last).astype(acc))
+
+    # a pytree (its arrays the leaves), so a CP backward context can leave a jax.vmap
+    def tree_flatten(self):
+        return (self.X, self.it, self.w, self.u, self.operands), self.fuse_ddo
+
+    @classmethod
+    def tree_unflatten(cls, fuse_ddo, children):
+        work = object.__new__(cls)
+        work.X, work.it, work.w, work.u, work.operands = children
+        work.fuse_ddo = fuse_ddo
+        return work
 
 
 # A/B switches (measurements): the chunk-local backward on its kernel where it takes the
