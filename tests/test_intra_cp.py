@@ -84,7 +84,7 @@ def test_cp_ranks_split_their_shards(monkeypatch):
             output_final_state=True, **kw),
             mesh=mesh, in_specs=(P(None, "cp"),) * 5 + (P(), P()),
             out_specs=(P(None, "cp"), P()), check_vma=check_vma)
-        return f(*inp[:5], inp.initial_state, cu)
+        return jax.jit(f)(*inp[:5], inp.initial_state, cu)
 
     o, s = run(intra_cp=4)
     assert calls == [(4, "cp")]
@@ -92,6 +92,17 @@ def test_cp_ranks_split_their_shards(monkeypatch):
     assert rel_max(o, o1) < 1e-10 and rel_max(s, s1) < 1e-10
     with pytest.raises(ValueError, match="check_vma=True"):
         run(check_vma=False, intra_cp=4)
+    # "auto" on each rank's spec: the forward alone split, its gradient the plain CP op's
+    monkeypatch.setattr(split, "MIN_SEGMENT_TOKENS", 8)
+    calls.clear()
+    o2, _ = run(intra_cp="auto")
+    assert calls == [(4, "cp")] and rel_max(o2, o1) < 1e-10
+    grad = lambda **kw: jax.jit(jax.grad(lambda q: jnp.sum(jax.shard_map(
+        lambda q, k, v, g, b, c: OP(q, k, v, g, b, cu_seqlens=c, cp_axis="cp", **kw),
+        mesh=mesh, in_specs=(P(None, "cp"),) * 5 + (P(),), out_specs=P(None, "cp"))(
+            q, *inp[1:5], cu) ** 2)))(inp.q)
+    calls.clear()
+    np.testing.assert_array_equal(np.asarray(grad(intra_cp="auto")), np.asarray(grad()))
 
 
 def test_split_folds_by_gather_by_default(monkeypatch):
