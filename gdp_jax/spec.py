@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 MAX_RECOMPUTE_CHUNK_NUM = 64
@@ -83,6 +84,10 @@ class CallSpec:
 
     def replace(self, **changes) -> "CallSpec":
         return dataclasses.replace(self, **changes)
+
+
+# a static pytree node (no leaves): contexts holding a spec can pass through jax.vmap
+jax.tree_util.register_static(CallSpec)
 
 
 def checkpoint_dtype(input_dtype):

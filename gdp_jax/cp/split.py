@@ -23,7 +23,6 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from gdp_jax import _vma
@@ -152,62 +151,29 @@ def _all_summaries(summary, cp_axis):
     return every.reshape((-1,) + summary.shape[1:])
 
 
-def _vmap_leaves(f, *args):
-    """``jax.vmap(f)(*args)`` for an ``f`` whose result holds non-array leaves too (the
-    engine's spec in a CP context: the same for every segment) -> (the result's array
-    leaves, stacked; ``rebuild``), ``rebuild(leaves)`` giving the result back from leaves
-    (stacked ones outside a vmap, one segment's inside)."""
-    box = []
-
-    def arrays_of(*a):
-        leaves, treedef = jax.tree_util.tree_flatten(f(*a))
-        is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
-        box.append((treedef, is_array, [None if m else x for x, m in zip(leaves, is_array)]))
-        return [x for x, m in zip(leaves, is_array) if m]
-
-    stacked = jax.vmap(arrays_of)(*args)
-    treedef, is_array, static = box[-1]
-
-    def rebuild(arrays):
-        it = iter(arrays)
-        return jax.tree_util.tree_unflatten(
-            treedef, [next(it) if m else x for m, x in zip(is_array, static)])
-
-    return stacked, rebuild
-
-
 def _split_fwd(backend, cp_axis, q, k, v, g, beta, h0, cu_seqlens):
     S = q.shape[0]
     P = 1 if cp_axis is None else driver.axis_size(cp_axis)
     first = 0 if cp_axis is None else lax.axis_index(cp_axis) * S
-    leaves, rebuild = _vmap_leaves(lambda s, *x: driver.rank_prepare(
-        backend, first + s, P * S, *x, h0, cu_seqlens),
+    summary, ctx, meta = jax.vmap(lambda s, *x: driver.rank_prepare(
+        backend, first + s, P * S, *x, h0, cu_seqlens))(
         jnp.arange(S, dtype=jnp.int32), q, k, v, g, beta)
-    every = _all_summaries(rebuild(leaves)[0], cp_axis)
+    every = _all_summaries(summary, cp_axis)
     packed = cu_seqlens is not None
-
-    def apply(leaves):
-        _, ctx, meta = rebuild(leaves)
-        return driver.rank_apply(backend, "gather", ctx, meta,
-                                 driver.gathered_slice(every, meta.fwd_mask, packed),
-                                 h0.dtype, cu_seqlens)
-
-    (o, final), res = jax.vmap(apply)(leaves)
+    (o, final), res = jax.vmap(lambda c, m: driver.rank_apply(
+        backend, "gather", c, m, driver.gathered_slice(every, m.fwd_mask, packed), h0.dtype,
+        cu_seqlens))(ctx, meta)
     return (o, final.sum(0)), res
 
 
 def _split_bwd(backend, cp_axis, res, cts):
     do, dfinal = cts            # dfinal reaches every segment (the transpose of the sum)
-    leaves, rebuild = _vmap_leaves(lambda r, d: driver.rank_backward_prepare(
-        backend, r, (d, dfinal)), res, do)
-    every = _all_summaries(rebuild(leaves)[0], cp_axis)
+    summary, bwd_ctx = jax.vmap(lambda r, d: driver.rank_backward_prepare(
+        backend, r, (d, dfinal)))(res, do)
+    every = _all_summaries(summary, cp_axis)
     packed = res[2] is not None
-
-    def apply(r, leaves):
-        return driver.rank_backward_apply(
-            backend, r, rebuild(leaves)[1], driver.gathered_slice(every, r[1].bwd_mask, packed))
-
-    dq, dk, dv, dg, dbeta, dh0, _ = jax.vmap(apply)(res, leaves)
+    dq, dk, dv, dg, dbeta, dh0, _ = jax.vmap(lambda r, b: driver.rank_backward_apply(
+        backend, r, b, driver.gathered_slice(every, r[1].bwd_mask, packed)))(res, bwd_ctx)
     return dq, dk, dv, dg, dbeta, dh0.sum(0), None
 
 
