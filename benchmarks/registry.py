@@ -203,7 +203,7 @@ class OursOp:
         args = (x.q, x.k, x.v, x.g, x.beta)
         # w is an argument: closed over, jit would embed it as a constant (2 GB at
         # (1, 262144, 16, 1): slow compiles, host memory)
-        loss = lambda *a: jnp.sum(op(*a[:5]).astype(jnp.float32) * a[5])
+        loss = lambda q, k, v, g, beta, w: jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * w)
         fwd = jax.jit(op)
         vg_jit = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
         vg_args = args + (x.w,)

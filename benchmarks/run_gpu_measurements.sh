@@ -50,8 +50,8 @@ case "${1:-2}" in
   wait
   for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
 5)
-  # s27: the re-walk CP pass is the only one now; at (1, 65536, 16, 2) intra_cp = 4's
-  # forward measured 6.25 ms against 7.06 unsplit (H100), where "auto" does not split
+  # s27-2/3 (H100): "auto" picked S within 1% of the best at both shapes (S = 4 at 16
+  # heads, 8 at 8); rerun after a kernel or rule change
   step ${SWEEP_S:-300} sweep python -m benchmarks.run fwd \
     --impl cutedsl,cutedsl-cp2,cutedsl-cp4,cutedsl-cp8,fla --no-check \
     --shapes "1,65536,16,2;1,131072,8,2" --deadline $(( ${SWEEP_S:-300} - 20 )) --out $M/sweep

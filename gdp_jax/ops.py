@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _checks, _guard, backends, engine, grid
-from gdp_jax.cp import split
+from gdp_jax.cp import driver, split
 
 
 # --- the single-device op, on any engine ------------------------------------------------
@@ -137,13 +137,6 @@ def gated_delta_product(
     return (o, final) if output_final_state else o
 
 
-def _cp_op(spec, q, k, v, g, beta, h0, cu_seqlens, *, cp_axis, backend):
-    """The op on this rank's shard of T under ``jax.shard_map`` CP (:mod:`gdp_jax.cp.driver`)."""
-    from gdp_jax.cp import driver
-    return driver.cp_gated_delta_product(spec, q, k, v, g, beta, h0, cu_seqlens,
-                                         cp_axis=cp_axis, backend=backend)
-
-
 def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, cp_axis,
          backend, recompute_chunk_num, intra_cp=None, batch_invariant=False,
          output_final_state=True):
@@ -153,7 +146,6 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
     q, k, v, g, beta, initial_state = _checks.as_arrays(q, k, v, g, beta, initial_state)
     cp_size = 1
     if cp_axis is not None:
-        from gdp_jax.cp import driver
         cp_size = driver.axis_size(cp_axis)
     spec = _checks.check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, backend=backend, cp_size=cp_size,
@@ -185,7 +177,8 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
         o, final = step.one_token_op(backend, spec, q, k, v, g, beta, initial_state)
     elif segments > 1 and intra_cp == "auto":
         if cp_axis is not None:
-            unsplit = functools.partial(_cp_op, spec, cp_axis=cp_axis, backend=backend)
+            unsplit = functools.partial(driver.cp_gated_delta_product, spec, cp_axis=cp_axis,
+                                        backend=backend)
         else:
             unsplit = functools.partial(_op, backends.engine(backend), spec)
         o, final = split.forward_only_split(unsplit, spec, q, k, v, g, beta, initial_state,
@@ -196,8 +189,9 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
             spec, q, k, v, g, beta, initial_state, cu_seqlens, segments=segments,
             backend=backend, cp_axis=cp_axis)
     elif cp_axis is not None:
-        o, final = _cp_op(spec, q, k, v, g, beta, initial_state, cu_seqlens, cp_axis=cp_axis,
-                          backend=backend)
+        o, final = driver.cp_gated_delta_product(spec, q, k, v, g, beta, initial_state,
+                                                 cu_seqlens, cp_axis=cp_axis,
+                                                 backend=backend)
     else:
         o, final = _op(backends.engine(backend), spec, q, k, v, g, beta, initial_state,
                        cu_seqlens)
