@@ -2,9 +2,8 @@
 # The GPU measurements, as device calls of < 600 s each (carry [".gpu-deps"]); what the
 # twenty-seventh session ran (on an H100) is in benchmarks/results/history/2026-12-05/s27_*:
 #   bash benchmarks/run_gpu_measurements.sh 2   # the main-shape table beside tuned FLA (owed since s20-4 / s22's 9.06 ms)
-#   bash benchmarks/run_gpu_measurements.sh 3   # issue 20's long rows (1, 131072, 8, 2), (1, 262144, 16, 1) fwd + fwd+bwd
-#                                               # beside tuned FLA (owed: s27-5 was cut after FLA's rows);
-#                                               # a trace of intra_cp = 4's forward
+#   bash benchmarks/run_gpu_measurements.sh 3   # the split's GPU tests; issue 20's long rows (1, 131072, 8, 2),
+#                                               # (1, 262144, 16, 1) fwd + fwd+bwd beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
 #                                               # (SUITE_S: their time limit, default 420 s)
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
@@ -29,15 +28,16 @@ case "${1:-2}" in
   step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op
   rows $M/op.log ;;
 3)
-  step 200 long8 python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cpauto,fla \
-    --shapes "1,131072,8,2" --no-check --deadline 150 --out $M/long8
-  step 210 long16 python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-cpauto,fla \
-    --shapes "1,262144,16,1" --no-check --deadline 130 --out $M/long16
-  # where intra_cp = 4's forward spends its time (s27-1 on an H100: 6.19 ms of kernels)
-  step 70 trace_cp4 python -m benchmarks.trace --shape 1,65536,16,2 --impl cutedsl-cp4 \
-    --mode fwd --top 25 --out /tmp/t_cp4
-  (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' -newer .fla-autotune | tar -cJf $M/fla-autotune-new.tar.xz -T -)
-  rows $M/long*.log; grep -h NOTE $M/long*.log; tail -30 $M/trace_cp4.log ;;
+  # the split's GPU tests (the two-vmap split of s27, not run on the GPU before s28-1),
+  # then issue 20's long rows fwd + fwd+bwd beside tuned FLA ("auto": split forward,
+  # unsplit training)
+  step 120 split_test $P tests/test_cutedsl_gpu.py -k "intra_cp_split or cp_cutedsl_equals"
+  step 170 long8 python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,fla \
+    --shapes "1,131072,8,2" --no-check --deadline 140 --out $M/long8
+  step 210 long16 python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,fla \
+    --shapes "1,262144,16,1" --no-check --deadline 180 --out $M/long16
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/split_test.log | tail -8
+  rows $M/long*.log; grep -h NOTE $M/long*.log ;;
 4)
   # five pytest processes at once (one GPU, no preallocation; s20-3's split), one time limit
   F=tests/test_cutedsl_gpu.py
