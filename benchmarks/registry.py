@@ -9,9 +9,9 @@ Ours (public API only): ``cutedsl`` (recompute_chunk_num N = 0), ``cutedsl-n<N>`
 and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP inside the device),
 ``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
-and any of them with ``+<switch>`` suffixes that turn an opt-in on while the op is traced
-(:data:`SWITCHES`: ``+narrow``, ``+save``), e.g. ``cutedsl+save``: ours vs ours in one
-process, beside the same FLA.
+and any of them with ``+<switch>`` suffixes that set a module switch while the op is traced
+(:data:`SWITCHES`: ``+narrow``, ``+save``, ``+flat``), e.g. ``cutedsl+save``: ours vs ours
+in one process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
 """
@@ -184,10 +184,10 @@ class OursOp:
 
         def switched(*a):           # the kernels read their switches when the op is traced
             import importlib
-            mods = [(importlib.import_module(f"gdp_jax.{m}"), n) for m, n in self.switches]
+            mods = [(importlib.import_module(f"gdp_jax.{sw[0]}"), sw[1]) for sw in self.switches]
             old = [getattr(m, n) for m, n in mods]
-            for m, n in mods:
-                setattr(m, n, True)
+            for (m, n), sw in zip(mods, self.switches):
+                setattr(m, n, sw[2] if len(sw) > 2 else True)
             try:
                 return f(*a)
             finally:
@@ -263,10 +263,12 @@ class OursStep:
                      fresh_state=lambda: jnp.array(x.S))
 
 
-# ``+<switch>`` suffixes of an implementation name: an opt-in (module of gdp_jax, boolean
-# attribute) turned on while the op is traced
+# ``+<switch>`` suffixes of an implementation name: a module constant of gdp_jax set while
+# the op is traced - (module, attribute) turns an opt-in on, (module, attribute, value) sets
+# that value (``+flat``: the forward walk without its operands a chunk ahead)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
-            "save": ("kernels.pipeline", "SAVE_OPERANDS")}
+            "save": ("kernels.pipeline", "SAVE_OPERANDS"),
+            "flat": ("kernels.chunk_forward", "PIPELINE", False)}
 
 
 def _ours(name: str, bench: str):
@@ -311,7 +313,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save switch suffixes, fla")
+              "+narrow / +save / +flat switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

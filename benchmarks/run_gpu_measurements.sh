@@ -6,6 +6,7 @@
 #                                               # (1, 262144, 16, 1) fwd + fwd+bwd beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
 #                                               # (SUITE_S: their time limit, default 420 s)
+#   bash benchmarks/run_gpu_measurements.sh 6   # the forward walk's operands a chunk ahead (PIPELINE): tests, A/B
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -56,4 +57,16 @@ case "${1:-2}" in
     --impl cutedsl,cutedsl-cp2,cutedsl-cp4,cutedsl-cp8,fla --no-check \
     --shapes "1,65536,16,2;1,131072,8,2" --deadline $(( ${SWEEP_S:-300} - 20 )) --out $M/sweep
   rows $M/sweep.log ;;
+6)
+  # s28: the forward walk's operands one chunk ahead (chunk_forward.PIPELINE, "auto": on
+  # for launches of <= one CTA an SM): its GPU tests, then the long rows' forward with it
+  # (cutedsl, cutedsl-cpauto) and without (+flat) beside tuned FLA, then fwd+bwd
+  step 150 pipe_test $P tests/test_cutedsl_gpu.py -k "pipelined_walk or narrow_tiles or intra_cp_split or long_sequence_state"
+  step 240 pipe_fwd python -m benchmarks.run fwd \
+    --impl cutedsl+flat,cutedsl,cutedsl-cpauto+flat,cutedsl-cpauto,cutedsl-cp2,fla --no-check \
+    --shapes "1,65536,16,2;1,131072,8,2;1,262144,16,1" --deadline 220 --out $M/pipe_fwd
+  step 200 pipe_fwdbwd python -m benchmarks.run fwdbwd --impl cutedsl+flat,cutedsl,fla --no-check \
+    --shapes "1,131072,8,2;1,65536,16,2" --deadline 180 --out $M/pipe_fwdbwd
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pipe_test.log | tail -14
+  rows $M/pipe_fwd.log $M/pipe_fwdbwd.log ;;
 esac

@@ -366,6 +366,41 @@ def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
             grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("K,V,n,H,HV,packed,dtype", [
+    (128, 128, 2, 1, 2, False, "bfloat16"),
+    (64, 128, 3, 1, 3, True, "bfloat16"),      # GVA, K != V, packed: empty, one-token
+    (128, 64, 1, 2, 2, True, "float16"),
+])
+def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
+    """``chunk_forward.PIPELINE`` (the forward walk's operands one chunk ahead; "auto"
+    turns it on for launches of at most one CTA an SM, as here): the same bits as the
+    one-set walk for the forward nothing differentiates, the split forward (the CP
+    summary walk on V + K columns, u on the first V) and the differentiated call (the
+    walk writing checkpoints) - o, the final state and every gradient."""
+    from gdp_jax.kernels import chunk_forward
+    args, cu = _rows_or_pack(12, packed, n, H, HV, K, V, dtype)
+    B = args[0].shape[0]
+    bv = chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V)
+    assert chunk_forward.ChunkForwardKernel.pick_stages(B, HV, V, bv) == 2      # "auto"
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl")
+    T = args[0].shape[1]
+    segments = min(d for d in range(2, T + 1) if T % d == 0)      # 203 = 7 x 29
+    forwards = {}
+    for on in (False, True):
+        monkeypatch.setattr(chunk_forward, "PIPELINE", on)
+        for S in (None, segments):
+            f = jax.jit(lambda *a, S=S: gated_delta_product(*a, intra_cp=S, **kw))
+            forwards[on, S] = f(*args[:5])
+    for (on, S), got in forwards.items():
+        if on:
+            assert_same_bits(got, forwards[False, S])
+    base, got = grads_off_on(monkeypatch, chunk_forward, "PIPELINE", args, cu)
+    assert_same_bits(got, base)
+    compare(f"pipelined walk K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,
+            grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("dtype,n", [("bfloat16", 2), ("float16", 3)])
 def test_packed_gradients_match(dtype, n):
     lens = [70, 0, 1, 130, 64]

@@ -116,6 +116,49 @@ def test_summary_walk_kernel_compiles(K, V, BV, split):
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
 
 
+@pytest.mark.parametrize("BV,split,readout,ckpt,dtype", [
+    (16, False, True, 0, jnp.bfloat16), (32, True, True, 3, jnp.bfloat16),
+    (16, False, False, 0, jnp.float16), (32, False, True, 1, jnp.float16)])
+def test_pipelined_walk_compiles(BV, split, readout, ckpt, dtype):
+    """The forward walk with its operands one chunk ahead (``stages=2``): the plain walk,
+    with checkpoints, and the CP summary walk (V + K columns, u on the first V)."""
+    B, NC, HV, C, N, K, V = 2, 3, 4, grid.CHUNK, 2, 128, 128
+    Vs = V if readout else V + K
+    avals = (S((B, NC, HV, C, K), dtype),) * 3 + (
+        S((B, NC, HV, C, C), dtype), S((B, NC, HV, C, V), jnp.float32),
+        S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
+        S((N, HV, K, Vs), jnp.float32),)
+    walk = lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV, split=split, readout=readout,
+                                                  ckpt=ckpt, stages=2)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+
+
+def test_pipelined_walk_only_where_one_cta_an_sm(monkeypatch):
+    """``PIPELINE="auto"``: two operand sets (twice the shared memory) only for launches of
+    at most SMS CTAs and value tiles <= 32; True: every tile <= 32; False: never. The
+    prebuilt variants hold both stage counts of the 16- and 32-wide tiles."""
+    from gdp_jax.kernels import chunk_forward
+    pick, SMS = ChunkForwardKernel.pick_stages, ChunkForwardKernel.SMS
+    assert chunk_forward.PIPELINE == "auto"
+    assert pick(1, 16, 128, 16) == 2                 # (1, T, 16, n): 128 CTAs
+    assert pick(1, SMS, 16, 16) == 2 and pick(1, SMS + 1, 16, 16) == 1
+    assert pick(4, 16, 128, 32) == 1                 # 256 CTAs: two an SM pay more
+    assert pick(1, 1, 128, 64) == 1                  # BV = 64: registers full
+    monkeypatch.setattr(chunk_forward, "PIPELINE", True)
+    assert pick(64, 16, 128, 32) == 2 and pick(1, 1, 128, 64) == 1
+    monkeypatch.setattr(chunk_forward, "PIPELINE", False)
+    assert pick(1, 16, 128, 16) == 1
+    monkeypatch.setattr(chunk_forward, "PIPELINE", "yes")
+    with pytest.raises(ValueError, match="PIPELINE"):
+        pick(1, 16, 128, 16)
+    monkeypatch.setattr(chunk_forward, "PIPELINE", "auto")
+    names = [v.what for v in ChunkForwardKernel.variants()]
+    for BV in (16, 32):
+        assert any(n.endswith(f" BV={BV} stages=2") for n in names)
+        assert any(n.endswith(f" BV={BV}") for n in names)
+    assert not any(n.endswith(" BV=64 stages=2") for n in names)
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("K,V,BV", [(128, 128, 32), (64, 64, 32), (64, 128, 64), (128, 64, 32),

@@ -32,6 +32,11 @@ BF16_SPLIT = False
 # (1, 65536, 16, 2) forward 7.81 -> 6.79 ms, fwd+bwd 26.56 -> 24.81 ms on the H200
 # (benchmarks/results/CURRENT.md, s24).
 NARROW_TILES = True
+# The forward walk's operands one chunk ahead (``ChunkFwdSm90.stages`` = 2: a second set
+# of operand tiles in shared memory, so one CTA an SM at most): "auto" where the launch
+# has at most one CTA an SM anyway (few rows x heads: long sequences), True for every
+# launch of value tiles <= 32 (A/B only), False never.
+PIPELINE = "auto"
 
 
 class ChunkForwardKernel:
@@ -93,6 +98,21 @@ class ChunkForwardKernel:
         return 32
 
     @classmethod
+    def pick_stages(cls, rows: int, HV: int, V: int, BV: int) -> int:
+        """2 (operands loaded a chunk ahead) where :data:`PIPELINE` allows it for this
+        launch of rows x HV x V / BV CTAs, else 1. The second operand set takes the
+        shared memory of a second CTA, so "auto" uses it only where the launch gives no
+        SM two CTAs; never at BV = 64 (its registers are full)."""
+        if PIPELINE is False or BV > 32:
+            return 1
+        if PIPELINE is True:
+            return 2
+        if PIPELINE != "auto":
+            raise ValueError(f"chunk_forward.PIPELINE={PIPELINE!r}; expected 'auto', True "
+                             f"or False")
+        return 2 if rows * HV * (V // BV) <= cls.SMS else 1
+
+    @classmethod
     def launch_bv(cls, rows_operand, state) -> int:
         """:meth:`pick_bv` for a launch: rows_operand [rows, NC, HV, C, K] as the kernel
         receives it, state [N, HV, K, V] (the walked columns)."""
@@ -115,9 +135,14 @@ class ChunkForwardKernel:
              readout: bool = True):
         """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: :meth:`pick_bv` for the rows
         of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them."""
+        def launch(*a):
+            bv = BV or cls.launch_bv(a[0], a[9])
+            stages = cls.pick_stages(a[0].shape[0], a[0].shape[2], a[9].shape[-1], bv)
+            return cls.raw_call(*a, BV=bv, split=split, ckpt=ckpt, states_dtype=states_dtype,
+                                readout=readout, stages=stages)
+
         f = binding.vmappable(
-            lambda *a: cls.raw_call(*a, BV=BV or cls.launch_bv(a[0], a[9]), split=split,
-                                    ckpt=ckpt, states_dtype=states_dtype, readout=readout),
+            launch,
             seq_arg=7, table_arg=9, out_kinds=("rows" if readout else "dummy", "rows",
                                                "rows" if ckpt else "dummy"))
         return f(w, kt, qg, p, u, decay, reset, seq, last, h0)
@@ -125,7 +150,7 @@ class ChunkForwardKernel:
     @staticmethod
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
-                 readout: bool = True):
+                 readout: bool = True, stages: int = 1):
         """Per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -136,7 +161,9 @@ class ChunkForwardKernel:
         the CP pass's response columns; Vu a multiple of BV); decay: [B, NC, HV] float32;
         reset, seq, last: [B, NC] int32; h0: [N, HV, K, V] float32 (V: the state columns
         walked). Final rows of sequences without a last chunk are left unwritten.
-        ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ...
+        ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
+        the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
+        same results).
         """
         B, NC, HV, C_, K = w.shape
         V, Vu = h0.shape[-1], u.shape[-1]
@@ -158,7 +185,8 @@ class ChunkForwardKernel:
                                               2 if readout else 1, 2, 2 if ckpt else 1),
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
                                    ab_name=ab_name, split=split, ckpt=ckpt,
-                                   readout=bool(readout), u_cols=Vu if Vu < V else 0)
+                                   readout=bool(readout), u_cols=Vu if Vu < V else 0,
+                                   stages=int(stages))
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -179,14 +207,22 @@ class ChunkForwardKernel:
                             + [(V + K, 0, False)])
                     for (Vx, ckpt, readout) in runs:
                         for BV in cls.value_tiles(Vx):
-                            fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
-                                                   states_dtype=checkpoint_dtype(name),
-                                                   readout=readout)
-                            out.append(aot.Variant(
-                                f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt}"
-                                + ("" if readout else " summary") + f" BV={BV}",
-                                fn, _avals(name, K, Vx, u_cols=V)))
+                            for stages in cls.stage_counts(Vx, BV):
+                                fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
+                                                       states_dtype=checkpoint_dtype(name),
+                                                       readout=readout, stages=stages)
+                                out.append(aot.Variant(
+                                    f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt}"
+                                    + ("" if readout else " summary") + f" BV={BV}"
+                                    + (" stages=2" if stages == 2 else ""),
+                                    fn, _avals(name, K, Vx, u_cols=V)))
         return out
+
+    @classmethod
+    def stage_counts(cls, V: int, BV: int):
+        """Every stage count :meth:`pick_stages` may pick for value tiles of BV on V
+        state columns."""
+        return sorted({cls.pick_stages(r, 1, V, BV) for r in (1, cls.SMS * BV)})
 
     @classmethod
     def value_tiles(cls, V: int):
@@ -218,8 +254,8 @@ def _launcher():
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
-               u_cols: cutlass.Constexpr):
-        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols)(
+               u_cols: cutlass.Constexpr, stages: cutlass.Constexpr):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

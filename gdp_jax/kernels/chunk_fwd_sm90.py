@@ -45,8 +45,9 @@ class ChunkFwdSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
-                 readout: bool = True, u_cols: int = 0):
+                 readout: bool = True, u_cols: int = 0, stages: int = 1):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
+        assert stages in (1, 2)
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
@@ -57,6 +58,10 @@ class ChunkFwdSm90:
         # pass's K response columns need no zeros in HBM
         self.u_cols = u_cols or V
         assert self.u_cols % BV == 0 and self.u_cols <= V
+        # 2: the next chunk's operands load (into a second set of smem tiles) while this
+        # chunk computes - twice the operand smem, so for launches of at most one CTA an
+        # SM, where nothing else hides a chunk's load latency (``ChunkForwardKernel``)
+        self.stages = stages
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -68,15 +73,23 @@ class ChunkFwdSm90:
         sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
         sD_layout = smem_layout(C, BV)        # Delta (16-bit): [C, BV]
 
-        Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
-                           sP_layout if self.readout else None)
-
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
-        self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                    mStates, sK_layout, sP_layout, sS_layout, sD_layout, g2s_copy(ab, K),
-                    g2s_copy(ab, C), warp_mma(ab),
-                    Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        if cutlass.const_expr(self.stages == 2):
+            Storage = _storage_pipelined(ab, sK_layout, sS_layout, sD_layout,
+                                         sP_layout if self.readout else None, self.split)
+            self.kernel_pipelined(
+                mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal, mStates,
+                sK_layout, sP_layout, sS_layout, sD_layout, g2s_copy(ab, K), g2s_copy(ab, C),
+                warp_mma(ab), Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1],
+                                              stream=stream)
+        else:
+            Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
+                               sP_layout if self.readout else None)
+            self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
+                        mStates, sK_layout, sP_layout, sS_layout, sD_layout, g2s_copy(ab, K),
+                        g2s_copy(ab, C), warp_mma(ab),
+                        Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -188,6 +201,147 @@ class ChunkFwdSm90:
             cute.arch.sync_threads()
 
 
+    @cute.kernel
+    def kernel_pipelined(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO,
+                         mFinal, mStates, sK_layout: cute.ComposedLayout,
+                         sP_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
+                         sD_layout: cute.ComposedLayout, copy_K: cute.TiledCopy,
+                         copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
+                         Storage: cutlass.Constexpr):
+        """:meth:`kernel` with two sets of operand tiles: chunk c + 1's w, Kt (qg, P) go
+        to one set by cp.async, its scalars and u to registers, while chunk c computes on
+        the other - the same products in the same order (the same bits)."""
+        K, BV, ab = self.K, self.BV, self.ab
+        F32 = cutlass.Float32
+        tidx, _, _ = cute.arch.thread_idx()
+        vt, hv, b = cute.arch.block_idx()
+        NC = mW.shape[1]
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(Storage)
+        sS = st.sS.get_tensor(sS_layout)        # S: [K, BV]
+        sD = st.sD.get_tensor(sD_layout)        # Delta: [C, BV]
+        sSl, sDl = sS, sD                       # (read only in split mode)
+        if cutlass.const_expr(self.split):
+            sSl = st.sSl.get_tensor(sS_layout)
+            sDl = st.sDl.get_tensor(sD_layout)
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc_S = make_acc(thr_mma, (K, BV))
+        acc_D = make_acc(thr_mma, (C, BV))
+        acc_O = make_acc(thr_mma, (C, BV))
+        acc_S.fill(0.0)
+
+        cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
+        S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
+        D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
+        Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
+        Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
+        toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
+        toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
+        tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
+        tCsD, tCsDl = toD.dest(sD), toD.dest(sDl)
+        gK, gP = g2s(copy_K, tidx), g2s(copy_P, tidx)
+
+        # u's column tile: the CP pass's response columns (vt >= u_cols / BV) take u = 0;
+        # they read the last real tile (in bounds, finite) and multiply it by 0
+        u_tiles = self.u_cols // BV
+        u_vt = cutlass.min(vt, u_tiles - 1)
+        u_keep = cutlass.select_(vt < u_tiles, F32(1.0), F32(0.0))
+
+        # the two operand sets: MMA operand views, cp.async destinations, and registers
+        # for the chunk's u and scalars (seq, reset, last; decay)
+        slots = []
+        for i in cutlass.range_constexpr(2):
+            sW = getattr(st, f"sW{i}").get_tensor(sK_layout)
+            sKt = getattr(st, f"sKt{i}").get_tensor(sK_layout)
+            slot = dict(W=operand(thr_mma, cA, sW, True),
+                        KtT=operand(thr_mma, cAt, transpose_view(sKt, C, K), True),
+                        tW=gK.dest(sW), tKt=gK.dest(sKt),
+                        u=make_acc(thr_mma, (C, BV)),
+                        si=cute.make_rmem_tensor((3,), cutlass.Int32),
+                        sf=cute.make_rmem_tensor((1,), F32))
+            if cutlass.const_expr(self.readout):
+                sQ = getattr(st, f"sQ{i}").get_tensor(sK_layout)
+                sP = getattr(st, f"sP{i}").get_tensor(sP_layout)
+                slot.update(Q=operand(thr_mma, cA, sQ, True),
+                            Pm=operand(thr_mma, cA, sP, True),
+                            tQ=gK.dest(sQ), tP=gP.dest(sP))
+            slots.append(slot)
+
+        args = (b, hv, u_vt, thr_mma, gK, gP, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq,
+                mLast)
+        self._fetch(0, slots[0], *args)
+        for c2 in cutlass.range(0, NC, 2, unroll=1):
+            for h in cutlass.range_constexpr(2):
+                cur, nxt = slots[h], slots[1 - h]
+                c = c2 + h
+                if c < NC:
+                    # the next chunk's loads (the last chunk loads itself again, unread)
+                    self._fetch(c + 1 - (c + 1) // NC, nxt, *args)
+                    seq, reset, last = cur["si"][0], cur["si"][1], cur["si"][2]
+                    decay = cur["sf"][0]
+
+                    # ---- chunk start state (reset -> the sequence's initial state)
+                    if reset != 0:
+                        acc_S.store(c_tile(thr_mma, mH0[seq, hv, None, None], (K, BV),
+                                           (0, vt)).load())
+                    if cutlass.const_expr(self.ckpt > 0):
+                        if c % self.ckpt == 0:
+                            c_tile(thr_mma, mStates[b, c // self.ckpt, hv, None, None],
+                                   (K, BV), (0, vt)).store(
+                                       acc_S.load().to(mStates.element_type))
+                    toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
+                    u = cur["u"].load()
+                    if cutlass.const_expr(self.u_cols != self.V):
+                        u = u * u_keep
+                    cute.arch.cp_async_wait_group(1)     # this chunk's group (not the next)
+                    cute.arch.sync_threads()
+
+                    # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
+                    acc_D.fill(0.0)
+                    first, second = [], []
+                    if cutlass.const_expr(self.readout):
+                        acc_O.fill(0.0)
+                        first, second = [(acc_O, cur["Q"])], [(acc_O, cur["Pm"])]
+                    mma_split_b(tiled_mma, K // MMA_K, [(acc_D, cur["W"])] + first, S, Sl,
+                                self.split)
+                    toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
+                    cute.arch.sync_threads()
+
+                    # ---- S <- decay S + Kt^T Delta ;  o += P Delta
+                    acc_S.store(acc_S.load() * decay)
+                    mma_split_b(tiled_mma, C // MMA_K, [(acc_S, cur["KtT"])] + second, D, Dl,
+                                self.split)
+                    if cutlass.const_expr(self.readout):
+                        c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
+                            acc_O.load().to(ab))
+                    if last != 0:
+                        c_tile(thr_mma, mFinal[seq, hv, None, None], (K, BV),
+                               (0, vt)).store(acc_S.load())
+                    # this slot and the S, Delta tiles are overwritten by later chunks
+                    cute.arch.sync_threads()
+        cute.arch.cp_async_wait_group(0)
+
+    def _fetch(self, c, slot, b, hv, u_vt, thr_mma, gK, gP, mW, mKt, mQg, mP, mU, mDecay,
+               mReset, mSeq, mLast):
+        """Start chunk c's loads into ``slot`` of :meth:`kernel_pipelined`: w, Kt (qg, P)
+        by cp.async (one group), its u and scalars into the slot's registers (used a chunk
+        later, so their latency hides behind this chunk's products)."""
+        K, BV = self.K, self.BV
+        gK.load(mW[b, c, hv, None, None], (C, K), slot["tW"])
+        gK.load(mKt[b, c, hv, None, None], (C, K), slot["tKt"])
+        if cutlass.const_expr(self.readout):
+            gK.load(mQg[b, c, hv, None, None], (C, K), slot["tQ"])
+            gP.load(mP[b, c, hv, None, None], (C, C), slot["tP"])
+        cute.arch.cp_async_commit_group()
+        slot["si"][0] = mSeq[b, c]
+        slot["si"][1] = mReset[b, c]
+        slot["si"][2] = mLast[b, c]
+        slot["sf"][0] = mDecay[b, c, hv]
+        slot["u"].store(c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, u_vt)).load())
+
+
 def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
     """The recursion's shared memory (a ``cute.struct``): w, Kt, S hi / lo, Delta hi / lo
     and, where ``sP_layout`` is given (the readout), qg and P. (Built as an object: this
@@ -200,13 +354,29 @@ def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
 
+def _storage_pipelined(ab, sK_layout, sS_layout, sD_layout, sP_layout, split):
+    """:func:`_storage` with two sets of the chunk operand tiles (w, Kt; qg, P where
+    ``sP_layout`` is given), and the lo parts only in ``split`` mode."""
+    fields = {}
+    for i in range(2):
+        fields.update({f"sW{i}": smem_tile(ab, sK_layout), f"sKt{i}": smem_tile(ab, sK_layout)})
+        if sP_layout is not None:
+            fields.update({f"sQ{i}": smem_tile(ab, sK_layout),
+                           f"sP{i}": smem_tile(ab, sP_layout)})
+    fields.update(sS=smem_tile(ab, sS_layout), sD=smem_tile(ab, sD_layout))
+    if split:
+        fields.update(sSl=smem_tile(ab, sS_layout), sDl=smem_tile(ab, sD_layout))
+    return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
+
 _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
-               ckpt: int = 0, readout: bool = True, u_cols: int = 0) -> ChunkFwdSm90:
-    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V)
+               ckpt: int = 0, readout: bool = True, u_cols: int = 0,
+               stages: int = 1) -> ChunkFwdSm90:
+    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols)
+                                     u_cols, stages)
     return _KERNELS[key]

@@ -39,8 +39,8 @@ def _scan_chunks(step, state_shape, dtype, xs, reverse=False):
 
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0,
-                      states_dtype=None, readout=True):
-    del BV, split
+                      states_dtype=None, readout=True, stages=1):
+    del BV, split, stages
     B, NC, HV, C, K = w.shape
     acc = u.dtype
     u = zero_columns(u, h0.shape[-1] - u.shape[-1])    # u = 0 in the state columns past u's
