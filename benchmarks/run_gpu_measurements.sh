@@ -6,7 +6,7 @@
 #                                               # (1, 262144, 16, 1) fwd + fwd+bwd beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
 #                                               # (SUITE_S: their time limit, default 420 s)
-#   bash benchmarks/run_gpu_measurements.sh 6   # the forward walk's operands a chunk ahead (PIPELINE): tests, A/B
+#   bash benchmarks/run_gpu_measurements.sh 6   # the recursion walks' operands a chunk ahead (PIPELINE): tests, A/B
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -58,7 +58,7 @@ case "${1:-2}" in
     --shapes "1,65536,16,2;1,131072,8,2" --deadline $(( ${SWEEP_S:-300} - 20 )) --out $M/sweep
   rows $M/sweep.log ;;
 6)
-  # s28: the forward walk's operands one chunk ahead (chunk_forward.PIPELINE, "auto": on
+  # s28: the recursion walks' operands one chunk ahead (chunk_forward.PIPELINE, "auto": on
   # for launches of <= one CTA an SM): its GPU tests, then the long rows' forward with it
   # (cutedsl, cutedsl-cpauto) and without (+flat) beside tuned FLA, then fwd+bwd
   step 150 pipe_test $P tests/test_cutedsl_gpu.py -k "pipelined_walk or narrow_tiles or intra_cp_split or long_sequence_state"

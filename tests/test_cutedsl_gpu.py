@@ -372,11 +372,13 @@ def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
     (128, 64, 1, 2, 2, True, "float16"),
 ])
 def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
-    """``chunk_forward.PIPELINE`` (the forward walk's operands one chunk ahead; "auto"
+    """``chunk_forward.PIPELINE`` (the recursion walks' operands one chunk ahead; "auto"
     turns it on for launches of at most one CTA an SM, as here): the same bits as the
-    one-set walk for the forward nothing differentiates, the split forward (the CP
-    summary walk on V + K columns, u on the first V) and the differentiated call (the
-    walk writing checkpoints) - o, the final state and every gradient."""
+    one-set walks for the forward nothing differentiates, the split forward (the CP
+    summary walk on V + K columns, u on the first V), the differentiated call (the
+    forward walk writing checkpoints, the reverse walk) and the split's gradient (the
+    reverse summary walk, dO on the first V columns) - o, the final state and every
+    gradient."""
     from gdp_jax.kernels import chunk_forward
     args, cu = _rows_or_pack(12, packed, n, H, HV, K, V, dtype)
     B = args[0].shape[0]
@@ -395,6 +397,17 @@ def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
     for (on, S), got in forwards.items():
         if on:
             assert_same_bits(got, forwards[False, S])
+    wo = jax.random.normal(jax.random.PRNGKey(3), forwards[False, None][0].shape, jnp.float32)
+
+    def split_loss(*a):
+        o, s = gated_delta_product(*a[:5], intra_cp=segments, **{**kw, "initial_state": a[5]})
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
+
+    split_grads = []
+    for on in (False, True):
+        monkeypatch.setattr(chunk_forward, "PIPELINE", on)
+        split_grads.append(jax.jit(jax.grad(split_loss, argnums=tuple(range(6))))(*args))
+    assert_same_bits((None, None) + split_grads[1], (None, None) + split_grads[0])
     base, got = grads_off_on(monkeypatch, chunk_forward, "PIPELINE", args, cu)
     assert_same_bits(got, base)
     compare(f"pipelined walk K={K} V={V} n={n} HV={HV} packed={packed} vs ref", got,

@@ -133,6 +133,25 @@ def test_pipelined_walk_compiles(BV, split, readout, ckpt, dtype):
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
 
 
+@pytest.mark.parametrize("BV,split,fused,ds,extra", [
+    (16, False, True, jnp.bfloat16, 0), (32, True, False, None, 0),
+    (16, False, True, None, 128), (32, False, False, jnp.float32, 0)])
+def test_pipelined_reverse_walk_compiles(BV, split, fused, ds, extra):
+    """The reverse walk with its operands one chunk ahead (``stages=2``): dS_end written
+    (16-bit or float32) or not (the start-state gradients alone), ddo read or formed from
+    P, and the CP summary walk (``extra`` state columns, dO on the first V)."""
+    B, NC, HV, C, N, K, V = 2, 3, 4, grid.CHUNK, 2, 128, 128
+    dt = jnp.bfloat16
+    ddo = S((B, NC, HV, C, C), dt) if fused else S((B, NC, HV, C, V), jnp.float32)
+    avals = (S((B, NC, HV, C, K), dt),) * 3 + (ddo, S((B, NC, HV, C, V), dt),
+             S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
+        S((N, HV, K, V + extra), jnp.float32),)
+    walk = lambda *a: StateGradKernel.raw_call(*a, BV=BV, split=split, fuse_ddo=fused,
+                                               ds_dtype=ds, write_ds=ds is not None,
+                                               stages=2)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+
+
 def test_pipelined_walk_only_where_one_cta_an_sm(monkeypatch):
     """``PIPELINE="auto"``: two operand sets (twice the shared memory) only for launches of
     at most SMS CTAs and value tiles <= 32; True: every tile <= 32; False: never. The
@@ -152,11 +171,12 @@ def test_pipelined_walk_only_where_one_cta_an_sm(monkeypatch):
     with pytest.raises(ValueError, match="PIPELINE"):
         pick(1, 16, 128, 16)
     monkeypatch.setattr(chunk_forward, "PIPELINE", "auto")
-    names = [v.what for v in ChunkForwardKernel.variants()]
-    for BV in (16, 32):
-        assert any(n.endswith(f" BV={BV} stages=2") for n in names)
-        assert any(n.endswith(f" BV={BV}") for n in names)
-    assert not any(n.endswith(" BV=64 stages=2") for n in names)
+    for kernel in (ChunkForwardKernel, StateGradKernel):
+        names = [v.what for v in kernel.variants()]
+        for BV in (16, 32):
+            assert any(n.endswith(f" BV={BV} stages=2") for n in names), kernel
+            assert any(n.endswith(f" BV={BV}") for n in names), kernel
+        assert not any(n.endswith(" BV=64 stages=2") for n in names), kernel
 
 
 @pytest.mark.parametrize("split", [False, True])

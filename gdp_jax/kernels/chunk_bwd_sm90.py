@@ -38,8 +38,9 @@ class ChunkBwdDhSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype, hi/lo split."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
-                 fuse_ddo: bool = False, do_cols: int = 0, write_ds: bool = True):
-        assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128)
+                 fuse_ddo: bool = False, do_cols: int = 0, write_ds: bool = True,
+                 stages: int = 1):
+        assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and stages in (1, 2)
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
@@ -51,6 +52,9 @@ class ChunkBwdDhSm90:
         # False: the walk for the start-state gradients alone (a CP summary): mDsEnd is a
         # placeholder nobody reads, and no chunk's dS_end is stored
         self.write_ds = write_ds
+        # 2: the next chunk's operands load while this one computes (the forward walk's
+        # ``stages``; ``chunk_forward.ChunkForwardKernel.pick_stages``)
+        self.stages = stages
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -61,15 +65,23 @@ class ChunkBwdDhSm90:
         sS_layout = smem_layout(K, BV)        # dS (16-bit copy): [K, BV]
         sD_layout = smem_layout(C, BV)        # -dDelta, dO (16-bit): [C, BV]
         sP_layout = smem_layout(C, C)         # P (16-bit, ``fuse_ddo``): [C, C]
-        Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
-                           sP_layout if self.fuse_ddo else None)
-
         B, HV = mKt.shape[0], mKt.shape[2]
         grid = (self.V // BV, HV, B)
-        self.kernel(mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast, mDfinal, mDsEnd,
-                    mDh0, sK_layout, sS_layout, sD_layout, sP_layout, g2s_copy(ab, K),
-                    g2s_copy(ab, C), warp_mma(ab),
-                    Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        if cutlass.const_expr(self.stages == 2):
+            Storage = _storage_pipelined(ab, sK_layout, sS_layout, sD_layout,
+                                         sP_layout if self.fuse_ddo else None, self.split)
+            self.kernel_pipelined(
+                mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast, mDfinal, mDsEnd, mDh0,
+                sK_layout, sS_layout, sD_layout, sP_layout, g2s_copy(ab, K), g2s_copy(ab, C),
+                warp_mma(ab), Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1],
+                                              stream=stream)
+        else:
+            Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
+                               sP_layout if self.fuse_ddo else None)
+            self.kernel(mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast, mDfinal,
+                        mDsEnd, mDh0, sK_layout, sS_layout, sD_layout, sP_layout,
+                        g2s_copy(ab, K), g2s_copy(ab, C), warp_mma(ab),
+                        Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -186,6 +198,154 @@ class ChunkBwdDhSm90:
             cute.arch.sync_threads()
 
 
+    @cute.kernel
+    def kernel_pipelined(self, mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast,
+                         mDfinal, mDsEnd, mDh0, sK_layout: cute.ComposedLayout,
+                         sS_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout,
+                         sP_layout: cute.ComposedLayout, copy_K: cute.TiledCopy,
+                         copy_C: cute.TiledCopy, tiled_mma: cute.TiledMma,
+                         Storage: cutlass.Constexpr):
+        """:meth:`kernel` with two sets of operand tiles: the next chunk's Kt, w, qg (P) go
+        to one set by cp.async, its dO (ddo) and scalars to registers, while this chunk
+        computes on the other - the same products in the same order (the same bits)."""
+        K, BV, ab = self.K, self.BV, self.ab
+        F32 = cutlass.Float32
+        tidx, _, _ = cute.arch.thread_idx()
+        vt, hv, b = cute.arch.block_idx()
+        NC = mKt.shape[1]
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(Storage)
+        sS = st.sS.get_tensor(sS_layout)        # dS hi: [K, BV]
+        sD = st.sD.get_tensor(sD_layout)        # -dDelta hi: [C, BV]
+        sO = st.sO.get_tensor(sD_layout)        # dO: [C, BV]
+        sSl, sDl = sS, sD                       # (read only in split mode)
+        if cutlass.const_expr(self.split):
+            sSl = st.sSl.get_tensor(sS_layout)
+            sDl = st.sDl.get_tensor(sD_layout)
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc_S = make_acc(thr_mma, (K, BV))
+        acc_D = make_acc(thr_mma, (C, BV))
+        acc_S.fill(0.0)
+
+        cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
+        S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
+        Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
+        D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
+        Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
+        O = operand(thr_mma, cBt, transpose_view(sO, C, BV), False)
+        toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
+        toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
+        tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
+        tCsD, tCsDl, tCsO = toD.dest(sD), toD.dest(sDl), toD.dest(sO)
+        gK, gP = g2s(copy_K, tidx), g2s(copy_C, tidx)
+
+        # dO's (ddo's) column tile: the CP pass's response columns take 0 (they read the
+        # last real tile, in bounds and finite, and multiply it by 0)
+        do_tiles = self.do_cols // BV
+        do_vt = cutlass.min(vt, do_tiles - 1)
+        do_keep = cutlass.select_(vt < do_tiles, F32(1.0), F32(0.0))
+
+        slots = []
+        for j in cutlass.range_constexpr(2):
+            sKt = getattr(st, f"sKt{j}").get_tensor(sK_layout)
+            sW = getattr(st, f"sW{j}").get_tensor(sK_layout)
+            sQ = getattr(st, f"sQ{j}").get_tensor(sK_layout)
+            slot = dict(Kt=operand(thr_mma, cA, sKt, True),
+                        WT=operand(thr_mma, cAt, transpose_view(sW, C, K), True),
+                        QT=operand(thr_mma, cAt, transpose_view(sQ, C, K), True),
+                        tKt=gK.dest(sKt), tW=gK.dest(sW), tQ=gK.dest(sQ),
+                        do=cute.make_rmem_tensor(thr_mma.partition_shape_C((C, BV)), ab),
+                        si=cute.make_rmem_tensor((3,), cutlass.Int32),
+                        sf=cute.make_rmem_tensor((1,), F32))
+            if cutlass.const_expr(self.fuse_ddo):
+                sP = getattr(st, f"sP{j}").get_tensor(sP_layout)
+                slot.update(PT=operand(thr_mma, cAt, transpose_view(sP, C, C), True),
+                            tP=gP.dest(sP))
+            else:
+                slot.update(ddo=make_acc(thr_mma, (C, BV)))
+            slots.append(slot)
+
+        args = (b, hv, do_vt, thr_mma, gK, gP, mKt, mW, mQg, mDdo, mDo, mDecay, mReset,
+                mSeq, mLast)
+        self._fetch(NC - 1, slots[0], *args)
+        for i2 in cutlass.range(0, NC, 2, unroll=1):
+            for h in cutlass.range_constexpr(2):
+                cur, nxt = slots[h], slots[1 - h]
+                i = i2 + h
+                if i < NC:
+                    c = NC - 1 - i
+                    # the next chunk's loads (the first chunk loads itself again, unread)
+                    self._fetch(NC - 2 - i + (i + 1) // NC, nxt, *args)
+                    seq, reset, last = cur["si"][0], cur["si"][1], cur["si"][2]
+                    decay = cur["sf"][0]
+
+                    # ---- gradient w.r.t. the chunk's end state
+                    if last != 0:
+                        gF = c_tile(thr_mma, mDfinal[seq, hv, None, None], (K, BV), (0, vt))
+                        acc_S.store(acc_S.load() + gF.load())
+                    if cutlass.const_expr(self.write_ds):
+                        c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(
+                            acc_S.load().to(mDsEnd.element_type))
+                    toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
+                    do = cur["do"].load()
+                    if cutlass.const_expr(self.do_cols != self.V):
+                        do = (do.to(F32) * do_keep).to(ab)
+                    toD.store(do, tCsO)
+                    if cutlass.const_expr(not self.fuse_ddo):
+                        ddo = cur["ddo"].load()
+                        if cutlass.const_expr(self.do_cols != self.V):
+                            ddo = ddo * do_keep
+                    cute.arch.cp_async_wait_group(1)     # this chunk's group (not the next)
+                    cute.arch.sync_threads()
+
+                    # ---- dDelta = ddo + Kt dS   (kept negated in smem)
+                    acc_D.fill(0.0)
+                    if cutlass.const_expr(self.fuse_ddo):
+                        mma_split_b(tiled_mma, C // MMA_K, [(acc_D, cur["PT"])], O, None, False)
+                    mma_split_b(tiled_mma, K // MMA_K, [(acc_D, cur["Kt"])], S, Sl, self.split)
+                    if cutlass.const_expr(self.fuse_ddo):
+                        toD.store_split(-acc_D.load(), tCsD, tCsDl, self.split)
+                    else:
+                        toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
+                    cute.arch.sync_threads()
+
+                    # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
+                    acc_S.store(acc_S.load() * decay)
+                    mma_split_b(tiled_mma, C // MMA_K, [(acc_S, cur["WT"])], D, Dl,
+                                self.split, plain=[(acc_S, cur["QT"], O)])
+
+                    if reset != 0:
+                        c_tile(thr_mma, mDh0[seq, hv, None, None], (K, BV),
+                               (0, vt)).store(acc_S.load())
+                        acc_S.fill(0.0)
+                    # this slot and the dS, dDelta, dO tiles are overwritten by later chunks
+                    cute.arch.sync_threads()
+        cute.arch.cp_async_wait_group(0)
+
+    def _fetch(self, c, slot, b, hv, do_vt, thr_mma, gK, gP, mKt, mW, mQg, mDdo, mDo,
+               mDecay, mReset, mSeq, mLast):
+        """Start chunk c's loads into ``slot`` of :meth:`kernel_pipelined`: Kt, w, qg (P)
+        by cp.async (one group), its dO (ddo) and scalars into the slot's registers."""
+        K, BV = self.K, self.BV
+        gK.load(mKt[b, c, hv, None, None], (C, K), slot["tKt"])
+        gK.load(mW[b, c, hv, None, None], (C, K), slot["tW"])
+        gK.load(mQg[b, c, hv, None, None], (C, K), slot["tQ"])
+        if cutlass.const_expr(self.fuse_ddo):
+            gP.load(mDdo[b, c, hv, None, None], (C, C), slot["tP"])
+        cute.arch.cp_async_commit_group()
+        slot["si"][0] = mSeq[b, c]
+        slot["si"][1] = mReset[b, c]
+        slot["si"][2] = mLast[b, c]
+        slot["sf"][0] = mDecay[b, c, hv]
+        slot["do"].store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV),
+                                (0, do_vt)).load())
+        if cutlass.const_expr(not self.fuse_ddo):
+            slot["ddo"].store(c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV),
+                                     (0, do_vt)).load().to(cutlass.Float32))
+
+
 def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
     """The kernel's shared memory (a ``cute.struct``): Kt, w, qg; dS hi, lo; -dDelta hi,
     lo; dO - and P where ``sP_layout`` is given (``fuse_ddo``). (Fields are built as
@@ -200,14 +360,30 @@ def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
 
+def _storage_pipelined(ab, sK_layout, sS_layout, sD_layout, sP_layout, split):
+    """:func:`_storage` with two sets of the chunk operand tiles (Kt, w, qg; P where
+    ``sP_layout`` is given), and the lo parts only in ``split`` mode."""
+    fields = {}
+    for j in range(2):
+        fields.update({f"sKt{j}": smem_tile(ab, sK_layout), f"sW{j}": smem_tile(ab, sK_layout),
+                       f"sQ{j}": smem_tile(ab, sK_layout)})
+        if sP_layout is not None:
+            fields[f"sP{j}"] = smem_tile(ab, sP_layout)
+    fields.update(sS=smem_tile(ab, sS_layout), sD=smem_tile(ab, sD_layout),
+                  sO=smem_tile(ab, sD_layout))
+    if split:
+        fields.update(sSl=smem_tile(ab, sS_layout), sDl=smem_tile(ab, sD_layout))
+    return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
+
 _KERNELS = {}
 
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                fuse_ddo: bool = False, do_cols: int = 0,
-               write_ds: bool = True) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds)
+               write_ds: bool = True, stages: int = 1) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols,
-                                       write_ds)
+                                       write_ds, stages)
     return _KERNELS[key]

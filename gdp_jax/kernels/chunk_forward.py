@@ -32,10 +32,11 @@ BF16_SPLIT = False
 # (1, 65536, 16, 2) forward 7.81 -> 6.79 ms, fwd+bwd 26.56 -> 24.81 ms on the H200
 # (benchmarks/results/CURRENT.md, s24).
 NARROW_TILES = True
-# The forward walk's operands one chunk ahead (``ChunkFwdSm90.stages`` = 2: a second set
-# of operand tiles in shared memory, so one CTA an SM at most): "auto" where the launch
-# has at most one CTA an SM anyway (few rows x heads: long sequences), True for every
-# launch of value tiles <= 32 (A/B only), False never.
+# The recursion walks' operands one chunk ahead (``stages`` = 2 of the forward walk
+# ``ChunkFwdSm90`` and the reverse ``ChunkBwdDhSm90``: a second set of operand tiles in
+# shared memory, so one CTA an SM at most): "auto" where the launch has at most one CTA
+# an SM anyway (few rows x heads: long sequences), True for every launch of value tiles
+# <= 32 (A/B only), False never.
 PIPELINE = "auto"
 
 

@@ -37,17 +37,21 @@ class StateGradKernel:
              fuse_ddo: bool = False, write_ds: bool = True):
         """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: the forward's tile choice for
         the rows of the launch (``ChunkForwardKernel.launch_bv``)."""
-        f = binding.vmappable(lambda *a: cls.raw_call(
-            *a, BV=BV or ChunkForwardKernel.launch_bv(a[0], a[9]), split=split,
-            ds_dtype=ds_dtype, fuse_ddo=fuse_ddo, write_ds=write_ds),
-                              seq_arg=7, table_arg=9,
+        def launch(*a):
+            bv = BV or ChunkForwardKernel.launch_bv(a[0], a[9])
+            stages = ChunkForwardKernel.pick_stages(a[0].shape[0], a[0].shape[2],
+                                                    a[9].shape[-1], bv)
+            return cls.raw_call(*a, BV=bv, split=split, ds_dtype=ds_dtype, fuse_ddo=fuse_ddo,
+                                write_ds=write_ds, stages=stages)
+
+        f = binding.vmappable(launch, seq_arg=7, table_arg=9,
                               out_kinds=("rows" if write_ds else "dummy", "rows"))
         return f(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal)
 
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
                  split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False,
-                 write_ds: bool = True):
+                 write_ds: bool = True, stages: int = 1):
         """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
         or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
         MMAs anyway) - a [1] placeholder with ``write_ds=False`` (the walk for dh0 alone) -,
@@ -59,7 +63,9 @@ class StateGradKernel:
         decay: [B, NC, HV] float32; reset, seq, last: [B, NC] int32; dfinal: [N, HV, K, V]
         float32 (V: the state columns walked; dO and ddo hold the first Vo <= V of them, a
         multiple of BV, and are 0 in the rest: the CP pass's response columns). Rows of dh0
-        for sequences without chunks stay unwritten.
+        for sequences without chunks stay unwritten. ``stages`` = 2: the next chunk's
+        operands load while a chunk computes (``ChunkForwardKernel.pick_stages``; the same
+        results).
         """
         B, NC, HV, C, K = kt.shape
         V, Vo = dfinal.shape[-1], do.shape[-1]
@@ -85,7 +91,8 @@ class StateGradKernel:
                                    K=K, V=V, BV=BV, ab_name=ab_name, split=split,
                                    **({"fuse_ddo": True} if fuse_ddo else {}),
                                    **({"do_cols": Vo} if Vo < V else {}),
-                                   **({} if write_ds else {"write_ds": False}))
+                                   **({} if write_ds else {"write_ds": False}),
+                                   **({"stages": 2} if stages == 2 else {}))
 
     @classmethod
     def variants(cls):
@@ -104,13 +111,16 @@ class StateGradKernel:
                             (V + K, None, True), (V + K, None, False)]
                     for Vx, ds, fused in runs:
                         for BV in ChunkForwardKernel.value_tiles(Vx):
-                            fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
-                                                   fuse_ddo=fused, write_ds=ds is not None)
-                            out.append(aot.Variant(
-                                f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
-                                + (f"dS_end {ds}" if ds else "summary")
-                                + (" fused ddo" if fused else "") + f" BV={BV}",
-                                fn, _avals(name, K, Vx, fused, do_cols=V)))
+                            for stages in ChunkForwardKernel.stage_counts(Vx, BV):
+                                fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
+                                                       fuse_ddo=fused, write_ds=ds is not None,
+                                                       stages=stages)
+                                out.append(aot.Variant(
+                                    f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
+                                    + (f"dS_end {ds}" if ds else "summary")
+                                    + (" fused ddo" if fused else "") + f" BV={BV}"
+                                    + (" stages=2" if stages == 2 else ""),
+                                    fn, _avals(name, K, Vx, fused, do_cols=V)))
         return out
 
 
@@ -139,8 +149,8 @@ def _launcher():
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0,
-               write_ds: cutlass.Constexpr = True):
-        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds)(
+               write_ds: cutlass.Constexpr = True, stages: cutlass.Constexpr = 1):
+        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds, stages)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
