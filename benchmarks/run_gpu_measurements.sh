@@ -59,14 +59,16 @@ case "${1:-2}" in
   rows $M/sweep.log ;;
 6)
   # s28: the recursion walks' operands one chunk ahead (chunk_forward.PIPELINE, "auto": on
-  # for launches of <= one CTA an SM): its GPU tests, then the long rows' forward with it
-  # (cutedsl, cutedsl-cpauto) and without (+flat) beside tuned FLA, then fwd+bwd
-  step 150 pipe_test $P tests/test_cutedsl_gpu.py -k "pipelined_walk or narrow_tiles or intra_cp_split or long_sequence_state"
-  step 240 pipe_fwd python -m benchmarks.run fwd \
-    --impl cutedsl+flat,cutedsl,cutedsl-cpauto+flat,cutedsl-cpauto,cutedsl-cp2,fla --no-check \
-    --shapes "1,65536,16,2;1,131072,8,2;1,262144,16,1" --deadline 220 --out $M/pipe_fwd
+  # for launches of <= one CTA an SM): its GPU tests, then the long rows with it (cutedsl,
+  # and cutedsl-cp2, whose V-column walks have 128 CTAs at 8 heads) and without (+flat)
+  # beside "auto" and tuned FLA, forward and fwd+bwd
+  step 170 pipe_test $P tests/test_cutedsl_gpu.py -k "pipelined_walk or intra_cp_split"
+  L="1,65536,16,2;1,131072,8,2"
+  step 200 pipe_fwd python -m benchmarks.run fwd \
+    --impl cutedsl+flat,cutedsl,cutedsl-cpauto,cutedsl-cp2,fla --no-check \
+    --shapes "$L" --deadline 180 --out $M/pipe_fwd
   step 200 pipe_fwdbwd python -m benchmarks.run fwdbwd --impl cutedsl+flat,cutedsl,fla --no-check \
-    --shapes "1,131072,8,2;1,65536,16,2" --deadline 180 --out $M/pipe_fwdbwd
+    --shapes "$L" --deadline 180 --out $M/pipe_fwdbwd
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pipe_test.log | tail -14
   rows $M/pipe_fwd.log $M/pipe_fwdbwd.log ;;
 esac
