@@ -23,7 +23,8 @@ step() { local t=$1 name=$2; shift 2; local l; l=$(left); [ "$l" -lt 20 ] && { e
 rows() { grep -hE '^\| [0-9(]' "$@" | cut -c1-200; }
 P="python -m pytest -m gpu -q -rA -p no:cacheprovider"
 n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
-[ "$n" -lt 200 ] && step 150 build python ffi/build.py --jobs 15
+# BUILD_ONLY=bfloat16: prebuild only the variants naming it (the rest compile when traced)
+[ "$n" -lt 200 ] && step 150 build python ffi/build.py --jobs 15 ${BUILD_ONLY:+--only $BUILD_ONLY}
 case "${1:-2}" in
 2)
   step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op
