@@ -10,7 +10,7 @@ and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP insi
 ``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
 and any of them with ``+<switch>`` suffixes that set a module switch while the op is traced
-(:data:`SWITCHES`: ``+narrow``, ``+save``, ``+flat``), e.g. ``cutedsl+save``: ours vs ours
+(:data:`SWITCHES`: ``+narrow``, ``+save``, ``+pipe``, ``+flat``), e.g. ``cutedsl+save``: ours vs ours
 in one process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
@@ -265,10 +265,12 @@ class OursStep:
 
 # ``+<switch>`` suffixes of an implementation name: a module constant of gdp_jax set while
 # the op is traced - (module, attribute) turns an opt-in on, (module, attribute, value) sets
-# that value (``+flat``: the forward walk without its operands a chunk ahead)
+# that value (``+pipe`` / ``+flat``: the recursion walks with / without their operands a
+# chunk ahead)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
-            "flat": ("kernels.chunk_forward", "PIPELINE", False)}
+            "flat": ("kernels.chunk_forward", "PIPELINE", False),
+            "pipe": ("kernels.chunk_forward", "PIPELINE", "auto")}
 
 
 def _ours(name: str, bench: str):
@@ -313,7 +315,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +flat switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -59,16 +59,18 @@ case "${1:-2}" in
     --shapes "1,65536,16,2;1,131072,8,2" --deadline $(( ${SWEEP_S:-300} - 20 )) --out $M/sweep
   rows $M/sweep.log ;;
 6)
-  # s28: the recursion walks' operands one chunk ahead (chunk_forward.PIPELINE, "auto": on
-  # for launches of <= one CTA an SM): its GPU tests, then the long rows with it (cutedsl,
-  # and cutedsl-cp2, whose V-column walks have 128 CTAs at 8 heads) and without (+flat)
-  # beside "auto" and tuned FLA, forward and fwd+bwd
+  # s28 (NOT run: no device after s28-2): the recursion walks' operands one chunk ahead
+  # (opt-in chunk_forward.PIPELINE; +pipe = "auto": on for launches of <= one CTA an SM):
+  # its GPU tests, then the long rows with it (cutedsl+pipe, and cutedsl-cp2+pipe, whose
+  # V-column walks have 128 CTAs at 8 heads) and without, beside "auto" and tuned FLA,
+  # forward and fwd+bwd. BUILD_ONLY=bfloat16 halves the build (the stage-2 variants
+  # compile when traced). Turn "auto" on by default if it pays and its test passes.
   step 170 pipe_test $P tests/test_cutedsl_gpu.py -k "pipelined_walk or intra_cp_split"
   L="1,65536,16,2;1,131072,8,2"
   step 200 pipe_fwd python -m benchmarks.run fwd \
-    --impl cutedsl+flat,cutedsl,cutedsl-cpauto,cutedsl-cp2,fla --no-check \
+    --impl cutedsl,cutedsl+pipe,cutedsl-cpauto,cutedsl-cp2+pipe,fla --no-check \
     --shapes "$L" --deadline 180 --out $M/pipe_fwd
-  step 200 pipe_fwdbwd python -m benchmarks.run fwdbwd --impl cutedsl+flat,cutedsl,fla --no-check \
+  step 200 pipe_fwdbwd python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+pipe,fla --no-check \
     --shapes "$L" --deadline 180 --out $M/pipe_fwdbwd
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pipe_test.log | tail -14
   rows $M/pipe_fwd.log $M/pipe_fwdbwd.log ;;

@@ -372,8 +372,8 @@ def test_narrow_tiles_same_bits(monkeypatch, K, V, n, H, HV, packed):
     (128, 64, 1, 2, 2, True, "float16"),
 ])
 def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
-    """``chunk_forward.PIPELINE`` (the recursion walks' operands one chunk ahead; "auto"
-    turns it on for launches of at most one CTA an SM, as here): the same bits as the
+    """``chunk_forward.PIPELINE`` (opt-in: the recursion walks' operands one chunk ahead;
+    "auto" turns it on for launches of at most one CTA an SM, as here): the same bits as the
     one-set walks for the forward nothing differentiates, the split forward (the CP
     summary walk on V + K columns, u on the first V), the differentiated call (the
     forward walk writing checkpoints, the reverse walk) and the split's gradient (the
@@ -383,7 +383,8 @@ def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
     args, cu = _rows_or_pack(12, packed, n, H, HV, K, V, dtype)
     B = args[0].shape[0]
     bv = chunk_forward.ChunkForwardKernel.pick_bv(B, HV, V)
-    assert chunk_forward.ChunkForwardKernel.pick_stages(B, HV, V, bv) == 2      # "auto"
+    monkeypatch.setattr(chunk_forward, "PIPELINE", "auto")
+    assert chunk_forward.ChunkForwardKernel.pick_stages(B, HV, V, bv) == 2
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True, backend="cutedsl")
     T = args[0].shape[1]

@@ -154,11 +154,14 @@ def test_pipelined_reverse_walk_compiles(BV, split, fused, ds, extra):
 
 def test_pipelined_walk_only_where_one_cta_an_sm(monkeypatch):
     """``PIPELINE="auto"``: two operand sets (twice the shared memory) only for launches of
-    at most SMS CTAs and value tiles <= 32; True: every tile <= 32; False: never. The
-    prebuilt variants hold both stage counts of the 16- and 32-wide tiles."""
+    at most SMS CTAs and value tiles <= 32; True: every tile <= 32; False (the default
+    until measured on a GPU): never. The prebuilt variants hold both stage counts of the
+    16- and 32-wide tiles where "auto" is set, only one set of tiles by default."""
     from gdp_jax.kernels import chunk_forward
     pick, SMS = ChunkForwardKernel.pick_stages, ChunkForwardKernel.SMS
-    assert chunk_forward.PIPELINE == "auto"
+    assert chunk_forward.PIPELINE is False and pick(1, 16, 128, 16) == 1
+    assert not any("stages=2" in v.what for v in ChunkForwardKernel.variants())
+    monkeypatch.setattr(chunk_forward, "PIPELINE", "auto")
     assert pick(1, 16, 128, 16) == 2                 # (1, T, 16, n): 128 CTAs
     assert pick(1, SMS, 16, 16) == 2 and pick(1, SMS + 1, 16, 16) == 1
     assert pick(4, 16, 128, 32) == 1                 # 256 CTAs: two an SM pay more

@@ -32,12 +32,14 @@ BF16_SPLIT = False
 # (1, 65536, 16, 2) forward 7.81 -> 6.79 ms, fwd+bwd 26.56 -> 24.81 ms on the H200
 # (benchmarks/results/CURRENT.md, s24).
 NARROW_TILES = True
-# The recursion walks' operands one chunk ahead (``stages`` = 2 of the forward walk
-# ``ChunkFwdSm90`` and the reverse ``ChunkBwdDhSm90``: a second set of operand tiles in
-# shared memory, so one CTA an SM at most): "auto" where the launch has at most one CTA
-# an SM anyway (few rows x heads: long sequences), True for every launch of value tiles
-# <= 32 (A/B only), False never.
-PIPELINE = "auto"
+# Opt-in, NOT yet run on a GPU (s28: written and compiled for sm_90a; the device was not
+# lent again): the recursion walks' operands one chunk ahead (``stages`` = 2 of the
+# forward walk ``ChunkFwdSm90`` and the reverse ``ChunkBwdDhSm90``: a second set of
+# operand tiles in shared memory, so one CTA an SM at most). "auto" where the launch has
+# at most one CTA an SM anyway (few rows x heads: long sequences), True for every launch
+# of value tiles <= 32 (A/B only), False never (the default until measured: the GPU test
+# ``test_pipelined_walk_same_bits`` and ``bash benchmarks/run_gpu_measurements.sh 6``).
+PIPELINE = False
 
 
 class ChunkForwardKernel:
