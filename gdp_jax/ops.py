@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import _checks, _guard, backends, engine, grid
+from gdp_jax import _checks, _guard, backends, engine, grid, heads
 from gdp_jax.cp import driver, split
 
 
@@ -159,11 +159,14 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
                          f"else is in the batch; pass cp_axis=None and intra_cp=None")
     if one_token:
         split.check(intra_cp)          # checked, then run unsplit
-        segments = 1
     else:
-        segments = split.num_segments(spec, intra_cp)
+        split.num_segments(spec, intra_cp)      # a bad intra_cp fails before the backend
     backend = backends.resolve(backend, spec, cp=cp_axis is not None,
                                available=backends.step_available if one_token else None)
+    groups = 1
+    if backend == "cutedsl" and not one_token:
+        from gdp_jax.kernels.pipeline import CuTeDSLEngine
+        groups = CuTeDSLEngine.head_groups(spec)   # > 1: too large for the kernels' offsets
     ok = None
     if cu_seqlens is not None:
         traced = not _guard.is_concrete(cu_seqlens)     # concrete ones were checked above
@@ -175,7 +178,24 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
     if one_token:
         from gdp_jax import step           # one token: the decoding step, not a chunk
         o, final = step.one_token_op(backend, spec, q, k, v, g, beta, initial_state)
-    elif segments > 1 and intra_cp == "auto":
+    elif groups > 1:
+        spec_g = heads.group_spec(spec, groups)
+        o, final = heads.in_groups(groups, lambda *x: _dispatch(
+            spec_g, backend, intra_cp, cp_axis, *x, cu_seqlens), q, k, v, g, beta,
+            initial_state)
+    else:
+        o, final = _dispatch(spec, backend, intra_cp, cp_axis, q, k, v, g, beta,
+                             initial_state, cu_seqlens)
+    if ok is not None:
+        o, final = _guard.poison_all(ok, o, final)
+    return o, final.astype(spec.state_dtype)
+
+
+def _dispatch(spec, backend, intra_cp, cp_axis, q, k, v, g, beta, initial_state, cu_seqlens):
+    """(o, final states) of a chunked call (T > 1 or packed or CP) on ``backend``: split
+    inside the device (``intra_cp``), CP across ``cp_axis``, both, or neither."""
+    segments = split.num_segments(spec, intra_cp)
+    if segments > 1 and intra_cp == "auto":
         if cp_axis is not None:
             unsplit = functools.partial(driver.cp_gated_delta_product, spec, cp_axis=cp_axis,
                                         backend=backend)
@@ -195,6 +215,4 @@ def _run(q, k, v, g, beta, scale, *, initial_state, cu_seqlens, use_qk_l2norm, c
     else:
         o, final = _op(backends.engine(backend), spec, q, k, v, g, beta, initial_state,
                        cu_seqlens)
-    if ok is not None:
-        o, final = _guard.poison_all(ok, o, final)
-    return o, final.astype(spec.state_dtype)
+    return o, final

@@ -465,7 +465,12 @@ def test_can_implement():
     spec = _checks.check_inputs(S((1, T, 16, 128), bf), S((1, T, 1, 16, 128), bf),
                                 S((1, T, 1, 16, 128), bf), None, S((1, T, 1, 16), bf))
     assert CuTeDSLEngine.can_implement(spec) is None
-    assert "32-bit" in CuTeDSLEngine.can_implement(spec.replace(T=2 * T))
+    # twice that overflows one launch: the call runs in two head groups (gdp_jax.heads)
+    assert "32-bit" in CuTeDSLEngine.launch_limits(spec.replace(T=2 * T))
+    assert CuTeDSLEngine.head_groups(spec.replace(T=2 * T)) == 2
+    assert CuTeDSLEngine.can_implement(spec.replace(T=2 * T)) is None
+    # one key head (of 16 value heads) that overflows: refused
+    assert "32-bit" in CuTeDSLEngine.can_implement(spec.replace(T=2 * T, H=1))
     assert CuTeDSLEngine.can_implement(spec.replace(T=64)) is None
     assert "bfloat16/float16" in CuTeDSLEngine.can_implement(spec.replace(
         T=64, input_dtype="float32"))

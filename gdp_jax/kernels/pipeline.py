@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from gdp_jax import _vma, chunked, grid
+from gdp_jax import _vma, chunked, grid, heads
 from gdp_jax.engine import (Engine, TokenCotangents, identity_columns, mm_exact,
                             where_has_tokens)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
@@ -268,13 +268,28 @@ class CuTeDSLEngine(Engine):
     name = "cutedsl"
 
     @staticmethod
-    def can_implement(spec) -> Optional[str]:
-        """The kernels' limits for this call (the forward, reverse and inverse kernels
-        share them; the CP summaries' K extra state columns included)."""
+    def launch_limits(spec) -> Optional[str]:
+        """The kernels' limits for this call's launches (the forward, reverse and inverse
+        kernels share them; the CP summaries' K extra state columns included)."""
         NC = grid.num_chunks(spec.T, spec.n, spec.N, spec.packed)
         kw = dict(dtype=spec.ab_dtype, K=spec.K, V=spec.V, rows=spec.B, NC=NC, HV=spec.HV)
         return (ChunkForwardKernel.can_implement(**kw)
                 or StateGradKernel.can_implement(**kw, extra_columns=spec.K, sequences=spec.N))
+
+    @classmethod
+    def head_groups(cls, spec) -> Optional[int]:
+        """The fewest head groups (:mod:`gdp_jax.heads`) whose launches fit the kernels:
+        1 where the whole call does, None where not even one key head a group does."""
+        return heads.num_groups(spec, lambda s: cls.launch_limits(s) is None)
+
+    @classmethod
+    def can_implement(cls, spec) -> Optional[str]:
+        """None where the kernels run this call - whole, or in head groups where only the
+        32-bit offsets of the whole call's launches overflow - else why not."""
+        why = cls.launch_limits(spec)
+        if why is not None and cls.head_groups(spec) is not None:
+            return None
+        return why
 
     @staticmethod
     def _check(spec, ch, layout, extra_columns=0):
