@@ -7,6 +7,7 @@
 #   bash benchmarks/run_gpu_measurements.sh 4   # the kernel GPU tests in full: five pytest processes at once
 #                                               # (SUITE_S: their time limit, default 420 s)
 #   bash benchmarks/run_gpu_measurements.sh 6   # the recursion walks' operands a chunk ahead (PIPELINE): tests, A/B
+#   bash benchmarks/run_gpu_measurements.sh 7   # head groups: GPU test; T = 2**20, n = 2, 16 heads fwd+bwd vs FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -74,4 +75,13 @@ case "${1:-2}" in
     --shapes "$L" --deadline 180 --out $M/pipe_fwdbwd
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pipe_test.log | tail -14
   rows $M/pipe_fwd.log $M/pipe_fwdbwd.log ;;
+7)
+  # s28 (NOT run): head groups (gdp_jax.heads) - their GPU test, then issue 20's memory
+  # goal: one row of 2**20 tokens, n = 2, 16 heads fwd + fwd+bwd (8 head groups of 2;
+  # recompute_chunk_num 0 and 3) beside tuned FLA, on the H200 (141 GB)
+  step 150 groups_test $P tests/test_cutedsl_gpu.py -k "head_groups"
+  step 400 million python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl-n3,fla --no-check \
+    --shapes "1,1048576,16,2" --deadline 380 --out $M/million
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/groups_test.log | tail -6
+  rows $M/million.log; grep -h "NOTE\|rror" $M/million.log | tail -5 ;;
 esac

@@ -415,6 +415,35 @@ def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
             grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_head_groups_equal_whole_call(monkeypatch, packed):
+    """Head groups (:mod:`gdp_jax.heads`) on the kernels: with the offsets limit cut to 2
+    value heads a launch, a call of 2 key x 4 value heads (GVA) runs in 2 groups; o, the
+    final state and every gradient match the whole call's (the real limit) to rounding
+    and the float64 reference within the kernels' bounds."""
+    from gdp_jax import _checks
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    from gdp_jax.kernels.pipeline import CuTeDSLEngine
+    args, cu = _rows_or_pack(14, packed, 2, 2, 4, 128, 128, "bfloat16")
+    whole = grads("cutedsl", args, cu=cu)
+    real = ChunkForwardKernel.can_implement
+
+    def two_heads(**kw):
+        return ("too many for the kernel's 32-bit offsets (test)" if kw["HV"] > 2
+                else real(**kw))
+
+    monkeypatch.setattr(ChunkForwardKernel, "can_implement", staticmethod(two_heads))
+    spec = _checks.check_inputs(*args[:5], initial_state=args[5], cu_seqlens=cu,
+                                backend="cutedsl")
+    assert CuTeDSLEngine.head_groups(spec) == 2
+    _grad_fn.cache_clear()
+    got = grads("cutedsl", args, cu=cu)
+    _grad_fn.cache_clear()
+    compare(f"head groups packed={packed} vs whole", got, whole, CROSS_GRAD_TOL)
+    compare(f"head groups packed={packed} vs ref", got, grads("reference", args, cu=cu),
+            GRAD_TOL)
+
+
 @pytest.mark.parametrize("dtype,n", [("bfloat16", 2), ("float16", 3)])
 def test_packed_gradients_match(dtype, n):
     lens = [70, 0, 1, 130, 64]
