@@ -103,3 +103,32 @@ def test_groups_round_trip():
                            v0, None, v0[..., 0], s0)
     np.testing.assert_array_equal(o, v0[:, :, 0])
     np.testing.assert_array_equal(s, s0)
+
+
+def test_groups_under_cp(small_offsets):
+    """Head groups inside ``jax.shard_map`` CP (2 ranks, packed, GVA): every group's CP
+    pass (its collectives inside the ``lax.map``) gives the single device's loss and
+    gradients (float64)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+    inp = make_inputs(7, 1, 128, 2, 2, 4, 8, 12, N=3)
+    cu = jnp.asarray([0, 40, 40, 128], jnp.int32)
+    wo = jnp.asarray(np.random.default_rng(1).standard_normal((1, 128, 4, 12)))
+
+    def loss(q, k, v, g, b, h0, cp):
+        def op(q, k, v, g, b, h0, c):
+            return OP(q, k, v, g, b, initial_state=h0, cu_seqlens=c, output_final_state=True,
+                      backend="cutedsl" if cp else "xla", cp_axis="cp" if cp else None)
+        if cp:
+            op = jax.shard_map(op, mesh=mesh, in_specs=(P(None, "cp"),) * 5 + (P(), P()),
+                               out_specs=(P(None, "cp"), P()))
+        o, s = op(q, k, v, g, b, h0, cu)
+        return jnp.sum(o * wo) + jnp.sum(s ** 2)
+
+    args = tuple(inp)
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(*a, True), argnums=tuple(range(6))))(*args)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(*a, False),
+                                      argnums=tuple(range(6))))(*args)
+    assert rel_max(got[0], want[0]) < TOL
+    for a, b in zip(got[1], want[1]):
+        assert rel_max(a, b) < 1e-10
