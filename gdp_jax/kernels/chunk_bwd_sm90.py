@@ -29,8 +29,9 @@ import cutlass.memory
 import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
-                                  c_tile_or_zero, g2s, g2s_copy, ldmatrix_copies, make_acc,
-                                  mma_split_b, operand, smem_layout, smem_tile,
+                                  c_tile_or_zero, chunk_scalars, g2s, g2s_copy,
+                                  ldmatrix_copies, load_chunk_scalars, make_acc, mma_split_b,
+                                  operand, recurrent, smem_layout, smem_tile,
                                   transpose_view, warp_mma)
 
 
@@ -216,29 +217,15 @@ class ChunkBwdDhSm90:
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
-        sS = st.sS.get_tensor(sS_layout)        # dS hi: [K, BV]
-        sD = st.sD.get_tensor(sD_layout)        # -dDelta hi: [C, BV]
-        sO = st.sO.get_tensor(sD_layout)        # dO: [C, BV]
-        sSl, sDl = sS, sD                       # (read only in split mode)
-        if cutlass.const_expr(self.split):
-            sSl = st.sSl.get_tensor(sS_layout)
-            sDl = st.sDl.get_tensor(sD_layout)
-
         thr_mma = tiled_mma.get_slice(tidx)
-        acc_S = make_acc(thr_mma, (K, BV))
-        acc_D = make_acc(thr_mma, (C, BV))
-        acc_S.fill(0.0)
-
         cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
-        S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
-        Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
-        D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
-        Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
+        # dS [K, BV] and -dDelta [C, BV]: accumulators, smem operands, writers
+        r = recurrent(tiled_mma, thr_mma, tidx, cBt, ab, st, sS_layout, sD_layout, K, BV,
+                      self.split)
+        acc_S, acc_D = r.acc_S, r.acc_D
+        sO = st.sO.get_tensor(sD_layout)        # dO: [C, BV]
         O = operand(thr_mma, cBt, transpose_view(sO, C, BV), False)
-        toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
-        toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
-        tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
-        tCsD, tCsDl, tCsO = toD.dest(sD), toD.dest(sDl), toD.dest(sO)
+        tCsO = r.toD.dest(sO)
         gK, gP = g2s(copy_K, tidx), g2s(copy_C, tidx)
 
         # dO's (ddo's) column tile: the CP pass's response columns take 0 (they read the
@@ -257,8 +244,7 @@ class ChunkBwdDhSm90:
                         QT=operand(thr_mma, cAt, transpose_view(sQ, C, K), True),
                         tKt=gK.dest(sKt), tW=gK.dest(sW), tQ=gK.dest(sQ),
                         do=cute.make_rmem_tensor(thr_mma.partition_shape_C((C, BV)), ab),
-                        si=cute.make_rmem_tensor((3,), cutlass.Int32),
-                        sf=cute.make_rmem_tensor((1,), F32))
+                        scalars=chunk_scalars())
             if cutlass.const_expr(self.fuse_ddo):
                 sP = getattr(st, f"sP{j}").get_tensor(sP_layout)
                 slot.update(PT=operand(thr_mma, cAt, transpose_view(sP, C, C), True),
@@ -278,8 +264,8 @@ class ChunkBwdDhSm90:
                     c = NC - 1 - i
                     # the next chunk's loads (the first chunk loads itself again, unread)
                     self._fetch(NC - 2 - i + (i + 1) // NC, nxt, *args)
-                    seq, reset, last = cur["si"][0], cur["si"][1], cur["si"][2]
-                    decay = cur["sf"][0]
+                    (si, sf) = cur["scalars"]
+                    seq, reset, last, decay = si[0], si[1], si[2], sf[0]
 
                     # ---- gradient w.r.t. the chunk's end state
                     if last != 0:
@@ -288,11 +274,11 @@ class ChunkBwdDhSm90:
                     if cutlass.const_expr(self.write_ds):
                         c_tile(thr_mma, mDsEnd[b, c, hv, None, None], (K, BV), (0, vt)).store(
                             acc_S.load().to(mDsEnd.element_type))
-                    toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
+                    r.toS.store_split(acc_S.load(), r.tCsS, r.tCsSl, self.split)
                     do = cur["do"].load()
                     if cutlass.const_expr(self.do_cols != self.V):
                         do = (do.to(F32) * do_keep).to(ab)
-                    toD.store(do, tCsO)
+                    r.toD.store(do, tCsO)
                     if cutlass.const_expr(not self.fuse_ddo):
                         ddo = cur["ddo"].load()
                         if cutlass.const_expr(self.do_cols != self.V):
@@ -304,16 +290,17 @@ class ChunkBwdDhSm90:
                     acc_D.fill(0.0)
                     if cutlass.const_expr(self.fuse_ddo):
                         mma_split_b(tiled_mma, C // MMA_K, [(acc_D, cur["PT"])], O, None, False)
-                    mma_split_b(tiled_mma, K // MMA_K, [(acc_D, cur["Kt"])], S, Sl, self.split)
+                    mma_split_b(tiled_mma, K // MMA_K, [(acc_D, cur["Kt"])], r.S, r.Sl,
+                                self.split)
                     if cutlass.const_expr(self.fuse_ddo):
-                        toD.store_split(-acc_D.load(), tCsD, tCsDl, self.split)
+                        r.toD.store_split(-acc_D.load(), r.tCsD, r.tCsDl, self.split)
                     else:
-                        toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
+                        r.toD.store_split(-(ddo + acc_D.load()), r.tCsD, r.tCsDl, self.split)
                     cute.arch.sync_threads()
 
                     # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
                     acc_S.store(acc_S.load() * decay)
-                    mma_split_b(tiled_mma, C // MMA_K, [(acc_S, cur["WT"])], D, Dl,
+                    mma_split_b(tiled_mma, C // MMA_K, [(acc_S, cur["WT"])], r.D, r.Dl,
                                 self.split, plain=[(acc_S, cur["QT"], O)])
 
                     if reset != 0:
@@ -335,10 +322,7 @@ class ChunkBwdDhSm90:
         if cutlass.const_expr(self.fuse_ddo):
             gP.load(mDdo[b, c, hv, None, None], (C, C), slot["tP"])
         cute.arch.cp_async_commit_group()
-        slot["si"][0] = mSeq[b, c]
-        slot["si"][1] = mReset[b, c]
-        slot["si"][2] = mLast[b, c]
-        slot["sf"][0] = mDecay[b, c, hv]
+        load_chunk_scalars(slot["scalars"], mSeq, mReset, mLast, mDecay, b, c, hv)
         slot["do"].store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV),
                                 (0, do_vt)).load())
         if cutlass.const_expr(not self.fuse_ddo):

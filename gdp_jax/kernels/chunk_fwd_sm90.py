@@ -36,8 +36,9 @@ import cutlass.memory
 import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
-                                  c_tile_or_zero, g2s, g2s_copy, ldmatrix_copies, make_acc,
-                                  mma_split_b, operand, smem_layout, smem_tile,
+                                  c_tile_or_zero, chunk_scalars, g2s, g2s_copy,
+                                  ldmatrix_copies, load_chunk_scalars, make_acc, mma_split_b,
+                                  operand, recurrent, smem_layout, smem_tile,
                                   transpose_view, warp_mma)
 
 
@@ -219,28 +220,13 @@ class ChunkFwdSm90:
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
-        sS = st.sS.get_tensor(sS_layout)        # S: [K, BV]
-        sD = st.sD.get_tensor(sD_layout)        # Delta: [C, BV]
-        sSl, sDl = sS, sD                       # (read only in split mode)
-        if cutlass.const_expr(self.split):
-            sSl = st.sSl.get_tensor(sS_layout)
-            sDl = st.sDl.get_tensor(sD_layout)
-
         thr_mma = tiled_mma.get_slice(tidx)
-        acc_S = make_acc(thr_mma, (K, BV))
-        acc_D = make_acc(thr_mma, (C, BV))
-        acc_O = make_acc(thr_mma, (C, BV))
-        acc_S.fill(0.0)
-
         cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
-        S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
-        D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
-        Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
-        Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
-        toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
-        toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
-        tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
-        tCsD, tCsDl = toD.dest(sD), toD.dest(sDl)
+        # the state S [K, BV] and Delta [C, BV]: accumulators, smem operands, writers
+        r = recurrent(tiled_mma, thr_mma, tidx, cBt, ab, st, sS_layout, sD_layout, K, BV,
+                      self.split)
+        acc_S, acc_D = r.acc_S, r.acc_D
+        acc_O = make_acc(thr_mma, (C, BV))
         gK, gP = g2s(copy_K, tidx), g2s(copy_P, tidx)
 
         # u's column tile: the CP pass's response columns (vt >= u_cols / BV) take u = 0;
@@ -258,9 +244,7 @@ class ChunkFwdSm90:
             slot = dict(W=operand(thr_mma, cA, sW, True),
                         KtT=operand(thr_mma, cAt, transpose_view(sKt, C, K), True),
                         tW=gK.dest(sW), tKt=gK.dest(sKt),
-                        u=make_acc(thr_mma, (C, BV)),
-                        si=cute.make_rmem_tensor((3,), cutlass.Int32),
-                        sf=cute.make_rmem_tensor((1,), F32))
+                        u=make_acc(thr_mma, (C, BV)), scalars=chunk_scalars())
             if cutlass.const_expr(self.readout):
                 sQ = getattr(st, f"sQ{i}").get_tensor(sK_layout)
                 sP = getattr(st, f"sP{i}").get_tensor(sP_layout)
@@ -279,8 +263,8 @@ class ChunkFwdSm90:
                 if c < NC:
                     # the next chunk's loads (the last chunk loads itself again, unread)
                     self._fetch(c + 1 - (c + 1) // NC, nxt, *args)
-                    seq, reset, last = cur["si"][0], cur["si"][1], cur["si"][2]
-                    decay = cur["sf"][0]
+                    (si, sf) = cur["scalars"]
+                    seq, reset, last, decay = si[0], si[1], si[2], sf[0]
 
                     # ---- chunk start state (reset -> the sequence's initial state)
                     if reset != 0:
@@ -291,7 +275,7 @@ class ChunkFwdSm90:
                             c_tile(thr_mma, mStates[b, c // self.ckpt, hv, None, None],
                                    (K, BV), (0, vt)).store(
                                        acc_S.load().to(mStates.element_type))
-                    toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
+                    r.toS.store_split(acc_S.load(), r.tCsS, r.tCsSl, self.split)
                     u = cur["u"].load()
                     if cutlass.const_expr(self.u_cols != self.V):
                         u = u * u_keep
@@ -304,15 +288,15 @@ class ChunkFwdSm90:
                     if cutlass.const_expr(self.readout):
                         acc_O.fill(0.0)
                         first, second = [(acc_O, cur["Q"])], [(acc_O, cur["Pm"])]
-                    mma_split_b(tiled_mma, K // MMA_K, [(acc_D, cur["W"])] + first, S, Sl,
+                    mma_split_b(tiled_mma, K // MMA_K, [(acc_D, cur["W"])] + first, r.S, r.Sl,
                                 self.split)
-                    toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
+                    r.toD.store_split(u - acc_D.load(), r.tCsD, r.tCsDl, self.split)
                     cute.arch.sync_threads()
 
                     # ---- S <- decay S + Kt^T Delta ;  o += P Delta
                     acc_S.store(acc_S.load() * decay)
-                    mma_split_b(tiled_mma, C // MMA_K, [(acc_S, cur["KtT"])] + second, D, Dl,
-                                self.split)
+                    mma_split_b(tiled_mma, C // MMA_K, [(acc_S, cur["KtT"])] + second, r.D,
+                                r.Dl, self.split)
                     if cutlass.const_expr(self.readout):
                         c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
                             acc_O.load().to(ab))
@@ -335,10 +319,7 @@ class ChunkFwdSm90:
             gK.load(mQg[b, c, hv, None, None], (C, K), slot["tQ"])
             gP.load(mP[b, c, hv, None, None], (C, C), slot["tP"])
         cute.arch.cp_async_commit_group()
-        slot["si"][0] = mSeq[b, c]
-        slot["si"][1] = mReset[b, c]
-        slot["si"][2] = mLast[b, c]
-        slot["sf"][0] = mDecay[b, c, hv]
+        load_chunk_scalars(slot["scalars"], mSeq, mReset, mLast, mDecay, b, c, hv)
         slot["u"].store(c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, u_vt)).load())
 
 

@@ -242,3 +242,61 @@ def acc_to_smem(tiled_mma, tidx, acc, ab) -> AccToSmem:
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), ab)
     thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
     return AccToSmem(ab, r16, atom, thr, thr.retile(r16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recurrent:
+    """A recursion walk's two recurrent tiles (built by ``recurrent``): the [K, BV] state
+    (or state gradient) and the [C, BV] Delta (or -dDelta) as float32 accumulators
+    ``acc_S``, ``acc_D``; their 16-bit smem copies as B operands ``S``, ``D`` (and the lo
+    parts ``Sl``, ``Dl``, the same tiles as ``S``, ``D`` unless ``split``); the writers
+    ``toS``, ``toD`` and their smem destinations ``tCsS``, ``tCsSl``, ``tCsD``, ``tCsDl``."""
+    acc_S: object
+    acc_D: object
+    S: Operand
+    Sl: Operand
+    D: Operand
+    Dl: Operand
+    toS: AccToSmem
+    toD: AccToSmem
+    tCsS: object
+    tCsSl: object
+    tCsD: object
+    tCsDl: object
+
+
+def recurrent(tiled_mma, thr_mma, tidx, cBt, ab, st, sS_layout, sD_layout, K: int, BV: int,
+              split: bool) -> Recurrent:
+    """The :class:`Recurrent` tiles of a walk whose shared-memory struct ``st`` holds
+    ``sS``, ``sD`` (and ``sSl``, ``sDl`` with ``split``); ``acc_S`` starts at zero."""
+    sS = st.sS.get_tensor(sS_layout)
+    sD = st.sD.get_tensor(sD_layout)
+    sSl, sDl = sS, sD
+    if split:
+        sSl = st.sSl.get_tensor(sS_layout)
+        sDl = st.sDl.get_tensor(sD_layout)
+    acc_S = make_acc(thr_mma, (K, BV))
+    acc_D = make_acc(thr_mma, (C, BV))
+    acc_S.fill(0.0)
+    view = lambda s, rows: operand(thr_mma, cBt, transpose_view(s, rows, BV), False)
+    toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
+    toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
+    return Recurrent(acc_S, acc_D, view(sS, K), view(sSl, K), view(sD, C), view(sDl, C),
+                     toS, toD, toS.dest(sS), toS.dest(sSl), toD.dest(sD), toD.dest(sDl))
+
+
+def chunk_scalars():
+    """Registers for one chunk's scalars, loaded a chunk early by ``load_chunk_scalars``:
+    (int32 [seq, reset, last], float32 [decay])."""
+    return (cute.make_rmem_tensor((3,), cutlass.Int32),
+            cute.make_rmem_tensor((1,), cutlass.Float32))
+
+
+def load_chunk_scalars(scalars, mSeq, mReset, mLast, mDecay, b, c, hv):
+    """Chunk c's sequence index, reset and last flags ([B, NC] int32) and decay
+    ([B, NC, HV] float32) into ``scalars`` (a ``chunk_scalars`` pair)."""
+    si, sf = scalars
+    si[0] = mSeq[b, c]
+    si[1] = mReset[b, c]
+    si[2] = mLast[b, c]
+    sf[0] = mDecay[b, c, hv]
