@@ -27,6 +27,7 @@ LAYERS = {
     # 0: leaf helpers: the call spec and argument checks, varying-axes typing, packing
     "gdp_jax.spec": 0, "gdp_jax._checks": 0, "gdp_jax._vma": 0, "gdp_jax._prefix": 0,
     "gdp_jax.packing": 0,
+    "gdp_jax.heads": 0,
     # 1: the float64 token recurrence, the NaN guard, the CP fold algebra, the op's L2 norm
     "gdp_jax.reference": 1, "gdp_jax._guard": 1, "gdp_jax.cp.fold": 1,
     "gdp_jax.norm": 1,
