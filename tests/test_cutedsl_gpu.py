@@ -15,6 +15,7 @@ each rounds on its own, so their difference may be as large as the sum of their 
 errors.
 """
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,25 @@ XLA_TOL = 6e-3
 
 from gdp_jax.testing import sm90_gpu_present as _gpu_ok  # noqa: E402
 
+# GDP_JAX_DRY_RUN_GPU_TESTS=1: run these tests' CODE on a host without a GPU, on the
+# emulated kernels (gdp_jax.testing.emulated_kernels): it finds a broken test before the
+# GPU does, it checks no kernel (the emulated ones ignore value tiles, stages and bits),
+# and a pass there is no GPU result. E.g.
+#   GDP_JAX_DRY_RUN_GPU_TESTS=1 python -m pytest -m gpu tests/test_cutedsl_gpu.py -k head_groups
+DRY_RUN = os.environ.get("GDP_JAX_DRY_RUN_GPU_TESTS") == "1"
 
-if not _gpu_ok():
+if not (_gpu_ok() or DRY_RUN):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _dry_run_on_emulated_kernels():
+    if not DRY_RUN:
+        yield
+        return
+    from gdp_jax import testing
+    with testing.emulated_kernels():
+        yield
 
 from gdp_jax import backends, gated_delta_product, gated_delta_product_reference  # noqa: E402
 from gdp_jax.testing import gpu_case_inputs, rel_rms  # noqa: E402
