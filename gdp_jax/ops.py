@@ -86,7 +86,9 @@ def gated_delta_product(
       use_qk_l2norm: L2-normalise q and every key along K inside the op (eps 1e-6).
       cp_axis: name of a ``jax.shard_map`` mesh axis over which T is split contiguously:
         run context-parallel over it (see :mod:`gdp_jax.cp`).
-      backend: "xla", "cutedsl" or "auto".
+      backend: "xla", "cutedsl" or "auto". "cutedsl" runs a call too large for its
+        kernels' 32-bit offsets in groups of heads, one after another
+        (:mod:`gdp_jax.heads`; the same results).
       recompute_chunk_num: N in [0, 64], default 0. The forward (both backends) keeps
         the state at the start of every (N + 1)-th chunk for the backward (N = 0: every
         chunk, [B, NC, HV, K, V], bfloat16 for bfloat16 inputs, else the compute dtype)
