@@ -7,7 +7,7 @@ exactly the op's slice of those heads. The kernels' offsets grow with rows x chu
 value heads; cutting the heads into G equal groups divides them by G, so one long
 sequence (T = 1M tokens, n = 2, 16 heads of 128: G = 8) runs on the kernels where the whole
 call cannot. The groups run in sequence: each group's temporaries are freed before the
-next (the inputs are laid out per group once: one copy of q, k, v, g, beta).
+next, and each step slices its group's heads out of the inputs.
 """
 from __future__ import annotations
 
@@ -31,17 +31,17 @@ def num_groups(spec, fits: Callable) -> Optional[int]:
     return None
 
 
-def _to_groups(x, axis: int, groups: int):
-    """[.., X, ..] (X at ``axis``) -> [G, .., X / G, ..]."""
+def _group(x, axis: int, j, groups: int):
+    """Group j of ``groups`` equal slices of x along ``axis`` (None stays None)."""
     if x is None:
         return None
-    axis %= x.ndim
-    shape = x.shape[:axis] + (groups, x.shape[axis] // groups) + x.shape[axis + 1:]
-    return jnp.moveaxis(x.reshape(shape), axis, 0)
+    size = x.shape[axis] // groups
+    return jax.lax.dynamic_slice_in_dim(x, j * size, size, axis=axis % x.ndim)
 
 
 def _from_groups(x, axis: int):
-    """The inverse of :func:`_to_groups`: [G, .., X / G, ..] -> [.., X, ..]."""
+    """[G, .., X / G, ..] -> [.., X, ..] (the groups' results side by side along ``axis``,
+    an axis of the result)."""
     axis %= x.ndim - 1
     x = jnp.moveaxis(x, 0, axis)
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],)
@@ -52,9 +52,12 @@ def in_groups(groups: int, fn: Callable, q, k, v, g, beta, initial_state):
     """(o [B, T, HV, V], final [N, HV, K, V]) of ``fn(q, k, v, g, beta, initial_state)``
     run on each of ``groups`` head groups in turn. Shapes as the op's: q [B, T, H, K],
     k [B, T, n, H, K], v [B, T, n, HV, V], g [B, T, HV] or None, beta [B, T, n, HV],
-    initial_state [N, HV, K, V] or None; ``fn`` takes and returns one group's."""
-    xs = (_to_groups(q, -2, groups), _to_groups(k, -2, groups), _to_groups(v, -2, groups),
-          _to_groups(g, -1, groups), _to_groups(beta, -1, groups),
-          _to_groups(initial_state, -3, groups))
-    o, final = jax.lax.map(lambda x: fn(*x), xs)
+    initial_state [N, HV, K, V] or None; ``fn`` takes and returns one group's. Each step
+    slices its group out of the inputs (no group-major copy of them all)."""
+    def one(j):
+        return fn(_group(q, -2, j, groups), _group(k, -2, j, groups),
+                  _group(v, -2, j, groups), _group(g, -1, j, groups),
+                  _group(beta, -1, j, groups), _group(initial_state, -3, j, groups))
+
+    o, final = jax.lax.map(one, jnp.arange(groups))
     return _from_groups(o, -2), _from_groups(final, -3)
