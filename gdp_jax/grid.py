@@ -31,6 +31,10 @@ from gdp_jax.reference import l2_normalize
 from gdp_jax.spec import CallSpec
 
 CHUNK = 64
+# Rows a chunk of the kernels' readout operands (qg, P) and output has where only the
+# read-out rows are kept (n >= 2 sub-steps a token: C // n <= 32 rows, then padding);
+# equals gdp_jax.kernels.sm90.READOUT_ROWS
+READOUT_ROWS = 32
 
 
 @jax.tree_util.register_static

@@ -14,6 +14,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from gdp_jax.grid import CHUNK as C
+from gdp_jax.grid import READOUT_ROWS
 from gdp_jax.kernels import binding
 from gdp_jax.spec import Unsupported, checkpoint_dtype
 
@@ -140,7 +141,9 @@ class ChunkForwardKernel:
         of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them."""
         def launch(*a):
             bv = BV or cls.launch_bv(a[0], a[9])
-            stages = cls.pick_stages(a[0].shape[0], a[0].shape[2], a[9].shape[-1], bv)
+            # read-out rows only (qg with fewer than C rows): one operand set
+            stages = 1 if readout and a[2].shape[-2] < C else cls.pick_stages(
+                a[0].shape[0], a[0].shape[2], a[9].shape[-1], bv)
             return cls.raw_call(*a, BV=bv, split=split, ckpt=ckpt, states_dtype=states_dtype,
                                 readout=readout, stages=stages)
 
@@ -154,12 +157,16 @@ class ChunkForwardKernel:
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
                  readout: bool = True, stages: int = 1):
-        """Per-chunk operands -> (o rows [B, NC, HV, C, V], final [N, HV, K, V], states
+        """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
         p are not read; o is a [1] placeholder): the CP pass's summary walk.
 
-        w, kt, qg: [B, NC, HV, C, K]; p: [B, NC, HV, C, C] (16-bit, one dtype); u:
+        w, kt: [B, NC, HV, C, K]; qg: [B, NC, HV, R, K], p: [B, NC, HV, R, C] (16-bit, one
+        dtype) with R = C, or R = ``READOUT_ROWS`` (32) rows holding the read-out rows
+        n - 1, 2n - 1, .. of each chunk (n >= 2; padding after them): o then has those
+        rows, with the same bits as the matching rows of R = C (one operand set, ``stages``
+        1, no checkpoints); u:
         [B, NC, HV, C, Vu] float32, the first Vu <= V state columns' (the rest take u = 0:
         the CP pass's response columns; Vu a multiple of BV); decay: [B, NC, HV] float32;
         reset, seq, last: [B, NC] int32; h0: [N, HV, K, V] float32 (V: the state columns
@@ -173,13 +180,18 @@ class ChunkForwardKernel:
         if Vu > V or Vu % BV:
             raise ValueError(f"u has shape {u.shape}; expected at most the {V} state columns "
                              f"of h0 {h0.shape}, a multiple of BV={BV}")
+        R = qg.shape[-2] if readout else C_
+        if R != C_ and (R != READOUT_ROWS or ckpt or stages != 1
+                        or p.shape[-2:] != (R, C_)):
+            raise ValueError(f"qg {qg.shape}, p {p.shape}: expected {C_} rows a chunk, or "
+                             f"{READOUT_ROWS} read-out rows in a walk without checkpoints")
         ab_name = jnp.dtype(w.dtype).name
         split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
         n_ckpt = ChunkForwardKernel.num_checkpoints(NC, ckpt)
         states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
         if states_dtype.name not in ("float32", ab_name):
             raise ValueError(f"states_dtype must be float32 or {ab_name}; got {states_dtype}")
-        outputs = (binding.out((B, NC, HV, C_, V) if readout else (1,), w.dtype),
+        outputs = (binding.out((B, NC, HV, R, V) if readout else (1,), w.dtype),
                    binding.out(h0.shape, jnp.float32),
                    binding.out((B, n_ckpt, HV, K, V) if ckpt else (1,), states_dtype))
         return binding.custom_call(_launcher, "gdp_chunk_fwd_sm90", outputs,
@@ -189,7 +201,8 @@ class ChunkForwardKernel:
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
                                    ab_name=ab_name, split=split, ckpt=ckpt,
                                    readout=bool(readout), u_cols=Vu if Vu < V else 0,
-                                   stages=int(stages))
+                                   stages=int(stages),
+                                   **({"rows": R} if R != C_ else {}))
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -219,6 +232,12 @@ class ChunkForwardKernel:
                                     + ("" if readout else " summary") + f" BV={BV}"
                                     + (" stages=2" if stages == 2 else ""),
                                     fn, _avals(name, K, Vx, u_cols=V)))
+                    # the plain forward on the read-out rows (n >= 2)
+                    for BV in cls.value_tiles(V):
+                        fn = functools.partial(cls.raw_call, BV=BV)
+                        out.append(aot.Variant(
+                            f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt=0 BV={BV} "
+                            f"rows={READOUT_ROWS}", fn, _avals(name, K, V, rows=READOUT_ROWS)))
         return out
 
     @classmethod
@@ -234,13 +253,14 @@ class ChunkForwardKernel:
         return sorted({cls.pick_bv(r, 1, V) for r in rows})
 
 
-def _avals(dtype, K, V, u_cols=None):
+def _avals(dtype, K, V, u_cols=None, rows=C):
     """The kernel's operands at the canonical shape (one row, chunk, head, sequence), on V
-    state columns (u on the first ``u_cols``; None: all)."""
+    state columns (u on the first ``u_cols``; None: all), qg and p on ``rows`` rows."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     f32, i32 = jnp.float32, jnp.int32
-    return ((S((1, 1, 1, C, K), dtype),) * 3 + (S((1, 1, 1, C, C), dtype),
+    return ((S((1, 1, 1, C, K), dtype),) * 2 + (S((1, 1, 1, rows, K), dtype),
+            S((1, 1, 1, rows, C), dtype),
             S((1, 1, 1, C, u_cols or V), f32), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
             + (S((1, 1, K, V), f32),))
 
@@ -257,8 +277,9 @@ def _launcher():
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
-               u_cols: cutlass.Constexpr, stages: cutlass.Constexpr):
-        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages)(
+               u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
+               rows: cutlass.Constexpr = C):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

@@ -35,20 +35,24 @@ import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
-                                  c_tile_or_zero, chunk_scalars, g2s, g2s_copy,
-                                  ldmatrix_copies, load_chunk_scalars, make_acc, mma_split_b,
-                                  operand, recurrent, smem_layout, smem_tile,
-                                  transpose_view, warp_mma)
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
+                                  acc_to_smem, c_tile, c_tile_or_zero, chunk_scalars, g2s,
+                                  g2s_copy, ldmatrix_copies, load_chunk_scalars, make_acc,
+                                  mma_split_b, operand, recurrent, smem_layout, smem_tile,
+                                  transpose_view, warp_mma, warp_mma_rows)
 
 
 class ChunkFwdSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
-                 readout: bool = True, u_cols: int = 0, stages: int = 1):
+                 readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
+        # rows of qg, P and o a chunk: C, or READOUT_ROWS (their read-out rows only, n >= 2;
+        # the plain walk: one operand set, a readout)
+        assert rows == C or (rows == READOUT_ROWS and readout and stages == 1)
+        self.rows = rows
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
@@ -73,6 +77,8 @@ class ChunkFwdSm90:
         sP_layout = smem_layout(C, C)         # P: [C, C]
         sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
         sD_layout = smem_layout(C, BV)        # Delta (16-bit): [C, BV]
+        sQ_layout = smem_layout(self.rows, K)     # qg: [rows, K]
+        sPr_layout = smem_layout(self.rows, C)    # P: [rows, C]
 
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
@@ -86,11 +92,13 @@ class ChunkFwdSm90:
                                               stream=stream)
         else:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
-                               sP_layout if self.readout else None)
+                               sPr_layout if self.readout else None, sQ_layout)
             self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                        mStates, sK_layout, sP_layout, sS_layout, sD_layout, g2s_copy(ab, K),
+                        mStates, sK_layout, sPr_layout, sS_layout, sD_layout, g2s_copy(ab, K),
                         g2s_copy(ab, C), warp_mma(ab),
-                        Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+                        Storage, sQ_layout,
+                        warp_mma_rows(ab, BV) if self.rows < C else warp_mma(ab)).launch(
+                            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -98,8 +106,9 @@ class ChunkFwdSm90:
                mStates, sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                sS_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
-               Storage: cutlass.Constexpr):
-        K, BV, ab = self.K, self.BV, self.ab
+               Storage: cutlass.Constexpr, sQ_layout: cute.ComposedLayout,
+               tiled_mma_o: cute.TiledMma):
+        K, BV, ab, R = self.K, self.BV, self.ab, self.rows
         tidx, _, _ = cute.arch.thread_idx()
         vt, hv, b = cute.arch.block_idx()
         NC = mW.shape[1]
@@ -124,17 +133,27 @@ class ChunkFwdSm90:
         W = operand(thr_mma, cA, sW, True)
         # (acc, A operand) pairs of the two phases' products besides the recursion's own
         first, second = [], []
-        if cutlass.const_expr(self.readout):
-            sQ = st.sQ.get_tensor(sK_layout)
-            sP = st.sP.get_tensor(sP_layout)
-            acc_O = make_acc(thr_mma, (C, BV))
-            first = [(acc_O, operand(thr_mma, cA, sQ, True))]
-            second = [(acc_O, operand(thr_mma, cA, sP, True))]
         KtT = operand(thr_mma, cAt, transpose_view(sKt, C, K), True)     # Kt^T: [K, C]
         S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
         D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
         Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
         Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
+        if cutlass.const_expr(self.readout):
+            sQ = st.sQ.get_tensor(sQ_layout)
+            sP = st.sP.get_tensor(sP_layout)
+            if cutlass.const_expr(R == C):
+                acc_O = make_acc(thr_mma, (C, BV))
+                first = [(acc_O, operand(thr_mma, cA, sQ, True))]
+                second = [(acc_O, operand(thr_mma, cA, sP, True))]
+            else:
+                # the read-out rows' products on their own 2 x 2 warp tiling (R = 32 rows),
+                # B operands S, Delta read again from smem in its partition
+                thr_o = tiled_mma_o.get_slice(tidx)
+                cA_o, _, cBt_o = ldmatrix_copies(tiled_mma_o, ab, tidx, 2 if BV < 32 else 4)
+                acc_O = make_acc(thr_o, (R, BV))
+                Q_o, P_o = operand(thr_o, cA_o, sQ, True), operand(thr_o, cA_o, sP, True)
+                view = lambda t, n: operand(thr_o, cBt_o, transpose_view(t, n, BV), False)
+                S_o, Sl_o, D_o, Dl_o = view(sS, K), view(sSl, K), view(sD, C), view(sDl, C)
 
         # accumulators -> smem operands (16-bit, hi + lo in split mode)
         toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
@@ -158,8 +177,8 @@ class ChunkFwdSm90:
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             if cutlass.const_expr(self.readout):
-                gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
-                gP.load(mP[b, c, hv, None, None], (C, C), tPsP)
+                gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
+                gP.load(mP[b, c, hv, None, None], (R, C), tPsP)
             cute.arch.cp_async_commit_group()
 
             # ---- chunk start state (reset -> the sequence's initial state)
@@ -185,6 +204,9 @@ class ChunkFwdSm90:
             for acc, _ in first:
                 acc.fill(0.0)
             mma_split_b(tiled_mma, K // MMA_K, [(acc_D, W)] + first, S, Sl, self.split)
+            if cutlass.const_expr(self.readout and R < C):
+                acc_O.fill(0.0)
+                mma_split_b(tiled_mma_o, K // MMA_K, [(acc_O, Q_o)], S_o, Sl_o, self.split)
             toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
             cute.arch.sync_threads()
 
@@ -195,6 +217,10 @@ class ChunkFwdSm90:
             for acc, _ in first:
                 c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
                     acc.load().to(ab))
+            if cutlass.const_expr(self.readout and R < C):
+                mma_split_b(tiled_mma_o, C // MMA_K, [(acc_O, P_o)], D_o, Dl_o, self.split)
+                c_tile(thr_o, mO[b, c, hv, None, None], (R, BV), (0, vt)).store(
+                    acc_O.load().to(ab))
             if last != 0:
                 c_tile(thr_mma, mFinal[seq, hv, None, None], (K, BV), (0, vt)).store(
                     acc_S.load())
@@ -323,13 +349,14 @@ class ChunkFwdSm90:
         slot["u"].store(c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, u_vt)).load())
 
 
-def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
+def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, sQ_layout):
     """The recursion's shared memory (a ``cute.struct``): w, Kt, S hi / lo, Delta hi / lo
-    and, where ``sP_layout`` is given (the readout), qg and P. (Built as an object: this
-    module's annotations are strings, which only a ``cute.jit`` body evaluates.)"""
+    and, where ``sP_layout`` is given (the readout), qg (``sQ_layout``) and P. (Built as an
+    object: this module's annotations are strings, which only a ``cute.jit`` body
+    evaluates.)"""
     fields = {"sW": smem_tile(ab, sK_layout), "sKt": smem_tile(ab, sK_layout)}
     if sP_layout is not None:
-        fields.update(sQ=smem_tile(ab, sK_layout), sP=smem_tile(ab, sP_layout))
+        fields.update(sQ=smem_tile(ab, sQ_layout), sP=smem_tile(ab, sP_layout))
     fields.update(sS=smem_tile(ab, sS_layout), sD=smem_tile(ab, sD_layout),
                   sSl=smem_tile(ab, sS_layout), sDl=smem_tile(ab, sD_layout))
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
@@ -355,9 +382,9 @@ _KERNELS = {}
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
-               stages: int = 1) -> ChunkFwdSm90:
-    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages)
+               stages: int = 1, rows: int = C) -> ChunkFwdSm90:
+    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols, stages)
+                                     u_cols, stages, rows)
     return _KERNELS[key]

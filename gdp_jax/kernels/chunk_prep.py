@@ -129,17 +129,20 @@ class ChunkPrepKernel:
 
     @classmethod
     def call_tokens(cls, spec, q, k, v, ch, layout, *, inverse: bool = False,
-                    normalized: bool = False):
+                    normalized: bool = False, readout_rows: bool = False):
         """The forward operands as :meth:`call` gives them for ``ch`` (whose g and beta are
         read; its q, k, v are left to XLA's dead-code elimination), with q, k, v read by
         the kernel from the token-major inputs (:meth:`can_read_tokens`) and L2-normalised
         in it when ``spec.use_qk_l2norm`` and not ``normalized`` (q, k already are);
-        ``inverse``: X as well, as :meth:`call`'s. ``jax.vmap``-able."""
+        ``inverse``: X as well, as :meth:`call`'s; ``readout_rows`` (n >= 2, no
+        ``inverse``): qg, p on the read-out rows only, [.., READOUT_ROWS, K / C]
+        (:meth:`raw_call_tokens`). ``jax.vmap``-able."""
         B, T, n, H, K = k.shape
         rows = token_rows(layout, n, T)
         f = binding.vmappable(
             lambda *a: cls.raw_call_tokens(*a, ab_dtype=spec.ab_dtype, inverse=inverse,
-                                           l2norm=spec.use_qk_l2norm and not normalized),
+                                           l2norm=spec.use_qk_l2norm and not normalized,
+                                           readout_rows=readout_rows),
             out_kinds=("rows",) * (8 if inverse else 7) + (() if inverse else ("dummy",)))
         scale_rows = jnp.full((B,), spec.scale, jnp.float32)
         w, kt, qg, p, u, decay, bad, X = f(
@@ -150,12 +153,19 @@ class ChunkPrepKernel:
 
     @staticmethod
     def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool,
-                        inverse: bool = False, probe: bool = False):
+                        inverse: bool = False, probe: bool = False,
+                        readout_rows: bool = False):
         """q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] (``ab_dtype``; L = n T
         interleaved steps), g, beta [B, NC, HV, C] float32, scale [B], rows [B, NC, 4]
         int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs for the chunk inputs those
         tensors lay out to, with q, k L2-normalised (then rounded to ``ab_dtype``) when
-        ``l2norm``; ``inverse``, ``probe``: as :meth:`raw_call`'s."""
+        ``l2norm``; ``inverse``, ``probe``: as :meth:`raw_call`'s. ``readout_rows``
+        (every row table's n >= 2 with C // (C // n) = n, ``grid.readout_every``): qg
+        [B, NC, HV, R, K] and p [B, NC, HV, R, C], R = ``grid.READOUT_ROWS``, hold the
+        read-out rows n - 1, 2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero),
+        the same values as those rows of the full tensors."""
+        if readout_rows and (inverse or probe):
+            raise ValueError("readout_rows: the forward's operands only (no inverse, probe)")
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
         if C_ != C:
@@ -176,7 +186,8 @@ class ChunkPrepKernel:
         if HV % k.shape[2] or q.shape[2] != k.shape[2]:
             raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {HV}; expected "
                              f"q's = k's, dividing v's")
-        outputs = _outputs(B, NC, HV, K, V, ab, inverse=inverse)
+        outputs = _outputs(B, NC, HV, K, V, ab, inverse=inverse,
+                           rows=grid.READOUT_ROWS if readout_rows else C)
         f32 = lambda x: x.astype(jnp.float32)
         return binding.custom_call(_launcher_tokens, "gdp_chunk_prep_sm90_tokens", outputs,
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
@@ -184,7 +195,8 @@ class ChunkPrepKernel:
                                               2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, l2norm=l2norm,
                                    **({"inverse": True} if inverse else {}),
-                                   **({"probe": True} if probe else {}))
+                                   **({"probe": True} if probe else {}),
+                                   **({"readout_rows": True} if readout_rows else {}))
 
     @classmethod
     def variants(cls):
@@ -205,28 +217,36 @@ class ChunkPrepKernel:
                             (S(K), S(K), S(V), S(), S(),
                              jax.ShapeDtypeStruct((1,), jnp.float32))))
                     # token-major q, k, v: the forward (normalised in the kernel or
-                    # not) and the backward's, with X (pipeline.TOKEN_BACKWARD)
-                    for l2norm, inverse in ((False, False), (True, False), (False, True)):
+                    # not; all rows or the read-out rows of qg, p) and the backward's,
+                    # with X (pipeline.TOKEN_BACKWARD)
+                    for l2norm, inverse, readout in ((False, False, False),
+                                                     (True, False, False),
+                                                     (False, True, False),
+                                                     (False, False, True),
+                                                     (True, False, True)):
                         T = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1) + shape,
                                                                 jnp.dtype(name))
                         fn = functools.partial(cls.raw_call_tokens, ab_dtype=name,
-                                               l2norm=l2norm, inverse=inverse)
+                                               l2norm=l2norm, inverse=inverse,
+                                               readout_rows=readout)
                         out.append(aot.Variant(
                             f"gdp_chunk_prep_sm90_tokens {name} K={K} V={V}"
                             + (" l2norm" if l2norm else "")
-                            + (" inverse" if inverse else ""), fn,
+                            + (" inverse" if inverse else "")
+                            + (" readout_rows" if readout else ""), fn,
                             (T(K), T(K), T(V), S(), S(),
                              jax.ShapeDtypeStruct((1,), jnp.float32),
                              jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
         return out
 
 
-def _outputs(B, NC, HV, K, V, ab, inverse: bool):
-    """The kernel's results: w, kt, qg, p (``ab``), u, decay, bad, X (or its [1]
-    placeholder), as :meth:`ChunkPrepKernel.raw_call` documents them."""
+def _outputs(B, NC, HV, K, V, ab, inverse: bool, rows: int = C):
+    """The kernel's results: w, kt, qg, p (``ab``; qg, p on ``rows`` rows), u, decay, bad,
+    X (or its [1] placeholder), as :meth:`ChunkPrepKernel.raw_call` documents them."""
     r = (B, NC, HV, C)
-    return (binding.out(r + (K,), ab), binding.out(r + (K,), ab), binding.out(r + (K,), ab),
-            binding.out(r + (C,), ab), binding.out(r + (V,), jnp.float32),
+    rr = (B, NC, HV, rows)
+    return (binding.out(r + (K,), ab), binding.out(r + (K,), ab), binding.out(rr + (K,), ab),
+            binding.out(rr + (C,), ab), binding.out(r + (V,), jnp.float32),
             binding.out((B, NC, HV), jnp.float32), binding.out(r, jnp.int32),
             binding.out(r + (C,) if inverse else (1,), jnp.float32))
 
@@ -277,8 +297,9 @@ def _launcher_tokens():
     def launch(stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
-               probe: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=True, l2norm=l2norm)(
+               probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=True, l2norm=l2norm,
+                       readout_rows=readout_rows)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

@@ -54,7 +54,8 @@ import cutlass.memory
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, c_tile, g2s,
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand, ab_type,
+                                  c_tile, g2s,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
                                   operand, smem_layout, smem_tile, transpose_view, warp_mma)
 from gdp_jax.kernels.sm90 import pick as _pick
@@ -109,7 +110,7 @@ class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
-                 tokens: bool = False, l2norm: bool = False):
+                 tokens: bool = False, l2norm: bool = False, readout_rows: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -122,6 +123,11 @@ class ChunkPrepSm90:
         self.tokens = tokens
         self.l2norm = l2norm
         assert tokens or not l2norm
+        # q's smem tile, qg and P on the read-out rows only: tile row m holds chunk row
+        # n m + n - 1 (n >= 2 from the row table), m < C // n; the rows after are zeros
+        # (qg, P are [READOUT_ROWS, *]; q's tile rows from READOUT_ROWS on are zeros too)
+        self.readout_rows = readout_rows
+        assert tokens or not readout_rows
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -206,6 +212,9 @@ class ChunkPrepSm90:
         if tidx < C:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
+            if cutlass.const_expr(self.readout_rows):
+                fP[tidx] = I32(0)                 # rows not read out: no flags
+                fQ[tidx] = I32(0)
         cute.arch.sync_threads()
         # exp as ex2.approx (2^-22 relative; below ~1e-38 it flushes to 0): a short
         # dependency chain in these serial loops
@@ -232,8 +241,14 @@ class ChunkPrepSm90:
 
         # ---- phase 1: on this thread's cp.async elements (8 consecutive columns of a row
         # per pass, a row held by K/8 or V/8 consecutive lanes): flags, zeroed rows, Kt, qg
-        self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
-                              mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ)
+        if cutlass.const_expr(self.readout_rows):
+            n = mRows[b, c, 3]
+            self._rows_of_k_and_q_readout(cpK, tK, tQ, mKt[b, c, hv, None, None],
+                                          mQg[b, c, hv, None, None], scale, sgam, send, fK,
+                                          fQ, n)
+        else:
+            self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
+                                  mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ)
         self._rows_of_v(cpV, tV, fV)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
@@ -256,28 +271,60 @@ class ChunkPrepSm90:
         crd = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
         r0, _ = crd[0]
         r1 = r0 + 8
+        # P's row of accumulator row r: chunk row r, or with readout_rows n r + n - 1 (read
+        # out where < C; q was zero past them, and Gam is read in bounds)
+        pr0, pr1, gr0, gr1 = r0, r1, r0, r1
+        if cutlass.const_expr(self.readout_rows):
+            pr0, pr1 = n * r0 + n - 1, n * r1 + n - 1
+            gr0, gr1 = cutlass.min(pr0, C - 1), cutlass.min(pr1, C - 1)
         za0, za1, zp0, zp1 = F32(0.0), F32(0.0), F32(0.0), F32(0.0)
         for e in cutlass.range_constexpr(cute.size(acc_kk)):
             i, j = crd[e]
             in0 = i == r0
             gm = sA[i, j]
             a = _pick(j < i, (sb[i] * acc_kk[e]) * gm, F32(0.0))
-            sA[i, j] = a
-            p = _pick(j <= i, (acc_qk[e] * gm) * scale, F32(0.0))
+            if cutlass.const_expr(self.readout_rows):
+                pi = I32(cutlass.select_(in0, pr0, pr1))
+                gp = sA[cutlass.select_(in0, gr0, gr1), j]
+                p = _pick((j <= pi) & (pi < C), (acc_qk[e] * gp) * scale, F32(0.0))
+                acc_kk[e] = a          # A enters sA after every thread read Gam (below)
+            else:
+                sA[i, j] = a
+                p = _pick(j <= i, (acc_qk[e] * gm) * scale, F32(0.0))
             acc_qk[e] = p
             za = a * F32(0.0)
             zp = p.to(ab).to(F32) * F32(0.0)
             za0, za1 = za0 + _pick(in0, za, F32(0.0)), za1 + _pick(in0, F32(0.0), za)
             zp0, zp1 = zp0 + _pick(in0, zp, F32(0.0)), zp1 + _pick(in0, F32(0.0), zp)
         fA[r0], fA[r1] = _nonfinite(za0, 4), _nonfinite(za1, 4)
-        fP[r0], fP[r1] = _nonfinite(zp0, 4), _nonfinite(zp1, 4)
+        bp0, bp1 = _nonfinite(zp0, 4), _nonfinite(zp1, 4)
+        if cutlass.const_expr(self.readout_rows):
+            cute.arch.sync_threads()
+            for e in cutlass.range_constexpr(cute.size(acc_kk)):
+                i, j = crd[e]
+                sA[i, j] = acc_kk[e]
+            if pr0 < C:
+                fP[pr0] = bp0
+            if pr1 < C:
+                fP[pr1] = bp1
+        else:
+            fP[r0], fP[r1] = bp0, bp1
         cute.arch.sync_threads()
-        rok0, rok1 = (fP[r0] | fQ[r0]) == 0, (fP[r1] | fQ[r1]) == 0
+        rok0, rok1 = (fP[gr0] | fQ[gr0]) == 0, (fP[gr1] | fQ[gr1]) == 0
         for e in cutlass.range_constexpr(cute.size(acc_qk)):
             i, _ = crd[e]
             keep = cutlass.Boolean(cutlass.select_(i == r0, rok0, rok1))
             acc_qk[e] = _pick(keep, acc_qk[e], F32(0.0))
-        c_tile(thr_mma, mP[b, c, hv, None, None], (C, C), (0, 0)).store(acc_qk.load().to(ab))
+        if cutlass.const_expr(self.readout_rows):
+            # accumulator rows 0 .. READOUT_ROWS - 1 (warps 0, 1) are P's rows; a [C, C]
+            # view of P's [READOUT_ROWS, C] rows, stored by those warps only
+            gP = cute.make_tensor(mP[b, c, hv, None, None].iterator,
+                                  cute.make_layout((C, C), stride=(C, 1)))
+            if tidx < 32 * (READOUT_ROWS // 16):       # 16 rows a warp
+                c_tile(thr_mma, gP, (C, C), (0, 0)).store(acc_qk.load().to(ab))
+        else:
+            c_tile(thr_mma, mP[b, c, hv, None, None], (C, C), (0, 0)).store(
+                acc_qk.load().to(ab))
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
 
@@ -356,12 +403,22 @@ class ChunkPrepSm90:
             else:
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                     tK[e] = zero
-            if (r < count) & (r % n == n - 1):
-                cute.copy(atom, cute.local_tile(mQ[b, tok + r // n, hk, None], (8,),
-                                                (col // 8,)), tQ[None, m, 0])
+            if cutlass.const_expr(self.readout_rows):
+                # tile row r: the token of chunk row n r + n - 1 (read out), rows >=
+                # READOUT_ROWS zero
+                if (r < READOUT_ROWS) & (n * r + n - 1 < count):
+                    cute.copy(atom, cute.local_tile(mQ[b, tok + r, hk, None], (8,),
+                                                    (col // 8,)), tQ[None, m, 0])
+                else:
+                    for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                        tQ[e] = zero
             else:
-                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                    tQ[e] = zero
+                if (r < count) & (r % n == n - 1):
+                    cute.copy(atom, cute.local_tile(mQ[b, tok + r // n, hk, None], (8,),
+                                                    (col // 8,)), tQ[None, m, 0])
+                else:
+                    for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                        tQ[e] = zero
         crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
         for m in cutlass.range_constexpr(cute.size(tV) // 8):
             r, col = crd[8 * m]
@@ -384,8 +441,8 @@ class ChunkPrepSm90:
         cute.autovec_copy(tK, rk)
         cute.autovec_copy(tQ, rq)
         if cutlass.const_expr(self.l2norm):
-            self._normalize_rows(rk, tK, lanes)
-            self._normalize_rows(rq, tQ, lanes)
+            self._normalize_rows(rk, tK, lanes, cute.size(tK) // 8)
+            self._normalize_rows(rq, tQ, lanes, cute.size(tQ) // 8)
         for m in cutlass.range_constexpr(cute.size(tK) // 8):
             r, col = crd[8 * m]
             en, sc = send[r], scale * sgam[r]
@@ -414,12 +471,65 @@ class ChunkPrepSm90:
                     tK[e] = F32(0.0).to(ab)
 
     @cute.jit
-    def _normalize_rows(self, r, t, lanes: cutlass.Constexpr):
+    def _rows_of_k_and_q_readout(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ,
+                                 n):
+        """:meth:`_rows_of_k_and_q` with ``readout_rows``: q's tile row r is chunk row
+        n r + n - 1 (gam's and fQ's index; fQ only where < C), and only the pieces of q's
+        rows < READOUT_ROWS (the first ones of the partition) are normalised and give qg
+        (row r of gQg [READOUT_ROWS, K])."""
+        K, ab = self.K, self.ab
+        lanes = K // 8
+        crd = cpK.thr.partition_D(cute.make_identity_tensor((C, K)))
+        pieces = cute.size(tK) // 8
+        q_pieces = pieces * READOUT_ROWS // C
+        rk = cute.make_fragment_like(tK)
+        rq = cute.make_fragment_like(tQ)
+        cute.autovec_copy(tK, rk)
+        cute.autovec_copy(tQ, rq)
+        if cutlass.const_expr(self.l2norm):
+            self._normalize_rows(rk, tK, lanes, pieces)
+            self._normalize_rows(rq, tQ, lanes, q_pieces)
+        for m in cutlass.range_constexpr(pieces):
+            r, col = crd[8 * m]
+            en = send[r]
+            kt = cute.make_rmem_tensor((8,), F32)
+            zk = F32(0.0)
+            for e in cutlass.range_constexpr(8):
+                x = rk[8 * m + e].to(F32)
+                zk = zk + x * F32(0.0)
+                kt[e] = en * x
+            bad_k = _nonfinite(zk, lanes)
+            fK[r] = bad_k
+            # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
+            # objects' row strides are run-time values)
+            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
+            if cutlass.const_expr(m < q_pieces):
+                rg = cutlass.min(n * r + n - 1, C - 1)    # q's chunk row (gam's index)
+                sc = scale * sgam[rg]
+                qg = cute.make_rmem_tensor((8,), F32)
+                zq = F32(0.0)
+                for e in cutlass.range_constexpr(8):
+                    y = sc * rq[8 * m + e].to(F32)
+                    qg[e] = y
+                    zq = zq + y.to(ab).to(F32) * F32(0.0)
+                bad_q = _nonfinite(zq, lanes)
+                if n * r + n - 1 < C:
+                    fQ[rg] = bad_q
+                for e in cutlass.range_constexpr(8):
+                    qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
+                cute.local_tile(gQg[r, None], (8,), (col // 8,)).store(qg.load().to(ab))
+            if bad_k != 0:                      # rare: keep it out of the MMAs
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tK[e] = F32(0.0).to(ab)
+
+    @cute.jit
+    def _normalize_rows(self, r, t, lanes: cutlass.Constexpr, pieces: cutlass.Constexpr):
         """In-op L2 norm of the rows this thread holds 8 columns of (``r``: registers, ``t``:
-        their smem tile, both overwritten with the 16-bit normalised values), over the
-        row's ``lanes`` consecutive lanes: x / m rsqrt(sum (x / m)^2 + eps / m^2) with
-        m = max |x| where > 1, else 1 - ``gdp_jax.reference.l2_normalize``."""
-        for m in cutlass.range_constexpr(cute.size(r) // 8):
+        their smem tile, both overwritten with the 16-bit normalised values; the first
+        ``pieces`` of them), over the row's ``lanes`` consecutive lanes: x / m rsqrt(sum
+        (x / m)^2 + eps / m^2) with m = max |x| where > 1, else 1 -
+        ``gdp_jax.reference.l2_normalize``."""
+        for m in cutlass.range_constexpr(pieces):
             mx = F32(0.0)
             for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                 mx = cute.arch.fmax(mx, cute.math.absf(r[e].to(F32)))
@@ -580,9 +690,9 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                probe: bool = False, tokens: bool = False,
-               l2norm: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm)
+               l2norm: bool = False, readout_rows: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm)
+                                      l2norm, readout_rows)
     return _KERNELS[key]

@@ -157,11 +157,12 @@ def _gather_token_rows(rows, C, q, k, v):
 
 
 def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
-                           inverse=False):
+                           inverse=False, readout_rows=False):
     """The token-major operands kernel's contract (``ChunkPrepKernel.raw_call_tokens``):
     the chunk inputs gathered from q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] by the
     row table ``rows`` [B, NC, 4] = (base, count, tok, n), q and k L2-normalised in
-    float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`."""
+    float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`;
+    ``readout_rows``: qg, p on their read-out rows (:func:`_readout_rows_of`)."""
     from gdp_jax.reference import l2_normalize
     HV, C = g.shape[2:]
     H = k.shape[2]
@@ -170,7 +171,25 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
         norm = lambda x: l2_normalize(x.astype(jnp.float32)).astype(x.dtype)
         qc, kc = norm(qc), norm(kc)
     qc, kc = jnp.repeat(qc, HV // H, axis=2), jnp.repeat(kc, HV // H, axis=2)
-    return chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype, inverse=inverse)
+    out = chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype, inverse=inverse)
+    if not readout_rows:
+        return out
+    w, kt, qg, p, *rest = out
+    n = rows[..., 3]
+    return (w, kt, _readout_rows_of(qg, n), _readout_rows_of(p, n), *rest)
+
+
+def _readout_rows_of(x, n):
+    """[B, NC, HV, C, X] -> [B, NC, HV, READOUT_ROWS, X]: row m is chunk row n m + n - 1
+    (``n`` [B, NC], the row table's), zeros after the C // n read-out rows."""
+    from gdp_jax.grid import READOUT_ROWS
+    C = x.shape[-2]
+    m = jnp.arange(READOUT_ROWS, dtype=jnp.int32)
+    src = n[..., None] * m + n[..., None] - 1                      # [B, NC, R]
+    ok = src < C
+    idx = jnp.clip(src, 0, C - 1)[:, :, None, :, None]
+    y = jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:3] + (READOUT_ROWS, 1)), axis=-2)
+    return jnp.where(ok[:, :, None, :, None], y, jnp.zeros((), x.dtype))
 
 
 def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,

@@ -89,22 +89,43 @@ def causal_operands(operands):
 
 
 def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=None,
-                    layout: Optional[grid.ChunkLayout] = None, normalized: bool = False):
+                    layout: Optional[grid.ChunkLayout] = None, normalized: bool = False,
+                    readout: bool = False):
     """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
     the operands kernel when ``use_kernel`` and it takes the call (one pass per chunk),
     else in XLA. ``tokens``: the op's (q, k, v) [B, T, (n,) H or HV, K or V], from which
     the kernel reads q, k, v itself where it can (``ChunkPrepKernel.can_read_tokens``;
     ``layout`` is then the call's grid): XLA then lays out only g and beta;
-    ``normalized``: their q, k are L2-normalised already (no norm in the kernel)."""
+    ``normalized``: their q, k are L2-normalised already (no norm in the kernel);
+    ``readout``: where :func:`readout_rows_only` allows, qg and p hold the read-out rows
+    alone ([.., grid.READOUT_ROWS, K / C]; :func:`forward_rows` trims the walk's rows)."""
     B, NC, HV, _, K = ch.k.shape
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
         if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
-            return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout,
-                                               normalized=normalized)
+            return ChunkPrepKernel.call_tokens(
+                spec, *tokens, ch, layout, normalized=normalized,
+                readout_rows=readout and readout_rows_only(spec))
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
+
+
+def readout_rows_only(spec) -> bool:
+    """Do the plain forward's operands and walk keep only the read-out rows of qg, P and
+    o (:data:`READOUT_ONLY`; n >= 2 sub-steps a token with C // (C // n) = n,
+    :func:`gdp_jax.grid.readout_every`)?"""
+    return READOUT_ONLY and spec.n >= 2 and grid.readout_every(spec.n) == spec.n
+
+
+def forward_rows(spec, operands, oc, bad):
+    """The walk's output rows and the operands' ``bad`` rows [B, NC, HV, C] as the op
+    reads them: all C rows, or, for operands on the read-out rows (qg with
+    ``grid.READOUT_ROWS`` rows), those C // n rows of each ([.., C // n, V], [.., C // n])."""
+    if operands[2].shape[-2] == grid.CHUNK:
+        return oc, bad
+    every = grid.readout_every(spec.n)
+    return oc[..., :grid.CHUNK // every, :], grid.readout_rows(bad, every, axis=-1)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -186,6 +207,14 @@ SAVE_OPERANDS = False
 # Off: the same bits, 12% less peak memory, but no faster (fwd+bwd 9.18 vs 9.06 ms at
 # (8, 4096, 16, 2): the token-major loads cost what the relayouts did; CURRENT.md, s22-1).
 TOKEN_BACKWARD = False
+
+# and the forward without a backward (and the CP summary pass's) keeping only the read-out
+# rows of qg, P and o where n >= 2 (``grid.READOUT_ROWS`` = 32 rows a chunk instead of C = 64):
+# at n = 2 the operands kernel writes 12 KB less a (chunk, head) of 88 and normalises half
+# the q rows, and the walk loads 12 KB less a chunk and forms o on half the rows - the
+# same bits of o. Opt-in until measured on a GPU (``bash benchmarks/run_gpu_measurements.sh
+# 8``; written in s29 without a device).
+READOUT_ONLY = False
 
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
@@ -334,11 +363,12 @@ class CuTeDSLEngine(Engine):
                 read = tokens.raw
             operands, bad = masked_operands(
                 spec, ch, use_kernel=self._prep_kernel(spec, ch, keep_states), layout=layout,
-                tokens=read, normalized=normalized)
+                tokens=read, normalized=normalized, readout=not keep_states)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
             *operands, *_flags(layout), h0, ckpt=ckpt, states_dtype=spec.checkpoint_dtype)
+        oc, bad = forward_rows(spec, operands, oc, bad)
         oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
         final = where_has_tokens(layout, final, h0).astype(spec.cdt)
         if save:
@@ -386,7 +416,7 @@ class CuTeDSLEngine(Engine):
         self._check(spec, ch, layout, extra_columns=K)
         operands, bad = masked_operands(
             spec, ch, use_kernel=self._prep_kernel(spec, ch, differentiated), layout=layout,
-            tokens=None if keep_states else tokens)
+            tokens=None if keep_states else tokens, readout=not keep_states)
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
         # u has V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM)

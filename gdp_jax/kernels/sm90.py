@@ -25,6 +25,9 @@ from cutlass.cute.nvgpu import cpasync, warp
 C = 64             # chunk length (steps); equals gdp_jax.grid.CHUNK
 NUM_THREADS = 128  # 4 warps per CTA
 MMA_K = 16         # the K extent of one mma.sync (one k-block of the operand fragments)
+# rows of qg, P and o a chunk where only the read-out rows are kept (n >= 2 sub-steps a
+# token: rows n - 1, 2n - 1, .., C // n <= 32 of them; the rest of the 32 are padding)
+READOUT_ROWS = 32   # equals gdp_jax.grid.READOUT_ROWS
 
 
 def ab_type(ab_name: str):
@@ -76,6 +79,15 @@ def warp_mma(ab, warps_n: int = 1):
     )
 
 
+def warp_mma_rows(ab, BV: int):
+    """Tiled warp MMA of the [READOUT_ROWS, BV] products: 2 warps along M times 2 along N
+    (warp w at M index w % 2, N index w // 2; one step: M, N, K = 32, min(BV, 32), 16, so
+    a warp holds 16 columns of a step, 8 at BV = 16 - see :func:`ldmatrix_copies`)."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(ab, cutlass.Float32, (16, 8, 16)), (2, 2, 1),
+        permutation_mnk=(READOUT_ROWS, min(BV, 32), 16))
+
+
 # ---------------------------------------------------------------- device side (in @cute.kernel)
 def transpose_view(t, rows: int, cols: int):
     """View of a [rows, cols] smem tensor as [cols, rows] (no data movement)."""
@@ -102,14 +114,17 @@ def c_tile_or_zero(thr_mma, m, shape, vt, tiles: int):
     return x * cutlass.select_(vt < tiles, cutlass.Float32(1.0), cutlass.Float32(0.0))
 
 
-def ldmatrix_copies(tiled_mma, ab, tidx):
-    """This thread's ldmatrix (x4) copies smem -> MMA fragments: (A from a K-major tile,
-    A from an M-major tile (transposed load), B from an N-major view (transposed load))."""
+def ldmatrix_copies(tiled_mma, ab, tidx, b_matrices: int = 4):
+    """This thread's ldmatrix copies smem -> MMA fragments: (A from a K-major tile,
+    A from an M-major tile (transposed load), both x4, B from an N-major view (transposed
+    load; x``b_matrices``: 2 where a warp holds 8 columns of a step of the tiled MMA))."""
     ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
     ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), ab)
+    ldsm_b = ldsm_t if b_matrices == 4 else cute.make_copy_atom(
+        warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=b_matrices), ab)
     return (cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx),
             cute.make_tiled_copy_A(ldsm_t, tiled_mma).get_slice(tidx),
-            cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx))
+            cute.make_tiled_copy_B(ldsm_b, tiled_mma).get_slice(tidx))
 
 
 # The three helpers below are frozen dataclasses: the DSL's dynamic loops treat an object
