@@ -266,9 +266,12 @@ class OursStep:
 # ``+<switch>`` suffixes of an implementation name: a module constant of gdp_jax set while
 # the op is traced - (module, attribute) turns an opt-in on, (module, attribute, value) sets
 # that value (``+pipe`` / ``+flat``: the recursion walks with / without their operands a
-# chunk ahead)
+# chunk ahead; ``+ro`` / ``+allrows``: the forward's qg, P, o on the read-out rows only or
+# on all C rows)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
+            "ro": ("kernels.pipeline", "READOUT_ONLY", True),
+            "allrows": ("kernels.pipeline", "READOUT_ONLY", False),
             "flat": ("kernels.chunk_forward", "PIPELINE", False),
             "pipe": ("kernels.chunk_forward", "PIPELINE", "auto")}
 
@@ -315,7 +318,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

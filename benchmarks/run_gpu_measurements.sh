@@ -8,6 +8,8 @@
 #                                               # (SUITE_S: their time limit, default 420 s)
 #   bash benchmarks/run_gpu_measurements.sh 6   # the recursion walks' operands a chunk ahead (PIPELINE): tests, A/B
 #   bash benchmarks/run_gpu_measurements.sh 7   # head groups: GPU test; T = 2**20, n = 2, 16 heads fwd+bwd vs FLA
+#   bash benchmarks/run_gpu_measurements.sh 8   # the forward on the read-out rows only (READOUT_ONLY): GPU test,
+#                                               # forward A/B at the main shapes and one long row, beside FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -84,4 +86,18 @@ case "${1:-2}" in
     --shapes "1,1048576,16,2" --deadline 380 --out $M/million
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/groups_test.log | tail -6
   rows $M/million.log; grep -h "NOTE\|rror" $M/million.log | tail -5 ;;
+8)
+  # s29 (written without a device): pipeline.READOUT_ONLY - qg, P, o on the read-out rows
+  # only for n >= 2 (+ro; +allrows: all C rows, today's default). Its GPU test (same bits
+  # as all rows, vs float64) with the head-groups test, then the forward beside tuned FLA
+  # at the main shapes (with the float64 check) and at one long row under "auto" (the
+  # split's summary and apply walks). Turn it on if it pays and the bits match.
+  step 230 ro_test $P tests/test_cutedsl_gpu.py -k "readout_only or head_groups"
+  step 170 ro_fwd python -m benchmarks.run fwd --impl cutedsl+allrows,cutedsl+ro,fla \
+    --shapes main --deadline 150 --out $M/ro_fwd
+  step 120 ro_long python -m benchmarks.run fwd \
+    --impl cutedsl-cpauto+allrows,cutedsl-cpauto+ro,fla --no-check \
+    --shapes "1,65536,16,2" --deadline 100 --out $M/ro_long
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|readout only" $M/ro_test.log | tail -16
+  rows $M/ro_fwd.log $M/ro_long.log ;;
 esac

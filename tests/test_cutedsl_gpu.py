@@ -432,6 +432,54 @@ def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
             grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,l2norm,packed,S", [
+    (8, 203, 2, 16, 16, 128, 128, "bfloat16", True, False, None),   # value tiles of 64
+    (4, 203, 2, 8, 16, 128, 128, "bfloat16", True, False, None),    # of 32 (GVA)
+    (2, 203, 3, 1, 3, 64, 128, "bfloat16", False, True, None),      # of 16, packed
+    (2, 203, 4, 2, 2, 128, 64, "float16", True, False, None),
+    (2, 203, 5, 1, 2, 128, 128, "bfloat16", True, False, 7),        # 12 rows; intra_cp
+])
+def test_readout_only_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, l2norm, packed, S):
+    """``pipeline.READOUT_ONLY`` (opt-in: the forward's operands kernel writes qg, P on
+    the read-out rows only, the walk forms o on them with its 2 x 2-warp tiling): the
+    same bits of o and the final state as the all-rows kernels, and within TOL of
+    float64 - value tiles of 64, 32 and 16, GVA, K != V, fp16, packed (empty, one-token
+    sequences), n = 2..5, under intra_cp (the CP summary and apply walks)."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    if packed:
+        args, cu = _rows_or_pack(21, True, n, H, HV, K, V, dtype)
+    else:
+        args, cu = make(21, B, T, n, H, HV, K, V, jnp.dtype(dtype)), None
+    if not l2norm:
+        unit = lambda x: (x.astype(jnp.float32) / jnp.linalg.norm(
+            x.astype(jnp.float32), axis=-1, keepdims=True)).astype(x.dtype)
+        args = (unit(args[0]), unit(args[1])) + tuple(args[2:])
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=l2norm, backend="cutedsl", intra_cp=S)
+    calls = []
+    raw = ChunkPrepKernel.raw_call_tokens
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **k: calls.append(k.get("readout_rows", False)) or raw(*a, **k)))
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(pipeline, "READOUT_ONLY", on)
+        out[on] = jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5])
+    half = len(calls) // 2          # one call a forward (two under intra_cp's vmaps)
+    assert calls and not any(calls[:half]) and all(calls[half:]), calls
+    for a, b, name in zip(out[True], out[False], ("o", "final")):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+    up = lambda x: None if x is None else jnp.asarray(x, jnp.float64)
+    o_r, s_r = gated_delta_product_reference(
+        *(up(x) for x in args[:5]), initial_state=up(args[5]), output_final_state=True,
+        cu_seqlens=cu, use_qk_l2norm=l2norm)
+    e = (rel_rms(out[True][0], o_r), rel_rms(out[True][1], s_r))
+    print(f"[readout only B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} S={S}] "
+          f"o/ref {e[0]:.2e} S/ref {e[1]:.2e}")
+    assert np.isfinite(np.asarray(out[True][0], np.float32)).all()
+    assert max(e) < TOL, e
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
 def test_head_groups_equal_whole_call(monkeypatch, packed):
     """Head groups (:mod:`gdp_jax.heads`) on the kernels: with the offsets limit cut to 2

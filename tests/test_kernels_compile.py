@@ -222,6 +222,47 @@ def test_inverse_kernel_compiles(shape):
     assert "CuteDSLRT_NvJaxCutlassCall" in vm
 
 
+@pytest.mark.parametrize("BV,K,V,dtype", [(64, 128, 128, jnp.bfloat16),
+                                           (32, 64, 128, jnp.float16),
+                                           (16, 128, 64, jnp.bfloat16)])
+def test_readout_rows_walk_compiles(BV, K, V, dtype):
+    """The forward walk on the read-out rows (``pipeline.READOUT_ONLY``): qg, p with
+    grid.READOUT_ROWS rows, o with as many; its 2 x 2-warp products at every value tile
+    (a warp's 8 columns at BV = 16 take ldmatrix x2)."""
+    B, NC, HV, C, N, R = 2, 3, 4, grid.CHUNK, 2, grid.READOUT_ROWS
+    avals = (S((B, NC, HV, C, K), dtype),) * 2 + (
+        S((B, NC, HV, R, K), dtype), S((B, NC, HV, R, C), dtype),
+        S((B, NC, HV, C, V), jnp.float32), S((B, NC, HV), jnp.float32)) + (
+        S((B, NC), jnp.int32),) * 3 + (S((N, HV, K, V), jnp.float32),)
+    walk = lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV)
+    o, final, _ = jax.eval_shape(walk, *avals)
+    assert o.shape == (B, NC, HV, R, V) and final.shape == (N, HV, K, V)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+    with pytest.raises(ValueError, match="read-out rows in a walk without checkpoints"):
+        jax.eval_shape(lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV, ckpt=1), *avals)
+
+
+@pytest.mark.parametrize("dtype,K,V,l2norm", [(jnp.bfloat16, 128, 128, True),
+                                              (jnp.float16, 64, 64, False)])
+def test_readout_rows_operands_kernel_compiles(dtype, K, V, l2norm):
+    """The token-major operands kernel writing qg, p on the read-out rows only."""
+    B, T, n, H, HV, NC, C, R = 1, 100, 2, 1, 2, 4, grid.CHUNK, grid.READOUT_ROWS
+    f32, i32 = jnp.float32, jnp.int32
+    avals = (S((B, T, H, K), dtype), S((B, n * T, H, K), dtype), S((B, n * T, HV, V), dtype),
+             S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B,), f32),
+             S((B, NC, 4), i32))
+    f = lambda *a: ChunkPrepKernel.raw_call_tokens(*a, ab_dtype=dtype, l2norm=l2norm,
+                                                   readout_rows=True)
+    w, kt, qg, p, u, decay, bad, _ = jax.eval_shape(f, *avals)
+    assert w.shape == kt.shape == (B, NC, HV, C, K) and u.shape == (B, NC, HV, C, V)
+    assert qg.shape == (B, NC, HV, R, K) and p.shape == (B, NC, HV, R, C)
+    assert bad.shape == (B, NC, HV, C)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, *avals)
+    with pytest.raises(ValueError, match="readout_rows: the forward's operands only"):
+        jax.eval_shape(lambda *a: ChunkPrepKernel.raw_call_tokens(
+            *a, ab_dtype=dtype, l2norm=l2norm, readout_rows=True, inverse=True), *avals)
+
+
 def _chunk_avals(B, NC, HV, K, V, dtype=jnp.float32):
     C = grid.CHUNK
     return grid.ChunkInputs(S((B, NC, HV, C, K), dtype), S((B, NC, HV, C, K), dtype),

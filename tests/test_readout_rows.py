@@ -329,3 +329,71 @@ def test_uncommon_n_equals_the_token_recurrence(n, T, cu):
     assert set(g) == set(g1)
     for name in g:
         assert rel_max(g[name], g1[name]) < tol, name
+
+
+# --- 5. the kernels' read-out rows (pipeline.READOUT_ONLY), on the emulated kernels -------
+
+@pytest.mark.parametrize("n,T,cu,H,HV,l2norm,S", [
+    (2, 150, None, 2, 2, True, None),
+    (3, 150, [0, 0, 1, 70, 70, 150], 1, 2, False, None),   # GVA, packed
+    (4, 150, None, 2, 4, True, None),
+    (5, 150, None, 1, 1, True, 3),                         # 12 rows; intra_cp
+    (12, 70, [0, 1, 70], 1, 1, True, None),                # 5 rows; packed
+    (2, 3, None, 1, 1, True, None),                        # one chunk, 3 tokens
+])
+def test_kernel_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV, l2norm, S):
+    """With ``READOUT_ONLY`` the token-major operands contract gives qg, P on the read-out
+    rows ([.., READOUT_ROWS, *]: row m = chunk row n m + n - 1, zeros after C // n), the
+    walk o on them, and the op the same o and final state (bitwise) as with all rows -
+    batched, packed with empty and one-token sequences, GVA, with and without the in-op
+    norm, and under intra_cp (the CP pass's summary and apply walks)."""
+    from gdp_jax.kernels import emulate
+    N = 2 if cu is None else len(cu) - 1
+    inp = make_inputs(n, 2 if cu is None else 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=N)
+    cuj = None if cu is None else jnp.asarray(cu, jnp.int32)
+    seen = []
+    of = emulate._readout_rows_of
+    monkeypatch.setattr(emulate, "_readout_rows_of",
+                        lambda x, nn: seen.append(x.shape) or of(x, nn))
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(pipeline, "READOUT_ONLY", on)
+        with testing.emulated_kernels():
+            out[on] = jax.jit(lambda *a: gdp_jax.gated_delta_product(
+                *a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cuj,
+                use_qk_l2norm=l2norm, backend="cutedsl", intra_cp=S))(
+                    inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    assert seen                                    # the read-out rows were taken
+    for a, b in zip(out[True], out[False]):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert np.isfinite(np.asarray(out[True][0], np.float32)).all()
+
+
+@pytest.mark.parametrize("n", [1, 11, 65])
+def test_kernel_readout_rows_only_where_rows_repeat(monkeypatch, n):
+    """n = 1 (every row read out), 11 (C // n rows do not name n back) and 65 (tokens
+    across chunks): the kernels keep all C rows."""
+    spec = check_inputs(*make_inputs(0, 1, 4, n, 1, 1, 8, 8, jnp.bfloat16)[:5])
+    monkeypatch.setattr(pipeline, "READOUT_ONLY", True)
+    assert not pipeline.readout_rows_only(spec)
+    spec2 = check_inputs(*make_inputs(0, 1, 4, 2, 1, 1, 8, 8, jnp.bfloat16)[:5])
+    assert pipeline.readout_rows_only(spec2)
+    monkeypatch.setattr(pipeline, "READOUT_ONLY", False)
+    assert not pipeline.readout_rows_only(spec2)
+
+
+def test_emulated_readout_rows_pick_the_read_out_rows():
+    """The contract's row pick: row m of [.., READOUT_ROWS, X] is chunk row n m + n - 1
+    for m < C // n, zero after (n from the row table, per chunk)."""
+    from gdp_jax.kernels.emulate import _readout_rows_of
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 3, 2, C, 5)), jnp.float32)
+    n = jnp.asarray([[2, 3, 5], [4, 12, 2]], jnp.int32)
+    y = np.asarray(_readout_rows_of(x, n))
+    assert y.shape == (2, 3, 2, grid.READOUT_ROWS, 5)
+    for b in range(2):
+        for c in range(3):
+            nn = int(n[b, c])
+            rows = np.asarray(x)[b, c, :, nn - 1::nn][:, :C // nn]
+            np.testing.assert_array_equal(y[b, c, :, :C // nn], rows)
+            assert not y[b, c, :, C // nn:].any()
