@@ -273,3 +273,22 @@ def test_glue_bytes_tiny(capsys):
     assert "intra_cp=2 fwd: XLA bytes accessed" in out
     assert "custom-call  (bf16[1]{0}, f32[2,2,128,256]" in out    # the summary walk
     assert emulate.chunk_kernel_call is before
+
+
+def test_rounding_model_tiny():
+    """benchmarks.rounding_model (a separate process: it turns on float64): every scheme's
+    error vs float64 is of a 16-bit size (not 0, not blown up), and the walk forming w S
+    and u from X with v - gam k S split into hi + lo stays within 10% of today's on o."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.rounding_model", "--B", "1",
+                        "--T", "200", "--H", "1", "--K", "64", "--V", "64"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    errs = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[1] == "o":
+            errs[parts[0]] = (float(parts[2]), float(parts[4]))
+    assert set(errs) == {"today", "today-u16", "xwalk", "xwalk-split"}, r.stdout
+    for o, s in errs.values():
+        assert 1e-4 < o < 1e-2 and 1e-5 < s < 1e-2, errs
+    assert errs["xwalk-split"][0] < 1.1 * errs["today"][0], errs
