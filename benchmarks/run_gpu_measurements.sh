@@ -10,6 +10,7 @@
 #   bash benchmarks/run_gpu_measurements.sh 7   # head groups: GPU test; T = 2**20, n = 2, 16 heads fwd+bwd vs FLA
 #   bash benchmarks/run_gpu_measurements.sh 8   # the forward on the read-out rows only (READOUT_ONLY): GPU test,
 #                                               # forward A/B at the main shapes and one long row, beside FLA
+#   bash benchmarks/run_gpu_measurements.sh 9   # mode 8 cut to ~200 s (bf16 test cases, one A/B shape, no FLA)
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -100,4 +101,12 @@ case "${1:-2}" in
     --shapes "1,65536,16,2" --deadline 100 --out $M/ro_long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|readout only" $M/ro_test.log | tail -16
   rows $M/ro_fwd.log $M/ro_long.log ;;
+9)
+  # mode 8 cut to what ~200 s of device time after a cold start holds: the bf16 cases of
+  # READOUT_ONLY's GPU test, then ours with / without it at one main shape (no FLA)
+  step 150 ro_test $P tests/test_cutedsl_gpu.py -k "readout_only and bfloat16"
+  step 90 ro_ab python -m benchmarks.run fwd --impl cutedsl+allrows,cutedsl+ro --no-check \
+    --shapes "8,4096,16,2" --deadline 80 --out $M/ro_ab
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|readout only" $M/ro_test.log | tail -12
+  rows $M/ro_ab.log ;;
 esac
