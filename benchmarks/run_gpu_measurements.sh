@@ -28,7 +28,8 @@ rows() { grep -hE '^\| [0-9(]' "$@" | cut -c1-200; }
 P="python -m pytest -m gpu -q -rA -p no:cacheprovider"
 n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 # BUILD_ONLY=bfloat16: prebuild only the variants naming it (the rest compile when traced)
-[ "$n" -lt 200 ] && step 150 build python ffi/build.py --jobs 15 ${BUILD_ONLY:+--only $BUILD_ONLY}
+# NO_BUILD=1: no prebuild (each variant compiles when first traced: a few seconds each)
+[ "$n" -lt 200 ] && [ -z "$NO_BUILD" ] && step 150 build python ffi/build.py --jobs 15 ${BUILD_ONLY:+--only $BUILD_ONLY}
 case "${1:-2}" in
 2)
   step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op
