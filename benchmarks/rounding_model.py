@@ -14,6 +14,9 @@ float64 token recurrence on the same (bf16-rounded, L2-normalised) inputs:
   qg S as scale gam * (q S).
 - ``xwalk-split``: the same with v - gam k S as hi + lo (one more product).
 - ``today-u16``: today's with u in 16 bits (half of u's bytes).
+- ``fla-like``: a model of FLA's chain: the WY inverse rounded to 16 bits once (FLA
+  keeps it in the input dtype), w = X16 (beta gam k)16 and u = X16 (beta v)16 from 16-bit
+  operands, both stored in 16 bits; the walk as today's.
 
 o is rounded to 16 bits as the kernels write it; the final state stays float32.
 
@@ -71,6 +74,11 @@ def walk(scheme: str, ch, it, X, scale, h0):
     qg16 = r16(scale * it.gam[..., None] * ch.q)
     if scheme == "today-u16":
         u32 = r16(it.u)
+    if scheme == "fla-like":
+        X16 = r16(X)
+        bk = r16(ch.beta[..., None] * it.gam[..., None] * ch.k)
+        bv = r16(ch.beta[..., None] * ch.v)
+        w16, u32 = r16(mm(X16, bk)), r16(mm(X16, bv))
     Xb = X * ch.beta[..., None, :]                                            # X diag(beta)
     Xh = r16(Xb)
     Xl = r16(Xb - Xh.astype(Xb.dtype))
@@ -78,7 +86,7 @@ def walk(scheme: str, ch, it, X, scale, h0):
     outs = []
     for c in range(NC):
         S16 = r16(S)
-        if scheme in ("today", "today-u16"):
+        if scheme in ("today", "today-u16", "fla-like"):
             D16 = r16(u32[:, c] - mm(w16[:, c], S16))
             o = mm(qg16[:, c], S16) + mm(P[:, c], D16)
             S = decay[:, c, :, None, None] * S + mm(_t(Kt16[:, c]), D16)
@@ -122,7 +130,7 @@ def main(argv=None):
     it, X = chunked.wy_factors(ch)
     print(f"B={a.B} T={a.T} H={a.H} n={a.n} K={a.K} V={a.V} gate={a.gate} seed={a.seed}: "
           "relative RMS error vs the float64 recurrence (bf16 inputs)")
-    for scheme in ("today", "today-u16", "xwalk", "xwalk-split"):
+    for scheme in ("today", "today-u16", "fla-like", "xwalk", "xwalk-split"):
         oc, S = walk(scheme, ch, it, X, spec.scale, h0)
         o = grid.from_chunks(prob.layout, oc)
         print(f"  {scheme:12s} o {rel_rms(o, o_ref):.2e}   final {rel_rms(S, s_ref):.2e}",
