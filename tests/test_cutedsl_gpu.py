@@ -432,21 +432,28 @@ def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
             grads("reference", args, cu=cu), GRAD_TOL)
 
 
-@pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,l2norm,packed,S", [
-    (8, 203, 2, 16, 16, 128, 128, "bfloat16", True, False, None),   # value tiles of 64
-    (4, 203, 2, 8, 16, 128, 128, "bfloat16", True, False, None),    # of 32 (GVA)
-    (2, 203, 3, 1, 3, 64, 128, "bfloat16", False, True, None),      # of 16, packed
-    (2, 203, 4, 2, 2, 128, 64, "float16", True, False, None),
-    (2, 203, 5, 1, 2, 128, 128, "bfloat16", True, False, 7),        # 12 rows; intra_cp
+@pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,l2norm,packed,S,pipe", [
+    (8, 203, 2, 16, 16, 128, 128, "bfloat16", True, False, None, False),   # tiles of 64
+    (4, 203, 2, 8, 16, 128, 128, "bfloat16", True, False, None, False),    # 32 (GVA)
+    (2, 203, 3, 1, 3, 64, 128, "bfloat16", False, True, None, False),      # 16, packed
+    (2, 203, 3, 1, 3, 64, 128, "bfloat16", False, True, None, True),       # 2 operand sets
+    (2, 203, 4, 2, 2, 128, 64, "float16", True, False, None, False),
+    (2, 203, 5, 1, 2, 128, 128, "bfloat16", True, False, 7, False),        # intra_cp
 ])
-def test_readout_only_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, l2norm, packed, S):
+def test_readout_only_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, l2norm, packed, S,
+                                pipe):
     """``pipeline.READOUT_ONLY`` (opt-in: the forward's operands kernel writes qg, P on
     the read-out rows only, the walk forms o on them with its 2 x 2-warp tiling): the
     same bits of o and the final state as the all-rows kernels, and within TOL of
     float64 - value tiles of 64, 32 and 16, GVA, K != V, fp16, packed (empty, one-token
-    sequences), n = 2..5, under intra_cp (the CP summary and apply walks)."""
-    from gdp_jax.kernels import pipeline
+    sequences), n = 2..5, under intra_cp (the CP summary and apply walks), and with
+    ``PIPELINE="auto"`` (the walk's operands a chunk ahead, both ways)."""
+    from gdp_jax.kernels import chunk_forward, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    if pipe:
+        monkeypatch.setattr(chunk_forward, "PIPELINE", "auto")
+        bv = chunk_forward.ChunkForwardKernel.pick_bv(1, HV, V)
+        assert chunk_forward.ChunkForwardKernel.pick_stages(1, HV, V, bv) == 2
     if packed:
         args, cu = _rows_or_pack(21, True, n, H, HV, K, V, dtype)
     else:
@@ -474,7 +481,8 @@ def test_readout_only_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, l2norm
         *(up(x) for x in args[:5]), initial_state=up(args[5]), output_final_state=True,
         cu_seqlens=cu, use_qk_l2norm=l2norm)
     e = (rel_rms(out[True][0], o_r), rel_rms(out[True][1], s_r))
-    print(f"[readout only B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} S={S}] "
+    print(f"[readout only B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} S={S} "
+          f"pipe={pipe}] "
           f"o/ref {e[0]:.2e} S/ref {e[1]:.2e}")
     assert np.isfinite(np.asarray(out[True][0], np.float32)).all()
     assert max(e) < TOL, e

@@ -222,19 +222,21 @@ def test_inverse_kernel_compiles(shape):
     assert "CuteDSLRT_NvJaxCutlassCall" in vm
 
 
-@pytest.mark.parametrize("BV,K,V,dtype", [(64, 128, 128, jnp.bfloat16),
-                                           (32, 64, 128, jnp.float16),
-                                           (16, 128, 64, jnp.bfloat16)])
-def test_readout_rows_walk_compiles(BV, K, V, dtype):
+@pytest.mark.parametrize("BV,K,V,dtype,stages", [(64, 128, 128, jnp.bfloat16, 1),
+                                                  (32, 64, 128, jnp.float16, 1),
+                                                  (16, 128, 64, jnp.bfloat16, 1),
+                                                  (16, 128, 128, jnp.bfloat16, 2),
+                                                  (32, 64, 64, jnp.float16, 2)])
+def test_readout_rows_walk_compiles(BV, K, V, dtype, stages):
     """The forward walk on the read-out rows (``pipeline.READOUT_ONLY``): qg, p with
     grid.READOUT_ROWS rows, o with as many; its 2 x 2-warp products at every value tile
-    (a warp's 8 columns at BV = 16 take ldmatrix x2)."""
+    (a warp's 8 columns at BV = 16 take ldmatrix x2), with one or two operand sets."""
     B, NC, HV, C, N, R = 2, 3, 4, grid.CHUNK, 2, grid.READOUT_ROWS
     avals = (S((B, NC, HV, C, K), dtype),) * 2 + (
         S((B, NC, HV, R, K), dtype), S((B, NC, HV, R, C), dtype),
         S((B, NC, HV, C, V), jnp.float32), S((B, NC, HV), jnp.float32)) + (
         S((B, NC), jnp.int32),) * 3 + (S((N, HV, K, V), jnp.float32),)
-    walk = lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV)
+    walk = lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV, stages=stages)
     o, final, _ = jax.eval_shape(walk, *avals)
     assert o.shape == (B, NC, HV, R, V) and final.shape == (N, HV, K, V)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)

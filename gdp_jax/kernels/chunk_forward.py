@@ -141,9 +141,7 @@ class ChunkForwardKernel:
         of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them."""
         def launch(*a):
             bv = BV or cls.launch_bv(a[0], a[9])
-            # read-out rows only (qg with fewer than C rows): one operand set
-            stages = 1 if readout and a[2].shape[-2] < C else cls.pick_stages(
-                a[0].shape[0], a[0].shape[2], a[9].shape[-1], bv)
+            stages = cls.pick_stages(a[0].shape[0], a[0].shape[2], a[9].shape[-1], bv)
             return cls.raw_call(*a, BV=bv, split=split, ckpt=ckpt, states_dtype=states_dtype,
                                 readout=readout, stages=stages)
 
@@ -165,8 +163,7 @@ class ChunkForwardKernel:
         w, kt: [B, NC, HV, C, K]; qg: [B, NC, HV, R, K], p: [B, NC, HV, R, C] (16-bit, one
         dtype) with R = C, or R = ``READOUT_ROWS`` (32) rows holding the read-out rows
         n - 1, 2n - 1, .. of each chunk (n >= 2; padding after them): o then has those
-        rows, with the same bits as the matching rows of R = C (one operand set, ``stages``
-        1, no checkpoints); u:
+        rows, with the same bits as the matching rows of R = C (no checkpoints); u:
         [B, NC, HV, C, Vu] float32, the first Vu <= V state columns' (the rest take u = 0:
         the CP pass's response columns; Vu a multiple of BV); decay: [B, NC, HV] float32;
         reset, seq, last: [B, NC] int32; h0: [N, HV, K, V] float32 (V: the state columns
@@ -181,8 +178,7 @@ class ChunkForwardKernel:
             raise ValueError(f"u has shape {u.shape}; expected at most the {V} state columns "
                              f"of h0 {h0.shape}, a multiple of BV={BV}")
         R = qg.shape[-2] if readout else C_
-        if R != C_ and (R != READOUT_ROWS or ckpt or stages != 1
-                        or p.shape[-2:] != (R, C_)):
+        if R != C_ and (R != READOUT_ROWS or ckpt or p.shape[-2:] != (R, C_)):
             raise ValueError(f"qg {qg.shape}, p {p.shape}: expected {C_} rows a chunk, or "
                              f"{READOUT_ROWS} read-out rows in a walk without checkpoints")
         ab_name = jnp.dtype(w.dtype).name
@@ -234,10 +230,12 @@ class ChunkForwardKernel:
                                     fn, _avals(name, K, Vx, u_cols=V)))
                     # the plain forward on the read-out rows (n >= 2)
                     for BV in cls.value_tiles(V):
-                        fn = functools.partial(cls.raw_call, BV=BV)
-                        out.append(aot.Variant(
-                            f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt=0 BV={BV} "
-                            f"rows={READOUT_ROWS}", fn, _avals(name, K, V, rows=READOUT_ROWS)))
+                        for stages in cls.stage_counts(V, BV):
+                            fn = functools.partial(cls.raw_call, BV=BV, stages=stages)
+                            out.append(aot.Variant(
+                                f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt=0 BV={BV} "
+                                f"rows={READOUT_ROWS}" + (" stages=2" if stages == 2 else ""),
+                                fn, _avals(name, K, V, rows=READOUT_ROWS)))
         return out
 
     @classmethod

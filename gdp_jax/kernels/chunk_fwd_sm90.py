@@ -50,8 +50,8 @@ class ChunkFwdSm90:
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
         # rows of qg, P and o a chunk: C, or READOUT_ROWS (their read-out rows only, n >= 2;
-        # the plain walk: one operand set, a readout)
-        assert rows == C or (rows == READOUT_ROWS and readout and stages == 1)
+        # a walk with a readout)
+        assert rows == C or (rows == READOUT_ROWS and readout)
         self.rows = rows
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
@@ -84,12 +84,14 @@ class ChunkFwdSm90:
         grid = (self.V // BV, HV, B)
         if cutlass.const_expr(self.stages == 2):
             Storage = _storage_pipelined(ab, sK_layout, sS_layout, sD_layout,
-                                         sP_layout if self.readout else None, self.split)
+                                         sPr_layout if self.readout else None, self.split,
+                                         sQ_layout)
             self.kernel_pipelined(
                 mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal, mStates,
-                sK_layout, sP_layout, sS_layout, sD_layout, g2s_copy(ab, K), g2s_copy(ab, C),
-                warp_mma(ab), Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1],
-                                              stream=stream)
+                sK_layout, sPr_layout, sS_layout, sD_layout, g2s_copy(ab, K), g2s_copy(ab, C),
+                warp_mma(ab), Storage, sQ_layout,
+                warp_mma_rows(ab, BV) if self.rows < C else warp_mma(ab)).launch(
+                    grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
         else:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
                                sPr_layout if self.readout else None, sQ_layout)
@@ -234,11 +236,12 @@ class ChunkFwdSm90:
                          sP_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
                          sD_layout: cute.ComposedLayout, copy_K: cute.TiledCopy,
                          copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
-                         Storage: cutlass.Constexpr):
+                         Storage: cutlass.Constexpr, sQ_layout: cute.ComposedLayout,
+                         tiled_mma_o: cute.TiledMma):
         """:meth:`kernel` with two sets of operand tiles: chunk c + 1's w, Kt (qg, P) go
         to one set by cp.async, its scalars and u to registers, while chunk c computes on
         the other - the same products in the same order (the same bits)."""
-        K, BV, ab = self.K, self.BV, self.ab
+        K, BV, ab, R = self.K, self.BV, self.ab, self.rows
         F32 = cutlass.Float32
         tidx, _, _ = cute.arch.thread_idx()
         vt, hv, b = cute.arch.block_idx()
@@ -252,7 +255,19 @@ class ChunkFwdSm90:
         r = recurrent(tiled_mma, thr_mma, tidx, cBt, ab, st, sS_layout, sD_layout, K, BV,
                       self.split)
         acc_S, acc_D = r.acc_S, r.acc_D
-        acc_O = make_acc(thr_mma, (C, BV))
+        # o's products: on the MMA tiling of the walk (R = C), or on the read-out rows'
+        # own 2 x 2-warp tiling with S, Delta read again in its partition (R = 32)
+        thr_o, cA_o = thr_mma, cA
+        if cutlass.const_expr(R < C):
+            thr_o = tiled_mma_o.get_slice(tidx)
+            cA_o, _, cBt_o = ldmatrix_copies(tiled_mma_o, ab, tidx, 2 if BV < 32 else 4)
+            view = lambda t, n: operand(thr_o, cBt_o, transpose_view(t, n, BV), False)
+            sS, sD = st.sS.get_tensor(sS_layout), st.sD.get_tensor(sD_layout)
+            sSl, sDl = sS, sD
+            if cutlass.const_expr(self.split):
+                sSl, sDl = st.sSl.get_tensor(sS_layout), st.sDl.get_tensor(sD_layout)
+            S_o, Sl_o, D_o, Dl_o = view(sS, K), view(sSl, K), view(sD, C), view(sDl, C)
+        acc_O = make_acc(thr_o, (R, BV))
         gK, gP = g2s(copy_K, tidx), g2s(copy_P, tidx)
 
         # u's column tile: the CP pass's response columns (vt >= u_cols / BV) take u = 0;
@@ -272,10 +287,10 @@ class ChunkFwdSm90:
                         tW=gK.dest(sW), tKt=gK.dest(sKt),
                         u=make_acc(thr_mma, (C, BV)), scalars=chunk_scalars())
             if cutlass.const_expr(self.readout):
-                sQ = getattr(st, f"sQ{i}").get_tensor(sK_layout)
+                sQ = getattr(st, f"sQ{i}").get_tensor(sQ_layout)
                 sP = getattr(st, f"sP{i}").get_tensor(sP_layout)
-                slot.update(Q=operand(thr_mma, cA, sQ, True),
-                            Pm=operand(thr_mma, cA, sP, True),
+                slot.update(Q=operand(thr_o, cA_o, sQ, True),
+                            Pm=operand(thr_o, cA_o, sP, True),
                             tQ=gK.dest(sQ), tP=gP.dest(sP))
             slots.append(slot)
 
@@ -313,9 +328,13 @@ class ChunkFwdSm90:
                     first, second = [], []
                     if cutlass.const_expr(self.readout):
                         acc_O.fill(0.0)
-                        first, second = [(acc_O, cur["Q"])], [(acc_O, cur["Pm"])]
+                        if cutlass.const_expr(R == C):
+                            first, second = [(acc_O, cur["Q"])], [(acc_O, cur["Pm"])]
                     mma_split_b(tiled_mma, K // MMA_K, [(acc_D, cur["W"])] + first, r.S, r.Sl,
                                 self.split)
+                    if cutlass.const_expr(self.readout and R < C):
+                        mma_split_b(tiled_mma_o, K // MMA_K, [(acc_O, cur["Q"])], S_o, Sl_o,
+                                    self.split)
                     r.toD.store_split(u - acc_D.load(), r.tCsD, r.tCsDl, self.split)
                     cute.arch.sync_threads()
 
@@ -323,8 +342,11 @@ class ChunkFwdSm90:
                     acc_S.store(acc_S.load() * decay)
                     mma_split_b(tiled_mma, C // MMA_K, [(acc_S, cur["KtT"])] + second, r.D,
                                 r.Dl, self.split)
+                    if cutlass.const_expr(self.readout and R < C):
+                        mma_split_b(tiled_mma_o, C // MMA_K, [(acc_O, cur["Pm"])], D_o, Dl_o,
+                                    self.split)
                     if cutlass.const_expr(self.readout):
-                        c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
+                        c_tile(thr_o, mO[b, c, hv, None, None], (R, BV), (0, vt)).store(
                             acc_O.load().to(ab))
                     if last != 0:
                         c_tile(thr_mma, mFinal[seq, hv, None, None], (K, BV),
@@ -342,8 +364,8 @@ class ChunkFwdSm90:
         gK.load(mW[b, c, hv, None, None], (C, K), slot["tW"])
         gK.load(mKt[b, c, hv, None, None], (C, K), slot["tKt"])
         if cutlass.const_expr(self.readout):
-            gK.load(mQg[b, c, hv, None, None], (C, K), slot["tQ"])
-            gP.load(mP[b, c, hv, None, None], (C, C), slot["tP"])
+            gK.load(mQg[b, c, hv, None, None], (self.rows, K), slot["tQ"])
+            gP.load(mP[b, c, hv, None, None], (self.rows, C), slot["tP"])
         cute.arch.cp_async_commit_group()
         load_chunk_scalars(slot["scalars"], mSeq, mReset, mLast, mDecay, b, c, hv)
         slot["u"].store(c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, u_vt)).load())
@@ -362,14 +384,14 @@ def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, sQ_layout):
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
 
-def _storage_pipelined(ab, sK_layout, sS_layout, sD_layout, sP_layout, split):
+def _storage_pipelined(ab, sK_layout, sS_layout, sD_layout, sP_layout, split, sQ_layout):
     """:func:`_storage` with two sets of the chunk operand tiles (w, Kt; qg, P where
     ``sP_layout`` is given), and the lo parts only in ``split`` mode."""
     fields = {}
     for i in range(2):
         fields.update({f"sW{i}": smem_tile(ab, sK_layout), f"sKt{i}": smem_tile(ab, sK_layout)})
         if sP_layout is not None:
-            fields.update({f"sQ{i}": smem_tile(ab, sK_layout),
+            fields.update({f"sQ{i}": smem_tile(ab, sQ_layout),
                            f"sP{i}": smem_tile(ab, sP_layout)})
     fields.update(sS=smem_tile(ab, sS_layout), sD=smem_tile(ab, sD_layout))
     if split:
