@@ -36,7 +36,6 @@ import jax
 jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from gdp_jax import chunked, engine, grid  # noqa: E402
 from gdp_jax._checks import check_inputs  # noqa: E402

@@ -74,7 +74,6 @@ class ChunkFwdSm90:
                  mO, mFinal, mStates):
         K, BV, ab = self.K, self.BV, self.ab
         sK_layout = smem_layout(C, K)         # w, Kt, qg: [C, K]
-        sP_layout = smem_layout(C, C)         # P: [C, C]
         sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
         sD_layout = smem_layout(C, BV)        # Delta (16-bit): [C, BV]
         sQ_layout = smem_layout(self.rows, K)     # qg: [rows, K]
