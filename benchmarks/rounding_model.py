@@ -63,8 +63,8 @@ def walk(scheme: str, ch, it, X, scale, h0):
     """o rows [B, NC, HV, C, V] and the final state [B, HV, K, V] of one row per batch
     entry (no packing: the state starts from h0 at chunk 0)."""
     B, NC = ch.k.shape[:2]
-    gam = jnp.exp(chunked.prefix_sum(ch.g, axis=-1)).astype(F32)              # exp(G_i)
     G = chunked.prefix_sum(ch.g, axis=-1)
+    gam = jnp.exp(G).astype(F32)                                              # exp(G_i)
     end = jnp.exp(G[..., -1:] - G).astype(F32)                                # exp(G_last - G_i)
     decay = jnp.exp(it.G_last).astype(F32)
     P = r16(scale * chunked.causal_scores(ch.q, ch.k, it.Gam))

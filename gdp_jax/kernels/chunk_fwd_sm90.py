@@ -38,8 +38,9 @@ import cutlass.cute as cute
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
                                   acc_to_smem, c_tile, c_tile_or_zero, chunk_scalars, g2s,
                                   g2s_copy, ldmatrix_copies, load_chunk_scalars, make_acc,
-                                  mma_split_b, operand, recurrent, smem_layout, smem_tile,
-                                  transpose_view, warp_mma, warp_mma_rows)
+                                  mma_split_b, operand, readout_operands, recurrent,
+                                  smem_layout, smem_tile, transpose_view, warp_mma,
+                                  warp_mma_rows)
 
 
 class ChunkFwdSm90:
@@ -149,12 +150,10 @@ class ChunkFwdSm90:
             else:
                 # the read-out rows' products on their own 2 x 2 warp tiling (R = 32 rows),
                 # B operands S, Delta read again from smem in its partition
-                thr_o = tiled_mma_o.get_slice(tidx)
-                cA_o, _, cBt_o = ldmatrix_copies(tiled_mma_o, ab, tidx, 2 if BV < 32 else 4)
+                thr_o, cA_o, S_o, Sl_o, D_o, Dl_o = readout_operands(
+                    tiled_mma_o, tidx, ab, K, BV, sS, sSl, sD, sDl)
                 acc_O = make_acc(thr_o, (R, BV))
                 Q_o, P_o = operand(thr_o, cA_o, sQ, True), operand(thr_o, cA_o, sP, True)
-                view = lambda t, n: operand(thr_o, cBt_o, transpose_view(t, n, BV), False)
-                S_o, Sl_o, D_o, Dl_o = view(sS, K), view(sSl, K), view(sD, C), view(sDl, C)
 
         # accumulators -> smem operands (16-bit, hi + lo in split mode)
         toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
@@ -258,14 +257,12 @@ class ChunkFwdSm90:
         # own 2 x 2-warp tiling with S, Delta read again in its partition (R = 32)
         thr_o, cA_o = thr_mma, cA
         if cutlass.const_expr(R < C):
-            thr_o = tiled_mma_o.get_slice(tidx)
-            cA_o, _, cBt_o = ldmatrix_copies(tiled_mma_o, ab, tidx, 2 if BV < 32 else 4)
-            view = lambda t, n: operand(thr_o, cBt_o, transpose_view(t, n, BV), False)
             sS, sD = st.sS.get_tensor(sS_layout), st.sD.get_tensor(sD_layout)
             sSl, sDl = sS, sD
             if cutlass.const_expr(self.split):
                 sSl, sDl = st.sSl.get_tensor(sS_layout), st.sDl.get_tensor(sD_layout)
-            S_o, Sl_o, D_o, Dl_o = view(sS, K), view(sSl, K), view(sD, C), view(sDl, C)
+            thr_o, cA_o, S_o, Sl_o, D_o, Dl_o = readout_operands(
+                tiled_mma_o, tidx, ab, K, BV, sS, sSl, sD, sDl)
         acc_O = make_acc(thr_o, (R, BV))
         gK, gP = g2s(copy_K, tidx), g2s(copy_P, tidx)
 

@@ -241,14 +241,9 @@ class ChunkPrepSm90:
 
         # ---- phase 1: on this thread's cp.async elements (8 consecutive columns of a row
         # per pass, a row held by K/8 or V/8 consecutive lanes): flags, zeroed rows, Kt, qg
-        if cutlass.const_expr(self.readout_rows):
-            n = mRows[b, c, 3]
-            self._rows_of_k_and_q_readout(cpK, tK, tQ, mKt[b, c, hv, None, None],
-                                          mQg[b, c, hv, None, None], scale, sgam, send, fK,
-                                          fQ, n)
-        else:
-            self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
-                                  mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ)
+        n = mRows[b, c, 3] if cutlass.const_expr(self.readout_rows) else None
+        self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
+                              mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ, n)
         self._rows_of_v(cpV, tV, fV)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
@@ -430,58 +425,18 @@ class ChunkPrepSm90:
                     tV[e] = zero
 
     @cute.jit
-    def _rows_of_k_and_q(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ):
+    def _rows_of_k_and_q(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ, n):
         """Phase 1 for k and q: fK (the row is zeroed in smem if set), Kt = exp(G_last -
-        G) k and qg = scale gam q to global, fQ (qg's 16-bit row not finite)."""
-        K, ab = self.K, self.ab
-        lanes = K // 8
-        crd = cpK.thr.partition_D(cute.make_identity_tensor((C, K)))
-        rk = cute.make_fragment_like(tK)
-        rq = cute.make_fragment_like(tQ)
-        cute.autovec_copy(tK, rk)
-        cute.autovec_copy(tQ, rq)
-        if cutlass.const_expr(self.l2norm):
-            self._normalize_rows(rk, tK, lanes, cute.size(tK) // 8)
-            self._normalize_rows(rq, tQ, lanes, cute.size(tQ) // 8)
-        for m in cutlass.range_constexpr(cute.size(tK) // 8):
-            r, col = crd[8 * m]
-            en, sc = send[r], scale * sgam[r]
-            kt = cute.make_rmem_tensor((8,), F32)
-            qg = cute.make_rmem_tensor((8,), F32)
-            zk, zq = F32(0.0), F32(0.0)
-            for e in cutlass.range_constexpr(8):
-                x = rk[8 * m + e].to(F32)
-                zk = zk + x * F32(0.0)
-                kt[e] = en * x
-                y = sc * rq[8 * m + e].to(F32)
-                qg[e] = y
-                zq = zq + y.to(ab).to(F32) * F32(0.0)
-            bad_k = _nonfinite(zk, lanes)
-            bad_q = _nonfinite(zq, lanes)
-            fK[r] = bad_k
-            fQ[r] = bad_q
-            for e in cutlass.range_constexpr(8):
-                qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
-            # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
-            # objects' row strides are run-time values)
-            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
-            cute.local_tile(gQg[r, None], (8,), (col // 8,)).store(qg.load().to(ab))
-            if bad_k != 0:                      # rare: keep it out of the MMAs
-                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                    tK[e] = F32(0.0).to(ab)
-
-    @cute.jit
-    def _rows_of_k_and_q_readout(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ,
-                                 n):
-        """:meth:`_rows_of_k_and_q` with ``readout_rows``: q's tile row r is chunk row
-        n r + n - 1 (gam's and fQ's index; fQ only where < C), and only the pieces of q's
-        rows < READOUT_ROWS (the first ones of the partition) are normalised and give qg
-        (row r of gQg [READOUT_ROWS, K])."""
+        G) k and qg = scale gam q to global, fQ (qg's 16-bit row not finite). With
+        ``readout_rows`` q's tile row r is chunk row n r + n - 1 (gam's and fQ's index;
+        fQ only where < C), and only the pieces of q's rows < READOUT_ROWS (the first
+        ones of the partition) are normalised and give qg (row r of gQg [READOUT_ROWS,
+        K]); ``n`` is read only then."""
         K, ab = self.K, self.ab
         lanes = K // 8
         crd = cpK.thr.partition_D(cute.make_identity_tensor((C, K)))
         pieces = cute.size(tK) // 8
-        q_pieces = pieces * READOUT_ROWS // C
+        q_pieces = pieces * READOUT_ROWS // C if self.readout_rows else pieces
         rk = cute.make_fragment_like(tK)
         rq = cute.make_fragment_like(tQ)
         cute.autovec_copy(tK, rk)
@@ -490,33 +445,41 @@ class ChunkPrepSm90:
             self._normalize_rows(rk, tK, lanes, pieces)
             self._normalize_rows(rq, tQ, lanes, q_pieces)
         for m in cutlass.range_constexpr(pieces):
+            has_q = m < q_pieces
             r, col = crd[8 * m]
+            rg = r                                    # q's chunk row (gam's, fQ's index)
+            if cutlass.const_expr(self.readout_rows):
+                rg = cutlass.min(n * r + n - 1, C - 1)
             en = send[r]
+            if cutlass.const_expr(has_q):
+                sc = scale * sgam[rg]
             kt = cute.make_rmem_tensor((8,), F32)
-            zk = F32(0.0)
+            qg = cute.make_rmem_tensor((8,), F32)
+            zk, zq = F32(0.0), F32(0.0)
             for e in cutlass.range_constexpr(8):
                 x = rk[8 * m + e].to(F32)
                 zk = zk + x * F32(0.0)
                 kt[e] = en * x
-            bad_k = _nonfinite(zk, lanes)
-            fK[r] = bad_k
-            # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
-            # objects' row strides are run-time values)
-            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
-            if cutlass.const_expr(m < q_pieces):
-                rg = cutlass.min(n * r + n - 1, C - 1)    # q's chunk row (gam's index)
-                sc = scale * sgam[rg]
-                qg = cute.make_rmem_tensor((8,), F32)
-                zq = F32(0.0)
-                for e in cutlass.range_constexpr(8):
+                if cutlass.const_expr(has_q):
                     y = sc * rq[8 * m + e].to(F32)
                     qg[e] = y
                     zq = zq + y.to(ab).to(F32) * F32(0.0)
+            bad_k = _nonfinite(zk, lanes)
+            if cutlass.const_expr(has_q):
                 bad_q = _nonfinite(zq, lanes)
-                if n * r + n - 1 < C:
-                    fQ[rg] = bad_q
+            fK[r] = bad_k
+            if cutlass.const_expr(has_q):
+                if cutlass.const_expr(self.readout_rows):
+                    if n * r + n - 1 < C:
+                        fQ[rg] = bad_q
+                else:
+                    fQ[r] = bad_q
                 for e in cutlass.range_constexpr(8):
                     qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
+            # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
+            # objects' row strides are run-time values)
+            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
+            if cutlass.const_expr(has_q):
                 cute.local_tile(gQg[r, None], (8,), (col // 8,)).store(qg.load().to(ab))
             if bad_k != 0:                      # rare: keep it out of the MMAs
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):

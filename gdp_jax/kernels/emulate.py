@@ -18,7 +18,7 @@ from jax import lax
 
 from gdp_jax import _vma, chunked
 from gdp_jax.engine import zero_columns
-from gdp_jax.grid import ChunkInputs
+from gdp_jax.grid import READOUT_ROWS, ChunkInputs
 from gdp_jax.kernels.chunk_prep import as_read
 
 
@@ -182,7 +182,6 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
 def _readout_rows_of(x, n):
     """[B, NC, HV, C, X] -> [B, NC, HV, READOUT_ROWS, X]: row m is chunk row n m + n - 1
     (``n`` [B, NC], the row table's), zeros after the C // n read-out rows."""
-    from gdp_jax.grid import READOUT_ROWS
     C = x.shape[-2]
     m = jnp.arange(READOUT_ROWS, dtype=jnp.int32)
     src = n[..., None] * m + n[..., None] - 1                      # [B, NC, R]

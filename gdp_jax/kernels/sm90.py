@@ -127,6 +127,17 @@ def ldmatrix_copies(tiled_mma, ab, tidx, b_matrices: int = 4):
             cute.make_tiled_copy_B(ldsm_b, tiled_mma).get_slice(tidx))
 
 
+def readout_operands(tiled_mma_o, tidx, ab, K: int, BV: int, sS, sSl, sD, sDl):
+    """The o products' side of a walk on the read-out rows (tiled MMA ``warp_mma_rows``):
+    (this thread's MMA slice, its A ldmatrix copy for qg / P tiles, and the B operands S,
+    S lo, Delta, Delta lo read from the walk's smem tiles ``sS`` [K, BV], ``sD`` [C, BV]
+    in this tiling's partition; ldmatrix x2 where a warp holds 8 columns, BV = 16)."""
+    thr = tiled_mma_o.get_slice(tidx)
+    cA, _, cBt = ldmatrix_copies(tiled_mma_o, ab, tidx, 2 if BV < 32 else 4)
+    view = lambda t, rows: operand(thr, cBt, transpose_view(t, rows, BV), False)
+    return thr, cA, view(sS, K), view(sSl, K), view(sD, C), view(sDl, C)
+
+
 # The three helpers below are frozen dataclasses: the DSL's dynamic loops treat an object
 # whose method is called in the loop body as loop-carried state unless it is a frozen
 # dataclass (read-only), and these hold only trace-time views.
