@@ -11,6 +11,8 @@
 #   bash benchmarks/run_gpu_measurements.sh 8   # the forward on the read-out rows only (READOUT_ONLY): GPU test,
 #                                               # forward A/B at the main shapes and one long row, beside FLA
 #   bash benchmarks/run_gpu_measurements.sh 9   # mode 8 cut to ~200 s (bf16 test cases, one A/B shape, no FLA)
+#   bash benchmarks/run_gpu_measurements.sh 10  # modes 8 and 6 in one call: the opt-ins' GPU tests, read-out rows
+#                                               # A/B beside FLA at the main shapes, one long row with them and PIPELINE
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -110,4 +112,19 @@ case "${1:-2}" in
     --shapes "8,4096,16,2" --deadline 80 --out $M/ro_ab
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|readout only" $M/ro_test.log | tail -12
   rows $M/ro_ab.log ;;
+10)
+  # s30: modes 8 and 6 in one call (what a session whose device starts are mostly refused
+  # can afford): the GPU tests of READOUT_ONLY, PIPELINE, head groups and the split in one
+  # process, then the forward with / without the read-out rows beside tuned FLA at the
+  # main shapes (float64 check on), then one long row with the read-out rows and the
+  # pipelined walks ("auto"'s split; the unsplit pipelined walk)
+  step 190 opt_test $P tests/test_cutedsl_gpu.py \
+    -k "readout_only or pipelined_walk or head_groups or intra_cp_split"
+  step 150 ro_fwd python -m benchmarks.run fwd --impl cutedsl+allrows,cutedsl+ro,fla \
+    --shapes main --deadline 130 --out $M/ro_fwd
+  step 130 long python -m benchmarks.run fwd \
+    --impl cutedsl-cpauto+allrows,cutedsl-cpauto+ro,cutedsl-cpauto+ro+pipe,cutedsl+pipe,fla \
+    --no-check --shapes "1,65536,16,2" --deadline 110 --out $M/long
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/opt_test.log | tail -16 | cut -c1-200
+  rows $M/ro_fwd.log $M/long.log; grep -h NOTE $M/long.log ;;
 esac
