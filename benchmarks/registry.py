@@ -10,7 +10,7 @@ and ``<backend>-cp<S>`` / ``<backend>-cpauto`` (``intra_cp=S`` / "auto": CP insi
 ``<backend>-inv`` (``batch_invariant=True``),
 ``cutedsl-save`` (``pipeline.SAVE_OPERANDS``: the forward's operands kept for the backward),
 and any of them with ``+<switch>`` suffixes that set a module switch while the op is traced
-(:data:`SWITCHES`: ``+narrow``, ``+save``, ``+pipe``, ``+flat``), e.g. ``cutedsl+save``: ours vs ours
+(:data:`SWITCHES`: ``+narrow``, ``+save``, ``+pipe``, ``+flat``, ``+ro``, ``+pair``, ..), e.g. ``cutedsl+save``: ours vs ours
 in one process, beside the same FLA.
 Peer: ``fla`` (FLA's chunk_gated_delta_product; for the decoding step its fused recurrent
 gated delta rule), in :mod:`benchmarks.fla`, imported only when asked for.
@@ -267,8 +267,9 @@ class OursStep:
 # the op is traced - (module, attribute) turns an opt-in on, (module, attribute, value) sets
 # that value (``+pipe`` / ``+flat``: the recursion walks with / without their operands a
 # chunk ahead; ``+ro`` / ``+allrows``: the forward's qg, P, o on the read-out rows only or
-# on all C rows)
+# on all C rows; ``+pair``: forward walk CTAs of two value tiles)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
+            "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
             "ro": ("kernels.pipeline", "READOUT_ONLY", True),
             "allrows": ("kernels.pipeline", "READOUT_ONLY", False),
@@ -318,7 +319,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +pair switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -13,6 +13,7 @@
 #   bash benchmarks/run_gpu_measurements.sh 9   # mode 8 cut to ~200 s (bf16 test cases, one A/B shape, no FLA)
 #   bash benchmarks/run_gpu_measurements.sh 10  # modes 8 and 6 in one call: the opt-ins' GPU tests, read-out rows
 #                                               # A/B beside FLA at the main shapes, one long row with them and PIPELINE
+#   bash benchmarks/run_gpu_measurements.sh 11  # PAIR_TILES: GPU test, fwd and fwd+bwd A/B beside FLA, one long row
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -127,4 +128,19 @@ case "${1:-2}" in
     --no-check --shapes "1,65536,16,2" --deadline 110 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/opt_test.log | tail -16 | cut -c1-200
   rows $M/ro_fwd.log $M/long.log; grep -h NOTE $M/long.log ;;
+11)
+  # s30: PAIR_TILES (a walk CTA of two 4-warp groups on two value tiles, one copy of the
+  # shared operands; forward and reverse walks): its GPU test with the default forward
+  # tests (READOUT_ONLY on since s30), then fwd and fwd+bwd with / without it beside
+  # tuned FLA at three main shapes, then one long row ("auto"'s split with / without
+  # it; the unsplit walk with / without PIPELINE)
+  step 200 pair_test $P tests/test_cutedsl_gpu.py -k "pair_tiles or forward_matches or packed_matches"
+  step 230 pair_ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+pair,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 210 --out $M/pair_ab
+  step 120 long python -m benchmarks.run fwd \
+    --impl cutedsl-cpauto,cutedsl-cpauto+pair,cutedsl,cutedsl+pipe --no-check \
+    --shapes "1,65536,16,2" --deadline 100 --out $M/long
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pair_test.log | tail -20 | cut -c1-200
+  grep -h "pair tiles" $M/pair_test.log | cut -c1-250
+  rows $M/pair_ab.log $M/long.log; grep -h NOTE $M/long.log ;;
 esac

@@ -432,6 +432,51 @@ def test_pipelined_walk_same_bits(monkeypatch, K, V, n, H, HV, packed, dtype):
             grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,packed,readout_only", [
+    (8, 203, 2, 16, 16, 128, 128, "bfloat16", False, False),   # value tiles of 64
+    (8, 203, 2, 16, 16, 128, 128, "bfloat16", False, True),    # the read-out rows
+    (2, 203, 3, 1, 3, 64, 128, "bfloat16", True, False),       # 16, GVA, packed
+    (2, 203, 1, 2, 2, 128, 64, "float16", False, False),       # 16, V = 64
+])
+def test_pair_tiles_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, packed,
+                              readout_only):
+    """``chunk_forward.PAIR_TILES`` (opt-in: a forward walk CTA of two 4-warp groups on
+    two value tiles, one copy of the shared operands): the same bits as one tile a CTA
+    for the forward nothing differentiates (all rows or the read-out rows), the split
+    forward (the CP summary walk on V + K columns, u on the first V) and the
+    differentiated call (the walk writing checkpoints) - o, the final state and every
+    gradient; within GRAD_TOL of float64."""
+    from gdp_jax.kernels import chunk_forward, pipeline
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    monkeypatch.setattr(pipeline, "READOUT_ONLY", readout_only)
+    if packed:
+        args, cu = _rows_or_pack(23, True, n, H, HV, K, V, dtype)
+    else:
+        args, cu = make(23, B, T, n, H, HV, K, V, jnp.dtype(dtype)), None
+    pairs = []
+    raw = ChunkForwardKernel.raw_call
+    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
+        lambda *a, **k: pairs.append(k.get("pairs", 1)) or raw(*a, **k)))
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl")
+    segments = min(d for d in range(2, T + 1) if T % d == 0) if not packed else None
+    forwards = {}
+    for on in (False, True):
+        monkeypatch.setattr(chunk_forward, "PAIR_TILES", on)
+        for S in {None, segments}:
+            f = jax.jit(lambda *a, S=S: gated_delta_product(*a, intra_cp=S, **kw))
+            forwards[on, S] = f(*args[:5])
+    assert 2 in pairs and 1 in pairs, pairs
+    for (on, S), got in forwards.items():
+        if on:
+            assert_same_bits(got, forwards[False, S])
+    base, got = grads_off_on(monkeypatch, chunk_forward, "PAIR_TILES", args, cu)
+    assert_same_bits(got, base)
+    compare(f"pair tiles B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} "
+            f"readout_only={readout_only} vs ref", got, grads("reference", args, cu=cu),
+            GRAD_TOL)
+
+
 @pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,l2norm,packed,S,pipe", [
     (8, 203, 2, 16, 16, 128, 128, "bfloat16", True, False, None, False),   # tiles of 64
     (4, 203, 2, 8, 16, 128, 128, "bfloat16", True, False, None, False),    # 32 (GVA)

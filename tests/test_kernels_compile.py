@@ -152,6 +152,39 @@ def test_pipelined_reverse_walk_compiles(BV, split, fused, ds, extra):
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
 
 
+@pytest.mark.parametrize("BV,fused,ds,extra", [
+    (64, True, jnp.bfloat16, 0), (32, False, jnp.float32, 0), (16, True, None, 128)])
+def test_pair_tiles_reverse_walk_compiles(BV, fused, ds, extra):
+    """The reverse walk with two value tiles a CTA (``chunk_forward.PAIR_TILES``): dS_end
+    written or not, ddo read or formed from P, the CP summary walk."""
+    B, NC, HV, C, N, K, V = 2, 3, 4, grid.CHUNK, 2, 128, 128
+    dt = jnp.bfloat16
+    ddo = S((B, NC, HV, C, C), dt) if fused else S((B, NC, HV, C, V), jnp.float32)
+    avals = (S((B, NC, HV, C, K), dt),) * 3 + (ddo, S((B, NC, HV, C, V), dt),
+             S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
+        S((N, HV, K, V + extra), jnp.float32),)
+    walk = lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused, ds_dtype=ds,
+                                               write_ds=ds is not None, pairs=2)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+    with pytest.raises(ValueError, match="pairs=2: 1, or 2 for a one-set walk"):
+        jax.eval_shape(lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused,
+                                                           pairs=2, stages=2), *avals)
+
+
+def test_pair_tiles_only_for_one_set_walks_of_even_tiles(monkeypatch):
+    """``PAIR_TILES``: two value tiles a CTA only for one-set walks (stages 1) of an even
+    number of tiles; off by default; anything but a bool refused."""
+    from gdp_jax.kernels import chunk_forward
+    pick = chunk_forward.ChunkForwardKernel.pick_pairs
+    assert chunk_forward.PAIR_TILES is False and pick(128, 64, 1) == 1
+    monkeypatch.setattr(chunk_forward, "PAIR_TILES", True)
+    assert pick(128, 64, 1) == 2 and pick(128, 32, 1) == 2 and pick(256, 64, 1) == 2
+    assert pick(128, 128, 1) == 1 and pick(64, 64, 1) == 1 and pick(128, 32, 2) == 1
+    monkeypatch.setattr(chunk_forward, "PAIR_TILES", "auto")
+    with pytest.raises(ValueError, match="PAIR_TILES='auto'"):
+        pick(128, 64, 1)
+
+
 def test_pipelined_walk_only_where_one_cta_an_sm(monkeypatch):
     """``PIPELINE="auto"``: two operand sets (twice the shared memory) only for launches of
     at most SMS CTAs and value tiles <= 32; True: every tile <= 32; False (the default
@@ -220,6 +253,29 @@ def test_inverse_kernel_compiles(shape):
     # compile of the plain call serves it; another count would only compile it again)
     vm = _lower(jax.vmap(wy_inverse.unit_lower_inverse), S(shape, jnp.float32))
     assert "CuteDSLRT_NvJaxCutlassCall" in vm
+
+
+@pytest.mark.parametrize("BV,K,V,dtype,R,ckpt,readout,u_cols",
+                         [(64, 128, 128, jnp.bfloat16, grid.CHUNK, 0, True, 0),
+                          (32, 64, 128, jnp.float16, grid.CHUNK, 2, True, 0),
+                          (16, 128, 64, jnp.bfloat16, grid.READOUT_ROWS, 0, True, 0),
+                          (64, 128, 256, jnp.bfloat16, grid.CHUNK, 0, False, 128)])
+def test_pair_tiles_walk_compiles(BV, K, V, dtype, R, ckpt, readout, u_cols):
+    """The forward walk with two value tiles a CTA (``chunk_forward.PAIR_TILES``): all rows
+    or the read-out rows, checkpoints, the CP summary walk (u on the first columns)."""
+    B, NC, HV, C, N = 2, 3, 4, grid.CHUNK, 2
+    avals = (S((B, NC, HV, C, K), dtype),) * 2 + (
+        S((B, NC, HV, R, K), dtype), S((B, NC, HV, R, C), dtype),
+        S((B, NC, HV, C, u_cols or V), jnp.float32), S((B, NC, HV), jnp.float32)) + (
+        S((B, NC), jnp.int32),) * 3 + (S((N, HV, K, V), jnp.float32),)
+    walk = lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV, ckpt=ckpt, readout=readout,
+                                                  pairs=2)
+    o, final, states = jax.eval_shape(walk, *avals)
+    assert final.shape == (N, HV, K, V)
+    assert o.shape == ((B, NC, HV, R, V) if readout else (1,))
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+    with pytest.raises(ValueError, match="pairs=2: 1, or 2 for a one-set walk"):
+        jax.eval_shape(lambda *a: ChunkForwardKernel.raw_call(*a, BV=V, pairs=2), *avals)
 
 
 @pytest.mark.parametrize("BV,K,V,dtype,stages", [(64, 128, 128, jnp.bfloat16, 1),

@@ -31,8 +31,8 @@ import cutlass.cute as cute
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
                                   c_tile_or_zero, chunk_scalars, g2s, g2s_copy,
                                   ldmatrix_copies, load_chunk_scalars, make_acc, mma_split_b,
-                                  operand, recurrent, smem_layout, smem_tile,
-                                  transpose_view, warp_mma)
+                                  operand, own_tile, recurrent, smem_layout, smem_tile,
+                                  tile_group, transpose_view, warp_mma)
 
 
 class ChunkBwdDhSm90:
@@ -40,8 +40,12 @@ class ChunkBwdDhSm90:
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
                  fuse_ddo: bool = False, do_cols: int = 0, write_ds: bool = True,
-                 stages: int = 1):
+                 stages: int = 1, pairs: int = 1):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and stages in (1, 2)
+        # 2: a CTA of two 4-warp groups on two adjacent value tiles, one copy of the
+        # chunk's Kt, w, qg (P) in smem (the forward walk's ``pairs``; one operand set)
+        assert pairs in (1, 2) and (pairs == 1 or (stages == 1 and (V // BV) % 2 == 0))
+        self.pairs = pairs
         self.K, self.V, self.BV = K, V, BV
         self.ab = ab_dtype
         self.split = split
@@ -78,11 +82,13 @@ class ChunkBwdDhSm90:
                                               stream=stream)
         else:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
-                               sP_layout if self.fuse_ddo else None)
+                               sP_layout if self.fuse_ddo else None, self.pairs)
+            threads = NUM_THREADS * self.pairs
             self.kernel(mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast, mDfinal,
                         mDsEnd, mDh0, sK_layout, sS_layout, sD_layout, sP_layout,
-                        g2s_copy(ab, K), g2s_copy(ab, C), warp_mma(ab),
-                        Storage).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+                        g2s_copy(ab, K, threads), g2s_copy(ab, C, threads), warp_mma(ab),
+                        Storage).launch(grid=(self.V // BV // self.pairs, HV, B),
+                                        block=[threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -91,21 +97,25 @@ class ChunkBwdDhSm90:
                sD_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_C: cute.TiledCopy, tiled_mma: cute.TiledMma,
                Storage: cutlass.Constexpr):
-        K, BV, ab = self.K, self.BV, self.ab
+        K, BV, ab, pairs = self.K, self.BV, self.ab, self.pairs
         tidx, _, _ = cute.arch.thread_idx()
         vt, hv, b = cute.arch.block_idx()
         NC = mKt.shape[1]
+        # with pairs: this thread's group, index in it and value tile (the operand loads
+        # are spread over all the CTA's threads, tidx_cta)
+        tidx_cta = tidx
+        grp, tidx, vt = tile_group(tidx, vt, pairs)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         sKt = st.sKt.get_tensor(sK_layout)
         sW = st.sW.get_tensor(sK_layout)
         sQ = st.sQ.get_tensor(sK_layout)
-        sS = st.sS.get_tensor(sS_layout)        # dS hi: [K, BV]
-        sSl = st.sSl.get_tensor(sS_layout)      # dS lo
-        sD = st.sD.get_tensor(sD_layout)        # -dDelta hi: [C, BV]
-        sDl = st.sDl.get_tensor(sD_layout)      # -dDelta lo
-        sO = st.sO.get_tensor(sD_layout)        # dO: [C, BV]
+        sS = own_tile(st.sS, sS_layout, grp, pairs)        # dS hi: [K, BV]
+        sSl = own_tile(st.sSl, sS_layout, grp, pairs)      # dS lo
+        sD = own_tile(st.sD, sD_layout, grp, pairs)        # -dDelta hi: [C, BV]
+        sDl = own_tile(st.sDl, sD_layout, grp, pairs)      # -dDelta lo
+        sO = own_tile(st.sO, sD_layout, grp, pairs)        # dO: [C, BV]
 
         thr_mma = tiled_mma.get_slice(tidx)
         acc_S = make_acc(thr_mma, (K, BV))
@@ -128,12 +138,12 @@ class ChunkBwdDhSm90:
         tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
         tCsD, tCsDl, tCsO = toD.dest(sD), toD.dest(sDl), toD.dest(sO)
 
-        gK = g2s(copy_K, tidx)
+        gK = g2s(copy_K, tidx_cta)
         tKsKt, tKsW, tKsQ = gK.dest(sKt), gK.dest(sW), gK.dest(sQ)
         if cutlass.const_expr(self.fuse_ddo):
             sP = st.sP.get_tensor(sP_layout)    # P: [C, C]
             PT = operand(thr_mma, cAt, transpose_view(sP, C, C), True)    # P^T: [C, C]
-            gP = g2s(copy_C, tidx)
+            gP = g2s(copy_C, tidx_cta)
             tPsP = gP.dest(sP)
 
         for i in cutlass.range(NC, unroll=1):
@@ -330,15 +340,15 @@ class ChunkBwdDhSm90:
                                      (0, do_vt)).load().to(cutlass.Float32))
 
 
-def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout):
+def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, pairs=1):
     """The kernel's shared memory (a ``cute.struct``): Kt, w, qg; dS hi, lo; -dDelta hi,
-    lo; dO - and P where ``sP_layout`` is given (``fuse_ddo``). (Fields are built as
-    objects: this module's annotations are strings, which only a ``cute.jit`` body
-    evaluates.)"""
+    lo; dO (one of each per group: ``pairs``) - and P where ``sP_layout`` is given
+    (``fuse_ddo``). (Fields are built as objects: this module's annotations are strings,
+    which only a ``cute.jit`` body evaluates.)"""
     fields = {"sKt": smem_tile(ab, sK_layout), "sW": smem_tile(ab, sK_layout),
-              "sQ": smem_tile(ab, sK_layout), "sS": smem_tile(ab, sS_layout),
-              "sSl": smem_tile(ab, sS_layout), "sD": smem_tile(ab, sD_layout),
-              "sDl": smem_tile(ab, sD_layout), "sO": smem_tile(ab, sD_layout)}
+              "sQ": smem_tile(ab, sK_layout), "sS": smem_tile(ab, sS_layout, pairs),
+              "sSl": smem_tile(ab, sS_layout, pairs), "sD": smem_tile(ab, sD_layout, pairs),
+              "sDl": smem_tile(ab, sD_layout, pairs), "sO": smem_tile(ab, sD_layout, pairs)}
     if sP_layout is not None:
         fields["sP"] = smem_tile(ab, sP_layout)
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
@@ -365,9 +375,9 @@ _KERNELS = {}
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                fuse_ddo: bool = False, do_cols: int = 0,
-               write_ds: bool = True, stages: int = 1) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages)
+               write_ds: bool = True, stages: int = 1, pairs: int = 1) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages, pairs)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols,
-                                       write_ds, stages)
+                                       write_ds, stages, pairs)
     return _KERNELS[key]

@@ -41,6 +41,14 @@ NARROW_TILES = True
 # of value tiles <= 32 (A/B only), False never (the default until measured: the GPU test
 # ``test_pipelined_walk_same_bits`` and ``bash benchmarks/run_gpu_measurements.sh 6``).
 PIPELINE = False
+# Opt-in, NOT yet run on a GPU (s30): a forward walk CTA of 8 warps walks two adjacent
+# value tiles, its two 4-warp groups sharing one copy of each chunk's w, Kt, qg, P in
+# shared memory (``pairs`` = 2 of ``ChunkFwdSm90``): half the operand loads of two
+# one-tile CTAs, the same products in the same order (the same bits; GPU test
+# ``test_pair_tiles_same_bits``). True: every one-set walk with an even number of value
+# tiles; False: never (the default until measured: ``bash
+# benchmarks/run_gpu_measurements.sh 11``).
+PAIR_TILES = False
 
 
 class ChunkForwardKernel:
@@ -116,6 +124,16 @@ class ChunkForwardKernel:
                              f"or False")
         return 2 if rows * HV * (V // BV) <= cls.SMS else 1
 
+    @staticmethod
+    def pick_pairs(V: int, BV: int, stages: int) -> int:
+        """2 (a CTA walks two value tiles on one copy of the shared operands) where
+        :data:`PAIR_TILES` is on, the walk has one operand set and an even number of
+        value tiles; else 1."""
+        if PAIR_TILES not in (True, False):
+            raise ValueError(f"chunk_forward.PAIR_TILES={PAIR_TILES!r}; expected True or "
+                             f"False")
+        return 2 if PAIR_TILES and stages == 1 and (V // BV) % 2 == 0 else 1
+
     @classmethod
     def launch_bv(cls, rows_operand, state) -> int:
         """:meth:`pick_bv` for a launch: rows_operand [rows, NC, HV, C, K] as the kernel
@@ -142,8 +160,10 @@ class ChunkForwardKernel:
         def launch(*a):
             bv = BV or cls.launch_bv(a[0], a[9])
             stages = cls.pick_stages(a[0].shape[0], a[0].shape[2], a[9].shape[-1], bv)
+            pairs = cls.pick_pairs(a[9].shape[-1], bv, stages)
             return cls.raw_call(*a, BV=bv, split=split, ckpt=ckpt, states_dtype=states_dtype,
-                                readout=readout, stages=stages)
+                                readout=readout, stages=stages,
+                                **({"pairs": 2} if pairs == 2 else {}))
 
         f = binding.vmappable(
             launch,
@@ -154,7 +174,7 @@ class ChunkForwardKernel:
     @staticmethod
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
-                 readout: bool = True, stages: int = 1):
+                 readout: bool = True, stages: int = 1, pairs: int = 1):
         """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -170,10 +190,14 @@ class ChunkForwardKernel:
         walked). Final rows of sequences without a last chunk are left unwritten.
         ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
         the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
+        same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
         same results).
         """
         B, NC, HV, C_, K = w.shape
         V, Vu = h0.shape[-1], u.shape[-1]
+        if pairs not in (1, 2) or (pairs == 2 and (stages != 1 or (V // BV) % 2)):
+            raise ValueError(f"pairs={pairs}: 1, or 2 for a one-set walk (stages=1, got "
+                             f"{stages}) of an even number of value tiles (V={V}, BV={BV})")
         if Vu > V or Vu % BV:
             raise ValueError(f"u has shape {u.shape}; expected at most the {V} state columns "
                              f"of h0 {h0.shape}, a multiple of BV={BV}")
@@ -198,7 +222,8 @@ class ChunkForwardKernel:
                                    ab_name=ab_name, split=split, ckpt=ckpt,
                                    readout=bool(readout), u_cols=Vu if Vu < V else 0,
                                    stages=int(stages),
-                                   **({"rows": R} if R != C_ else {}))
+                                   **({"rows": R} if R != C_ else {}),
+                                   **({"pairs": 2} if pairs == 2 else {}))
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -276,8 +301,9 @@ def _launcher():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
-               rows: cutlass.Constexpr = C):
-        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows)(
+               rows: cutlass.Constexpr = C, pairs: cutlass.Constexpr = 1):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
+                       pairs)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

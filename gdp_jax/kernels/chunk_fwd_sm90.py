@@ -38,18 +38,25 @@ import cutlass.cute as cute
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
                                   acc_to_smem, c_tile, c_tile_or_zero, chunk_scalars, g2s,
                                   g2s_copy, ldmatrix_copies, load_chunk_scalars, make_acc,
-                                  mma_split_b, operand, readout_operands, recurrent,
-                                  smem_layout, smem_tile, transpose_view, warp_mma,
-                                  warp_mma_rows)
+                                  mma_split_b, operand, own_tile, readout_operands,
+                                  recurrent, smem_layout, smem_tile, tile_group,
+                                  transpose_view, warp_mma, warp_mma_rows)
 
 
 class ChunkFwdSm90:
     """Static configuration: head dims K, V, value tile BV, operand dtype."""
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
-                 readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C):
+                 readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C,
+                 pairs: int = 1):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
+        # 2: a CTA of two 4-warp groups walks two adjacent value tiles (group g: tile
+        # 2 x + g) with one copy of the chunk's shared operands (w, Kt, qg, P) in smem,
+        # each group loading half of them - the same products in the same order as two
+        # CTAs of one tile, on half the operand loads (one operand set only)
+        assert pairs in (1, 2) and (pairs == 1 or (stages == 1 and (V // BV) % 2 == 0))
+        self.pairs = pairs
         # rows of qg, P and o a chunk: C, or READOUT_ROWS (their read-out rows only, n >= 2;
         # a walk with a readout)
         assert rows == C or (rows == READOUT_ROWS and readout)
@@ -94,13 +101,15 @@ class ChunkFwdSm90:
                     grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
         else:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
-                               sPr_layout if self.readout else None, sQ_layout)
+                               sPr_layout if self.readout else None, sQ_layout, self.pairs)
             self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                        mStates, sK_layout, sPr_layout, sS_layout, sD_layout, g2s_copy(ab, K),
-                        g2s_copy(ab, C), warp_mma(ab),
+                        mStates, sK_layout, sPr_layout, sS_layout, sD_layout,
+                        g2s_copy(ab, K, NUM_THREADS * self.pairs),
+                        g2s_copy(ab, C, NUM_THREADS * self.pairs), warp_mma(ab),
                         Storage, sQ_layout,
                         warp_mma_rows(ab, BV) if self.rows < C else warp_mma(ab)).launch(
-                            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+                            grid=(self.V // BV // self.pairs, HV, B),
+                            block=[NUM_THREADS * self.pairs, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -114,15 +123,19 @@ class ChunkFwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         vt, hv, b = cute.arch.block_idx()
         NC = mW.shape[1]
+        # with pairs: this thread's group, index in it and value tile (the operand loads
+        # are spread over all the CTA's threads, tidx_cta)
+        tidx_cta = tidx
+        grp, tidx, vt = tile_group(tidx, vt, self.pairs)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         sW = st.sW.get_tensor(sK_layout)
         sKt = st.sKt.get_tensor(sK_layout)
-        sS = st.sS.get_tensor(sS_layout)        # S: [K, BV]
-        sD = st.sD.get_tensor(sD_layout)        # Delta: [C, BV]
-        sSl = st.sSl.get_tensor(sS_layout)      # low parts (split mode): S - S_hi
-        sDl = st.sDl.get_tensor(sD_layout)      # Delta - Delta_hi
+        sS = own_tile(st.sS, sS_layout, grp, self.pairs)      # S: [K, BV]
+        sD = own_tile(st.sD, sD_layout, grp, self.pairs)      # Delta: [C, BV]
+        sSl = own_tile(st.sSl, sS_layout, grp, self.pairs)    # low parts (split): S - S_hi
+        sDl = own_tile(st.sDl, sD_layout, grp, self.pairs)    # Delta - Delta_hi
 
         thr_mma = tiled_mma.get_slice(tidx)
         acc_S = make_acc(thr_mma, (K, BV))
@@ -161,7 +174,8 @@ class ChunkFwdSm90:
         tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
         tCsD, tCsDl = toD.dest(sD), toD.dest(sDl)
 
-        gK, gP = g2s(copy_K, tidx), g2s(copy_P, tidx)
+        # (copy_K, copy_P are built for all the CTA's threads)
+        gK, gP = g2s(copy_K, tidx_cta), g2s(copy_P, tidx_cta)
         tKsW, tKsKt = gK.dest(sW), gK.dest(sKt)
         if cutlass.const_expr(self.readout):
             tKsQ, tPsP = gK.dest(sQ), gP.dest(sP)
@@ -173,7 +187,7 @@ class ChunkFwdSm90:
             reset = mReset[b, c]
             decay = mDecay[b, c, hv]
             last = mLast[b, c]
-            # ---- operands of chunk c -> smem (async)
+            # ---- operands of chunk c -> smem (async; with pairs, one copy for both groups)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             if cutlass.const_expr(self.readout):
@@ -367,16 +381,16 @@ class ChunkFwdSm90:
         slot["u"].store(c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, u_vt)).load())
 
 
-def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, sQ_layout):
+def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, sQ_layout, pairs=1):
     """The recursion's shared memory (a ``cute.struct``): w, Kt, S hi / lo, Delta hi / lo
-    and, where ``sP_layout`` is given (the readout), qg (``sQ_layout``) and P. (Built as an
-    object: this module's annotations are strings, which only a ``cute.jit`` body
-    evaluates.)"""
+    (one of each per group: ``pairs``) and, where ``sP_layout`` is given (the readout),
+    qg (``sQ_layout``) and P. (Built as an object: this module's annotations are strings,
+    which only a ``cute.jit`` body evaluates.)"""
     fields = {"sW": smem_tile(ab, sK_layout), "sKt": smem_tile(ab, sK_layout)}
     if sP_layout is not None:
         fields.update(sQ=smem_tile(ab, sQ_layout), sP=smem_tile(ab, sP_layout))
-    fields.update(sS=smem_tile(ab, sS_layout), sD=smem_tile(ab, sD_layout),
-                  sSl=smem_tile(ab, sS_layout), sDl=smem_tile(ab, sD_layout))
+    fields.update(sS=smem_tile(ab, sS_layout, pairs), sD=smem_tile(ab, sD_layout, pairs),
+                  sSl=smem_tile(ab, sS_layout, pairs), sDl=smem_tile(ab, sD_layout, pairs))
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
 
@@ -400,9 +414,9 @@ _KERNELS = {}
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
-               stages: int = 1, rows: int = C) -> ChunkFwdSm90:
-    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows)
+               stages: int = 1, rows: int = C, pairs: int = 1) -> ChunkFwdSm90:
+    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols, stages, rows)
+                                     u_cols, stages, rows, pairs)
     return _KERNELS[key]

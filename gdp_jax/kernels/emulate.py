@@ -39,8 +39,8 @@ def _scan_chunks(step, state_shape, dtype, xs, reverse=False):
 
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0,
-                      states_dtype=None, readout=True, stages=1):
-    del BV, split, stages
+                      states_dtype=None, readout=True, stages=1, pairs=1):
+    del BV, split, stages, pairs
     B, NC, HV, C, K = w.shape
     acc = u.dtype
     u = zero_columns(u, h0.shape[-1] - u.shape[-1])    # u = 0 in the state columns past u's
@@ -65,13 +65,13 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
 
 
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None,
-                   ds_dtype=None, fuse_ddo=False, write_ds=True, stages=1):
+                   ds_dtype=None, fuse_ddo=False, write_ds=True, stages=1, pairs=1):
     """The reverse kernel's contract (``StateGradKernel.raw_call``): dS_end in
     ``ds_dtype`` (rounded once, as stored; the walk carries the accumulator dtype; a NaN
     [1] placeholder with ``write_ds=False``); with
     ``fuse_ddo`` ``ddo`` is the readout matrix P and ddo = P^T dO (in the accumulator
     dtype: P and dO are exact 16-bit values)."""
-    del BV, split, stages
+    del BV, split, stages, pairs
     B, NC, HV, C, K = kt.shape
     acc = dfinal.dtype
     f = lambda x: x.astype(acc)

@@ -212,9 +212,10 @@ TOKEN_BACKWARD = False
 # rows of qg, P and o where n >= 2 (``grid.READOUT_ROWS`` = 32 rows a chunk instead of C = 64):
 # at n = 2 the operands kernel writes 12 KB less a (chunk, head) of 88 and normalises half
 # the q rows, and the walk loads 12 KB less a chunk and forms o on half the rows - the
-# same bits of o. Opt-in until measured on a GPU (``bash benchmarks/run_gpu_measurements.sh
-# 8``; written in s29 without a device).
-READOUT_ONLY = False
+# same bits of o (GPU test). Forward 13-15% faster at n = 2, 3 (2.34 -> 1.98 ms at
+# (8, 4096, 16, 2)), 7% at (1, 65536, 16, 2) under intra_cp="auto" (H100, s30-1:
+# benchmarks/results/CURRENT.md).
+READOUT_ONLY = True
 
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB

@@ -50,10 +50,10 @@ def smem_layout(rows: int, cols: int):
     return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
 
-def smem_tile(ab, layout):
-    """A ``cute.struct`` field holding one ``ab`` tile of ``layout`` (1024-byte aligned, as
-    the 8-row swizzle atom needs)."""
-    return cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(layout)], 1024]
+def smem_tile(ab, layout, count: int = 1):
+    """A ``cute.struct`` field holding ``count`` ``ab`` tiles of ``layout`` back to back
+    (1024-byte aligned, as the 8-row swizzle atom needs; :func:`own_tile` picks one)."""
+    return cute.struct.Align[cute.struct.MemRange[ab, count * cute.cosize(layout)], 1024]
 
 
 def g2s_copy(ab, cols: int, threads: int = NUM_THREADS):
@@ -89,6 +89,26 @@ def warp_mma_rows(ab, BV: int):
 
 
 # ---------------------------------------------------------------- device side (in @cute.kernel)
+def own_tile(field, layout, grp, pairs: int):
+    """The tile of ``layout`` that 4-warp group ``grp`` owns in the smem ``field`` (a
+    ``smem_tile`` of ``pairs`` tiles; each a multiple of the 1024-byte swizzle atom, so
+    every tile keeps the alignment the swizzle and 128-bit accesses need)."""
+    if pairs == 1:
+        return field.get_tensor(layout)
+    n = cute.cosize(layout)
+    return cute.make_tensor(field.data_ptr() + cute.assume(grp * n, divby=n), layout)
+
+
+def tile_group(tidx, vt, pairs: int):
+    """(group, thread index within the group, value tile) of a walk CTA of ``pairs``
+    4-warp groups on as many adjacent value tiles (block x index ``vt``): each group's
+    MMA and store partitions are those of a one-tile CTA of NUM_THREADS threads."""
+    if pairs == 1:
+        return 0, tidx, vt
+    grp = tidx // NUM_THREADS
+    return grp, tidx % NUM_THREADS, vt * pairs + grp
+
+
 def transpose_view(t, rows: int, cols: int):
     """View of a [rows, cols] smem tensor as [cols, rows] (no data movement)."""
     return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))

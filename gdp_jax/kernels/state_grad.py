@@ -41,8 +41,10 @@ class StateGradKernel:
             bv = BV or ChunkForwardKernel.launch_bv(a[0], a[9])
             stages = ChunkForwardKernel.pick_stages(a[0].shape[0], a[0].shape[2],
                                                     a[9].shape[-1], bv)
+            pairs = ChunkForwardKernel.pick_pairs(a[9].shape[-1], bv, stages)
             return cls.raw_call(*a, BV=bv, split=split, ds_dtype=ds_dtype, fuse_ddo=fuse_ddo,
-                                write_ds=write_ds, stages=stages)
+                                write_ds=write_ds, stages=stages,
+                                **({"pairs": 2} if pairs == 2 else {}))
 
         f = binding.vmappable(launch, seq_arg=7, table_arg=9,
                               out_kinds=("rows" if write_ds else "dummy", "rows"))
@@ -51,7 +53,7 @@ class StateGradKernel:
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
                  split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False,
-                 write_ds: bool = True, stages: int = 1):
+                 write_ds: bool = True, stages: int = 1, pairs: int = 1):
         """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
         or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
         MMAs anyway) - a [1] placeholder with ``write_ds=False`` (the walk for dh0 alone) -,
@@ -65,10 +67,14 @@ class StateGradKernel:
         multiple of BV, and are 0 in the rest: the CP pass's response columns). Rows of dh0
         for sequences without chunks stay unwritten. ``stages`` = 2: the next chunk's
         operands load while a chunk computes (``ChunkForwardKernel.pick_stages``; the same
-        results).
+        results). ``pairs`` = 2: a CTA walks two value tiles
+        (``ChunkForwardKernel.pick_pairs``; the same results).
         """
         B, NC, HV, C, K = kt.shape
         V, Vo = dfinal.shape[-1], do.shape[-1]
+        if pairs not in (1, 2) or (pairs == 2 and (stages != 1 or (V // BV) % 2)):
+            raise ValueError(f"pairs={pairs}: 1, or 2 for a one-set walk (stages=1, got "
+                             f"{stages}) of an even number of value tiles (V={V}, BV={BV})")
         if Vo > V or Vo % BV:
             raise ValueError(f"do has shape {do.shape}; expected at most the {V} state "
                              f"columns of dfinal {dfinal.shape}, a multiple of BV={BV}")
@@ -92,7 +98,8 @@ class StateGradKernel:
                                    **({"fuse_ddo": True} if fuse_ddo else {}),
                                    **({"do_cols": Vo} if Vo < V else {}),
                                    **({} if write_ds else {"write_ds": False}),
-                                   **({"stages": 2} if stages == 2 else {}))
+                                   **({"stages": 2} if stages == 2 else {}),
+                                   **({"pairs": 2} if pairs == 2 else {}))
 
     @classmethod
     def variants(cls):
@@ -149,8 +156,10 @@ def _launcher():
                K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0,
-               write_ds: cutlass.Constexpr = True, stages: cutlass.Constexpr = 1):
-        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds, stages)(
+               write_ds: cutlass.Constexpr = True, stages: cutlass.Constexpr = 1,
+               pairs: cutlass.Constexpr = 1):
+        mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds, stages,
+                       pairs)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
