@@ -14,6 +14,7 @@
 #   bash benchmarks/run_gpu_measurements.sh 10  # modes 8 and 6 in one call: the opt-ins' GPU tests, read-out rows
 #                                               # A/B beside FLA at the main shapes, one long row with them and PIPELINE
 #   bash benchmarks/run_gpu_measurements.sh 11  # PAIR_TILES: GPU test, fwd and fwd+bwd A/B beside FLA, one long row
+#   bash benchmarks/run_gpu_measurements.sh 12  # READOUT_ONLY_GRAD: GPU test, fwd+bwd A/B beside FLA at the main shapes
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -143,4 +144,14 @@ case "${1:-2}" in
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pair_test.log | tail -20 | cut -c1-200
   grep -h "pair tiles" $M/pair_test.log | cut -c1-250
   rows $M/pair_ab.log $M/long.log; grep -h NOTE $M/long.log ;;
+12)
+  # s30 (written without a device after s30-2): READOUT_ONLY_GRAD (the differentiated
+  # forward on the read-out rows too) - its GPU test, then fwd+bwd with / without it
+  # beside tuned FLA at the main shapes (the check vs float64 on)
+  step 200 rog_test $P tests/test_cutedsl_gpu.py -k "readout_only_grad"
+  step 330 rog_ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+rog,fla \
+    --shapes main --deadline 310 --out $M/rog_ab
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/rog_test.log | tail -8 | cut -c1-200
+  grep -h "readout only grad" $M/rog_test.log | cut -c1-250
+  rows $M/rog_ab.log ;;
 esac

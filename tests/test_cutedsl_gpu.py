@@ -533,6 +533,38 @@ def test_readout_only_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, l2norm
     assert max(e) < TOL, e
 
 
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False),           # value tiles of 64
+    (2, 3, 1, 3, 64, 128, "bfloat16", True),               # 16, GVA, packed
+    (2, 4, 2, 2, 128, 64, "float16", False),
+])
+def test_readout_only_grad_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
+    """``pipeline.READOUT_ONLY_GRAD`` (opt-in: the differentiated forward's chunk-major
+    operands kernel reads q's read-out rows compact and writes qg, P on them, its walk
+    with the checkpoints forms o on them): o, the final state and every gradient but dg
+    the same bits as on all rows (dg to float32 rounding), within GRAD_TOL of float64."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    if packed:
+        args, cu = _rows_or_pack(25, True, n, H, HV, K, V, dtype)
+    else:
+        args, cu = make(25, B, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
+    calls = []
+    raw = ChunkPrepKernel.raw_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
+        lambda *a, **k: calls.append(k.get("readout_rows", False)) or raw(*a, **k)))
+    base, got = grads_off_on(monkeypatch, pipeline, "READOUT_ONLY_GRAD", args, cu)
+    assert True in calls and False in calls, calls
+    # dg is summed in XLA around the kernels; the forward's changed graph (q's compact
+    # rows) may let XLA fuse and reassociate those float32 sums differently
+    compare("readout only grad vs all rows", got, base, 1e-6)
+    i = NAMES.index("dg")
+    drop = lambda r: tuple(None if j == i else x for j, x in enumerate(r))
+    assert_same_bits(drop(got), drop(base))
+    compare(f"readout only grad B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} "
+            f"vs ref", got, grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
 def test_head_groups_equal_whole_call(monkeypatch, packed):
     """Head groups (:mod:`gdp_jax.heads`) on the kernels: with the offsets limit cut to 2

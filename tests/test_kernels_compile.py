@@ -296,8 +296,38 @@ def test_readout_rows_walk_compiles(BV, K, V, dtype, stages):
     o, final, _ = jax.eval_shape(walk, *avals)
     assert o.shape == (B, NC, HV, R, V) and final.shape == (N, HV, K, V)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
-    with pytest.raises(ValueError, match="read-out rows in a walk without checkpoints"):
-        jax.eval_shape(lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV, ckpt=1), *avals)
+    # with checkpoints (the differentiated forward, pipeline.READOUT_ONLY_GRAD)
+    walk = lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV, stages=stages, ckpt=2,
+                                                  states_dtype=dtype)
+    o, final, states = jax.eval_shape(walk, *avals)
+    assert o.shape == (B, NC, HV, R, V) and states.shape == (B, 2, HV, K, V)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+    bad = avals[:2] + (S((B, NC, HV, 48, K), dtype), S((B, NC, HV, 48, C), dtype)) + avals[4:]
+    with pytest.raises(ValueError, match="or 32 read-out rows"):
+        jax.eval_shape(lambda *a: ChunkForwardKernel.raw_call(*a, BV=BV), *bad)
+
+
+@pytest.mark.parametrize("dtype,K,V", [(jnp.bfloat16, 128, 128), (jnp.float16, 64, 128)])
+def test_chunk_major_readout_rows_operands_kernel_compiles(dtype, K, V):
+    """The chunk-major operands kernel (the differentiated forward's,
+    ``pipeline.READOUT_ONLY_GRAD``) reading q's read-out rows compact and writing qg, p
+    on them; its argument checks."""
+    B, NC, HV, C, R = 2, 3, 2, grid.CHUNK, grid.READOUT_ROWS
+    f32, i32 = jnp.float32, jnp.int32
+    avals = (S((B, NC, HV, R, K), f32), S((B, NC, HV, C, K), f32), S((B, NC, HV, C, V), f32),
+             S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B,), f32), S((B, NC, 4), i32))
+    f = lambda *a: ChunkPrepKernel.raw_call(*a, ab_dtype=dtype, readout_rows=True)
+    w, kt, qg, p, u, decay, bad, _ = jax.eval_shape(f, *avals)
+    assert w.shape == kt.shape == (B, NC, HV, C, K) and u.shape == (B, NC, HV, C, V)
+    assert qg.shape == (B, NC, HV, R, K) and p.shape == (B, NC, HV, R, C)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, *avals)
+    full_q = (S((B, NC, HV, C, K), f32),) + avals[1:]
+    with pytest.raises(ValueError, match="q: the read-out rows"):
+        jax.eval_shape(f, *full_q)
+    with pytest.raises(ValueError, match="rows: int32"):
+        jax.eval_shape(f, *avals[:6])
+    with pytest.raises(ValueError, match="rows: only with readout_rows"):
+        jax.eval_shape(lambda *a: ChunkPrepKernel.raw_call(*a, ab_dtype=dtype), *full_q)
 
 
 @pytest.mark.parametrize("dtype,K,V,l2norm", [(jnp.bfloat16, 128, 128, True),

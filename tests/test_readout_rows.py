@@ -369,6 +369,68 @@ def test_kernel_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV, l2norm
     assert np.isfinite(np.asarray(out[True][0], np.float32)).all()
 
 
+@pytest.mark.parametrize("n,T,cu,H,HV", [
+    (2, 150, None, 2, 2),
+    (3, 150, [0, 0, 1, 70, 70, 150], 1, 2),                # GVA, packed
+    (5, 150, None, 1, 1),                                  # 12 rows
+])
+def test_differentiated_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV):
+    """With ``READOUT_ONLY_GRAD`` the differentiated forward's chunk-major operands
+    contract reads q's read-out rows compact and gives qg, P on them, its walk (with the
+    checkpoints) o on them: the loss and every gradient but dg are the same bits as with
+    all rows, dg to float32 rounding (batched, packed with empty and one-token sequences,
+    GVA)."""
+    from gdp_jax.kernels import emulate
+    N = 2 if cu is None else len(cu) - 1
+    inp = make_inputs(n, 2 if cu is None else 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=N)
+    cuj = None if cu is None else jnp.asarray(cu, jnp.int32)
+    seen = []
+    to_rows = emulate._to_chunk_rows
+    monkeypatch.setattr(emulate, "_to_chunk_rows",
+                        lambda x, nn, c: seen.append(x.shape) or to_rows(x, nn, c))
+    wo = jax.random.normal(jax.random.PRNGKey(1), inp.q.shape[:2] + (HV, 128), jnp.float32)
+
+    def loss(q, k, v, g, beta, h0):
+        o, s = gdp_jax.gated_delta_product(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True, cu_seqlens=cuj,
+                                           use_qk_l2norm=True, backend="cutedsl")
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
+
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(pipeline, "READOUT_ONLY_GRAD", on)
+        with testing.emulated_kernels():
+            out[on] = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))(
+                inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    assert seen and all(x[-2] == grid.READOUT_ROWS for x in seen)
+    (l1, g1), (l0, g0) = out[True], out[False]
+    # dg is summed in XLA around the kernels: the forward's changed graph may let XLA
+    # reassociate those float32 sums (seen once in 3.8e-8; the kernels' results are exact)
+    for i, (a, b) in enumerate(zip((l1,) + g1, (l0,) + g0)):
+        if i == 4:
+            assert rel_max(a, b) < 1e-6
+        else:
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), i
+
+
+def test_emulated_chunk_rows_invert_the_row_pick():
+    """``_to_chunk_rows`` puts row m back at chunk row n m + n - 1 (zeros elsewhere): the
+    chunk-major operands kernel's compact q read back, the inverse of ``_readout_rows_of``
+    on rows that hold q."""
+    from gdp_jax.kernels.emulate import _readout_rows_of, _to_chunk_rows
+    rng = np.random.default_rng(1)
+    n = jnp.asarray([[2, 3, 5], [4, 12, 2]], jnp.int32)
+    x = np.asarray(rng.normal(size=(2, 3, 2, C, 5)), np.float32)
+    for b in range(2):                  # keep the read-out rows only, as a chunk's q
+        for c in range(3):
+            nn = int(n[b, c])
+            keep = (np.arange(C) % nn == nn - 1)
+            x[b, c, :, ~keep] = 0
+    x = jnp.asarray(x)
+    np.testing.assert_array_equal(np.asarray(_to_chunk_rows(_readout_rows_of(x, n), n, C)),
+                                  np.asarray(x))
+
+
 @pytest.mark.parametrize("n", [1, 11, 65])
 def test_kernel_readout_rows_only_where_rows_repeat(monkeypatch, n):
     """n = 1 (every row read out), 11 (C // n rows do not name n back) and 65 (tokens

@@ -183,7 +183,7 @@ class ChunkForwardKernel:
         w, kt: [B, NC, HV, C, K]; qg: [B, NC, HV, R, K], p: [B, NC, HV, R, C] (16-bit, one
         dtype) with R = C, or R = ``READOUT_ROWS`` (32) rows holding the read-out rows
         n - 1, 2n - 1, .. of each chunk (n >= 2; padding after them): o then has those
-        rows, with the same bits as the matching rows of R = C (no checkpoints); u:
+        rows, with the same bits as the matching rows of R = C; u:
         [B, NC, HV, C, Vu] float32, the first Vu <= V state columns' (the rest take u = 0:
         the CP pass's response columns; Vu a multiple of BV); decay: [B, NC, HV] float32;
         reset, seq, last: [B, NC] int32; h0: [N, HV, K, V] float32 (V: the state columns
@@ -202,9 +202,9 @@ class ChunkForwardKernel:
             raise ValueError(f"u has shape {u.shape}; expected at most the {V} state columns "
                              f"of h0 {h0.shape}, a multiple of BV={BV}")
         R = qg.shape[-2] if readout else C_
-        if R != C_ and (R != READOUT_ROWS or ckpt or p.shape[-2:] != (R, C_)):
+        if R != C_ and (R != READOUT_ROWS or p.shape[-2:] != (R, C_)):
             raise ValueError(f"qg {qg.shape}, p {p.shape}: expected {C_} rows a chunk, or "
-                             f"{READOUT_ROWS} read-out rows in a walk without checkpoints")
+                             f"{READOUT_ROWS} read-out rows")
         ab_name = jnp.dtype(w.dtype).name
         split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
         n_ckpt = ChunkForwardKernel.num_checkpoints(NC, ckpt)
@@ -253,14 +253,18 @@ class ChunkForwardKernel:
                                     + ("" if readout else " summary") + f" BV={BV}"
                                     + (" stages=2" if stages == 2 else ""),
                                     fn, _avals(name, K, Vx, u_cols=V)))
-                    # the plain forward on the read-out rows (n >= 2)
-                    for BV in cls.value_tiles(V):
-                        for stages in cls.stage_counts(V, BV):
-                            fn = functools.partial(cls.raw_call, BV=BV, stages=stages)
-                            out.append(aot.Variant(
-                                f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt=0 BV={BV} "
-                                f"rows={READOUT_ROWS}" + (" stages=2" if stages == 2 else ""),
-                                fn, _avals(name, K, V, rows=READOUT_ROWS)))
+                    # the forward on the read-out rows (n >= 2), alone or differentiated
+                    for ckpt in [0] + [r + 1 for r in recompute_chunk_nums]:
+                        for BV in cls.value_tiles(V):
+                            for stages in cls.stage_counts(V, BV):
+                                fn = functools.partial(cls.raw_call, BV=BV, stages=stages,
+                                                       ckpt=ckpt,
+                                                       states_dtype=checkpoint_dtype(name))
+                                out.append(aot.Variant(
+                                    f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt={ckpt} "
+                                    f"BV={BV} rows={READOUT_ROWS}"
+                                    + (" stages=2" if stages == 2 else ""),
+                                    fn, _avals(name, K, V, rows=READOUT_ROWS)))
         return out
 
     @classmethod

@@ -70,32 +70,65 @@ class ChunkPrepKernel:
         return None
 
     @classmethod
-    def call(cls, ch, *, scale: float, ab_dtype, inverse: bool = False):
+    def call(cls, ch, *, scale: float, ab_dtype, inverse: bool = False,
+             readout_every: int = 1):
         """ch (:class:`gdp_jax.grid.ChunkInputs`, float32) -> ((w, kt, qg, p, u, decay),
         bad), and with ``inverse`` ((..), bad, X): X = (I + A)^-1 [B, NC, HV, C, C]
         float32, as the kernel computed it (from the k rows it entered: a non-finite k row
-        enters as zeros); ``jax.vmap``-able."""
+        enters as zeros); ``jax.vmap``-able. ``readout_every`` = n >= 2 (no ``inverse``;
+        ``grid.readout_every(n) == n``): qg, p on the read-out rows only, as
+        :meth:`raw_call_tokens` with ``readout_rows`` (ch.q's read-out rows are what the
+        kernel reads)."""
+        scale_rows = jnp.full(ch.k.shape[:1], scale, jnp.float32)
+        if readout_every > 1:
+            if inverse:
+                raise ValueError("readout_every: the forward's operands only (no inverse)")
+            f = binding.vmappable(
+                lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, readout_rows=True),
+                out_kinds=("rows",) * 7 + ("dummy",))
+            q = grid.readout_rows(ch.q, readout_every)
+            pad = [(0, 0)] * (q.ndim - 2) + [(0, grid.READOUT_ROWS - q.shape[-2]), (0, 0)]
+            n = jnp.asarray([0, 0, 0, readout_every], jnp.int32)
+            rows = jnp.broadcast_to(n, ch.g.shape[:2] + (4,))
+            w, kt, qg, p, u, decay, bad, X = f(jnp.pad(q, pad), ch.k, ch.v, ch.g, ch.beta,
+                                               scale_rows, rows)
+            return (w, kt, qg, p, u, decay), bad != 0
         f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, inverse=inverse),
                               out_kinds=("rows",) * 7 + ("rows" if inverse else "dummy",))
-        scale_rows = jnp.full(ch.k.shape[:1], scale, jnp.float32)
         w, kt, qg, p, u, decay, bad, X = f(ch.q, ch.k, ch.v, ch.g, ch.beta, scale_rows)
         out = (w, kt, qg, p, u, decay), bad != 0
         return out + (X,) if inverse else out
 
     @staticmethod
-    def raw_call(q, k, v, g, beta, scale, *, ab_dtype, inverse: bool = False,
-                 probe: bool = False):
+    def raw_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse: bool = False,
+                 probe: bool = False, readout_rows: bool = False):
         """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V] (cast to ``ab_dtype``), g, beta
         [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
         w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V],
         decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
         row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
         placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM clock cycles
-        of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags."""
+        of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags.
+        ``readout_rows`` (no ``inverse``, ``probe``): q [B, NC, HV, READOUT_ROWS, K] holds
+        the chunk's read-out rows n - 1, 2n - 1, .. (then zeros), rows [B, NC, 4] int32
+        their n at [.., 3] (the rest unread); qg, p as :meth:`raw_call_tokens` gives them
+        with ``readout_rows``."""
         B, NC, HV, C_, K = k.shape
         V = v.shape[-1]
         if C_ != C:
             raise ValueError(f"k: chunks of {C} rows, [B, NC, HV, {C}, K]; got {k.shape}")
+        if readout_rows:
+            R = grid.READOUT_ROWS
+            if inverse or probe:
+                raise ValueError("readout_rows: the forward's operands only (no inverse, "
+                                 "probe)")
+            if q.shape != (B, NC, HV, R, K):
+                raise ValueError(f"q: the read-out rows, {(B, NC, HV, R, K)}; got {q.shape}")
+            if rows is None or rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
+                raise ValueError(f"rows: int32 ({B}, {NC}, 4) with n at [.., 3]; got "
+                                 f"{None if rows is None else (rows.dtype, rows.shape)}")
+        elif rows is not None:
+            raise ValueError("rows: only with readout_rows")
         why = ChunkPrepKernel.can_implement(ab_dtype=ab_dtype, cdt=k.dtype, K=K, V=V,
                                             rows=B, NC=NC, HV=HV)
         if why:
@@ -103,9 +136,16 @@ class ChunkPrepKernel:
         if scale.shape != (B,):
             raise ValueError(f"scale: one float32 per row, shape ({B},); got {scale.shape}")
         ab = jnp.dtype(ab_dtype)
-        outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         f32 = lambda x: x.astype(jnp.float32)
         to_ab = lambda x: x.astype(ab)
+        if readout_rows:
+            outputs = _outputs(B, NC, HV, K, V, ab, inverse=False, rows=grid.READOUT_ROWS)
+            return binding.custom_call(
+                _launcher_tokens, "gdp_chunk_prep_sm90_rows", outputs,
+                (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta), f32(scale), rows),
+                tile_dims=(2, 2, 2, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 1),
+                K=K, V=V, ab_name=ab.name, l2norm=False, readout_rows=True, tokens=False)
+        outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),
                                     f32(scale)),
@@ -216,6 +256,13 @@ class ChunkPrepKernel:
                             + (" inverse" if inverse else ""), fn,
                             (S(K), S(K), S(V), S(), S(),
                              jax.ShapeDtypeStruct((1,), jnp.float32))))
+                    # the differentiated forward's, qg and p on the read-out rows
+                    out.append(aot.Variant(
+                        f"gdp_chunk_prep_sm90 {name} K={K} V={V} readout_rows",
+                        functools.partial(cls.raw_call, ab_dtype=name, readout_rows=True),
+                        (jax.ShapeDtypeStruct((1, 1, 1, grid.READOUT_ROWS, K), jnp.float32),
+                         S(K), S(V), S(), S(), jax.ShapeDtypeStruct((1,), jnp.float32),
+                         jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
                     # token-major q, k, v: the forward (normalised in the kernel or
                     # not; all rows or the read-out rows of qg, p) and the backward's,
                     # with X (pipeline.TOKEN_BACKWARD)
@@ -297,8 +344,10 @@ def _launcher_tokens():
     def launch(stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
-               probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False):
-        mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=True, l2norm=l2norm,
+               probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
+               tokens: cutlass.Constexpr = True):
+        # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
+        mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
                        readout_rows=readout_rows)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 

@@ -125,9 +125,9 @@ class ChunkPrepSm90:
         assert tokens or not l2norm
         # q's smem tile, qg and P on the read-out rows only: tile row m holds chunk row
         # n m + n - 1 (n >= 2 from the row table), m < C // n; the rows after are zeros
-        # (qg, P are [READOUT_ROWS, *]; q's tile rows from READOUT_ROWS on are zeros too)
+        # (qg, P are [READOUT_ROWS, *]; q's tile rows from READOUT_ROWS on are zeros too).
+        # Chunk-major (not ``tokens``): q arrives compact, [B, NC, HV, READOUT_ROWS, K]
         self.readout_rows = readout_rows
-        assert tokens or not readout_rows
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -205,7 +205,15 @@ class ChunkPrepSm90:
             self._load_token_rows(cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv)
         else:
             cpK.load(mK[b, c, hv, None, None], (C, K), tK)
-            cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
+            if cutlass.const_expr(self.readout_rows):
+                # compact q: its READOUT_ROWS rows to the tile's first ones, zeros after
+                top = cute.local_tile(sQ, (READOUT_ROWS, K), (0, 0))
+                cpK.load(mQ[b, c, hv, None, None], (READOUT_ROWS, K), cpK.dest(top))
+                bottom = cpK.dest(cute.local_tile(sQ, (READOUT_ROWS, K), (1, 0)))
+                for e in cutlass.range_constexpr(cute.size(bottom)):
+                    bottom[e] = F32(0.0).to(self.ab)
+            else:
+                cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
             cpV.load(mV[b, c, hv, None, None], (C, V), tV)
         cute.arch.cp_async_commit_group()
         scale = mScale[b]

@@ -109,14 +109,23 @@ def inverse_kernel_call(A):
     return chunked._blocked_inverse(jnp.where(strict, A, 0.0))
 
 
-def chunk_prep_call(q, k, v, g, beta, scale, *, ab_dtype, inverse=False):
+def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=False,
+                    readout_rows=False):
     """The operands kernel's contract (``ChunkPrepKernel.raw_call``; ``scale`` [B], one
     per row): the forward kernel's operands, cast (16-bit; u, decay in the accumulator
     dtype) and made causal-safe, the int32 ``bad`` rows - as
     ``pipeline.causal_operands(pipeline.forward_operands(..))`` on the chunk inputs with
     q, k, v rounded to ``ab_dtype`` (tests/test_cutedsl_emulated.py holds the two equal) -
     and X = (I + A)^-1 with ``inverse`` (a [1] placeholder without; in chunks with a
-    non-finite input X is not part of the contract: the kernel zeroes such k rows)."""
+    non-finite input X is not part of the contract: the kernel zeroes such k rows).
+    ``readout_rows``: q holds the read-out rows (n from ``rows`` [B, NC, 4] at [.., 3]),
+    qg, p come back on them (:func:`_readout_rows_of`)."""
+    if readout_rows:
+        n = rows[..., 3]
+        out = chunk_prep_call(_to_chunk_rows(q, n, k.shape[-2]), k, v, g, beta, scale,
+                              ab_dtype=ab_dtype)
+        w, kt, qg, p, *rest = out
+        return (w, kt, _readout_rows_of(qg, n), _readout_rows_of(p, n), *rest)
     acc = jnp.promote_types(jnp.float32, ab_dtype)
     ch = as_read(ChunkInputs(q, k, v, g.astype(acc), beta.astype(acc)), ab_dtype, acc)
     q, k = ch.q, ch.k
@@ -177,6 +186,17 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
     w, kt, qg, p, *rest = out
     n = rows[..., 3]
     return (w, kt, _readout_rows_of(qg, n), _readout_rows_of(p, n), *rest)
+
+
+def _to_chunk_rows(x, n, C):
+    """[B, NC, HV, READOUT_ROWS, X] (row m: chunk row n m + n - 1) -> [B, NC, HV, C, X]
+    with zeros in the rows that are not read out: the inverse of :func:`_readout_rows_of`."""
+    i = jnp.arange(C, dtype=jnp.int32)
+    n = n[..., None]                                               # [B, NC, 1]
+    ok = (i % n == n - 1) & (i // n < READOUT_ROWS)                 # [B, NC, C]
+    idx = jnp.clip(i // n, 0, READOUT_ROWS - 1)[:, :, None, :, None]
+    y = jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:3] + (C, 1)), axis=-2)
+    return jnp.where(ok[:, :, None, :, None], y, jnp.zeros((), x.dtype))
 
 
 def _readout_rows_of(x, n):

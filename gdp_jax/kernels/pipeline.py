@@ -103,11 +103,12 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
+        compact = readout and readout_rows_only(spec)
         if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
-            return ChunkPrepKernel.call_tokens(
-                spec, *tokens, ch, layout, normalized=normalized,
-                readout_rows=readout and readout_rows_only(spec))
-        return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype)
+            return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout,
+                                               normalized=normalized, readout_rows=compact)
+        return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype,
+                                    readout_every=spec.n if compact else 1)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
 
 
@@ -216,6 +217,12 @@ TOKEN_BACKWARD = False
 # (8, 4096, 16, 2)), 7% at (1, 65536, 16, 2) under intra_cp="auto" (H100, s30-1:
 # benchmarks/results/CURRENT.md).
 READOUT_ONLY = True
+# and, with READOUT_ONLY, the differentiated forward as well (the chunk-major operands
+# kernel reads q's read-out rows compact and writes qg, P on them; the walk that writes
+# the checkpoints forms o on them). Opt-in, NOT yet run on a GPU (s30): the GPU test
+# ``test_readout_only_same_bits`` covers it, ``bash benchmarks/run_gpu_measurements.sh
+# 12`` measures it.
+READOUT_ONLY_GRAD = False
 
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
@@ -364,7 +371,8 @@ class CuTeDSLEngine(Engine):
                 read = tokens.raw
             operands, bad = masked_operands(
                 spec, ch, use_kernel=self._prep_kernel(spec, ch, keep_states), layout=layout,
-                tokens=read, normalized=normalized, readout=not keep_states)
+                tokens=read, normalized=normalized,
+                readout=not keep_states or READOUT_ONLY_GRAD)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = ChunkForwardKernel.call(
