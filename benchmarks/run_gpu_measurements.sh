@@ -15,6 +15,7 @@
 #                                               # A/B beside FLA at the main shapes, one long row with them and PIPELINE
 #   bash benchmarks/run_gpu_measurements.sh 11  # PAIR_TILES: GPU test, fwd and fwd+bwd A/B beside FLA, one long row
 #   bash benchmarks/run_gpu_measurements.sh 12  # READOUT_ONLY_GRAD: GPU test, fwd+bwd A/B beside FLA at the main shapes
+#   bash benchmarks/run_gpu_measurements.sh 13  # mode 11 cut to ~300 s: PAIR_TILES A/B at one shape, its bf16 GPU test cases
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -154,4 +155,13 @@ case "${1:-2}" in
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/rog_test.log | tail -8 | cut -c1-200
   grep -h "readout only grad" $M/rog_test.log | cut -c1-250
   rows $M/rog_ab.log ;;
+13)
+  # mode 11 cut to what ~300 s of device time holds (s30): ours with / without PAIR_TILES
+  # at one main shape, fwd and fwd+bwd (no FLA), then its GPU test's bf16 cases
+  step 100 pair_ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+pair --no-check \
+    --shapes "8,4096,16,2" --deadline 90 --out $M/pair_ab
+  step 170 pair_test $P tests/test_cutedsl_gpu.py -k "pair_tiles and bfloat16"
+  rows $M/pair_ab.log
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pair_test.log | tail -8 | cut -c1-200
+  grep -h "pair tiles" $M/pair_test.log | cut -c1-250 ;;
 esac
