@@ -61,9 +61,9 @@ def _sync(_=None):
 
 class FlaOp:
     """fla.ops.gated_delta_product.chunk_gated_delta_product(use_qk_l2norm_in_kernel=True);
-    fwd+bwd = forward + o.backward(w). Peak = max_memory_allocated during fwd+bwd minus
-    what was allocated before; kept = memory_allocated after the forward minus before,
-    minus o."""
+    fwd+bwd = forward + o.backward(w). Peak = max_memory_allocated during fwd+bwd (or
+    the forward alone) minus what was allocated before; kept = memory_allocated after the
+    forward minus before, minus o."""
     name, family, fwd_same_as = "fla", "peer", None
 
     def available(self):
@@ -120,6 +120,16 @@ class FlaOp:
             return {"peak_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
                     "kept_gb": kept / 1e9}
 
+        def fwd_memory():
+            _sync()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            o = fwd()
+            _sync()
+            peak = torch.cuda.max_memory_allocated() - base
+            del o
+            return {"fwd_peak_gb": peak / 1e9}
+
         def release():
             for t in leaves:
                 t.grad = None
@@ -127,7 +137,7 @@ class FlaOp:
 
         return Built(sync=_sync, fwd=fwd, fwdbwd=fwdbwd,
                      to_np=lambda a: a.detach().float().cpu().numpy(), grads_of=grads_of,
-                     memory=memory, release=release)
+                     memory=memory, fwd_memory=fwd_memory, release=release)
 
 
 class FlaStep:

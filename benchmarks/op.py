@@ -73,7 +73,10 @@ def one(impl, x, shape, mode, ref, args, row):
                 " ".join(f"{k} {v:.1e}" for k, v in row["check"].items()), f"(tol {TOL})")
         if impl.fwd_same_as is None:
             row["fwd_ms"] = measure.median_ms(built.fwd, built.sync, args.iters, args.reps)
-            log(shape.label(), impl.name, f"fwd {row['fwd_ms']:.3f} ms")
+            if mode == "fwd" and built.fwd_memory is not None:
+                row.update(built.fwd_memory())
+            log(shape.label(), impl.name, f"fwd {row['fwd_ms']:.3f} ms"
+                + (f", peak {row['fwd_peak_gb']:.2f} GB" if "fwd_peak_gb" in row else ""))
         if mode == "fwdbwd":
             row["fwdbwd_ms"] = measure.median_ms(built.fwdbwd, built.sync, args.iters,
                                                  args.reps)
@@ -145,6 +148,9 @@ def table_md(run_, mode, baseline) -> str:
                  "'kept' = kept for the backward beyond the inputs; 'XLA GB' = the bytes "
                  "XLA's cost analysis gives the compiled fwd+bwd (its own kernels; a kernel "
                  "call counts its operands and results).")
+    else:
+        what += (" 'peak' = temporary memory of one forward (XLA's compiled temp size; FLA: "
+                 "max_memory_allocated minus what was allocated before, its output included).")
     lines = run_.header("Forward + backward benchmark" if mode == "fwdbwd"
                         else "Forward benchmark", what)
     if mode == "fwdbwd":
@@ -152,8 +158,8 @@ def table_md(run_, mode, baseline) -> str:
                   "% roofline (fwd+bwd) | peak | kept | XLA GB | check | first call s | note |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     else:
-        lines += [f"| B, T, H, n | impl | fwd | time / {baseline} | % roofline | check | "
-                  "first call s | note |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| B, T, H, n | impl | fwd | time / {baseline} | % roofline | peak | "
+                  "check | first call s | note |", "|---|---|---|---|---|---|---|---|---|"]
     rows = run_.rows
     for r in rows:
         b = next((s for s in rows if s["shape"] == r["shape"] and s["impl"] == baseline), {})
@@ -170,7 +176,7 @@ def table_md(run_, mode, baseline) -> str:
                      fmt(r.get("first_call_s"), 1), status(r)]
         else:
             cells = [r["shape"], r["impl"], fmt(fwd), ratio(fwd, b.get("fwd_ms")),
-                     pct(r["roofline_fwd_ms"], fwd), chk, fmt(r.get("first_call_s"), 1),
-                     status(r)]
+                     pct(r["roofline_fwd_ms"], fwd), fmt(r.get("fwd_peak_gb")), chk,
+                     fmt(r.get("first_call_s"), 1), status(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + run_.footer()) + "\n"

@@ -131,7 +131,8 @@ class Built:
     grads_of(x): the five gradients (ours layout, GRAD_NAMES order) from fwdbwd's result,
     for the correctness check; to_np(a): one of them (or fwd's o) as a float32 numpy array.
     memory(): {"peak_gb", "kept_gb", "xla_gb"} of one fwd+bwd (the keys it can measure;
-    xla_gb: the bytes XLA's cost analysis gives the compiled program).
+    xla_gb: the bytes XLA's cost analysis gives the compiled program); fwd_memory():
+    {"fwd_peak_gb"} of one forward, measured as ``memory``'s peak.
     For the step: step(S) -> S (donated) and first() -> (o, S) for the check.
     """
     sync: Callable
@@ -140,6 +141,7 @@ class Built:
     to_np: Optional[Callable] = None
     grads_of: Optional[Callable] = None
     memory: Optional[Callable] = None
+    fwd_memory: Optional[Callable] = None
     step: Optional[Callable] = None
     first: Optional[Callable] = None
     fresh_state: Optional[Callable] = None
@@ -222,8 +224,13 @@ class OursOp:
                     "kept_gb": (kept - sum(a.nbytes for a in args)) / 1e9,
                     "xla_gb": xla_bytes_accessed(compiled[0]) / 1e9}
 
+        def fwd_memory():
+            temp = fwd.lower(*args).compile().memory_analysis().temp_size_in_bytes
+            return {"fwd_peak_gb": temp / 1e9}
+
         return Built(sync=jax.block_until_ready, fwd=lambda: fwd(*args),
                      fwdbwd=lambda: vg(*vg_args), grads_of=lambda r: r[1], memory=memory,
+                     fwd_memory=fwd_memory,
                      to_np=lambda a: np.asarray(a.astype(jnp.float32)),
                      jitted={"fwd": (fwd, args), "fwdbwd": (vg_jit, vg_args)})
 

@@ -55,6 +55,20 @@ def test_fwdbwd_tiny_xla(tmp_path):
         assert any(n.startswith("fla NOT RUN") for n in data["notes"])
 
 
+def test_fwd_tiny_xla(tmp_path):
+    """The forward benchmark: time, the check of o and the forward's peak memory."""
+    rc = run.main(["fwd", "--impl", "xla", "--shapes", "tiny", "--baseline", "xla",
+                   "--iters", "2", "--reps", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    data, md = _files(tmp_path, "fwd")
+    head, rows = _table(md)
+    assert head[:3] == ["B, T, H, n", "impl", "fwd"] and "peak" in head
+    row = data["rows"][0]
+    assert row["fwd_ms"] > 0 and row["check_ok"] and set(row["check"]) == {"o"}
+    assert row["fwd_peak_gb"] > 0
+    assert rows[0][head.index("peak")] == f"{row['fwd_peak_gb']:.2f}"
+
+
 def test_step_tiny_xla(tmp_path):
     rc = run.main(["step", "--impl", "xla", "--shapes", "tiny", "--baseline", "xla",
                    "--iters", "3", "--reps", "2", "--out", str(tmp_path)])
