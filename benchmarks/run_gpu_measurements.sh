@@ -16,6 +16,7 @@
 #   bash benchmarks/run_gpu_measurements.sh 11  # PAIR_TILES: GPU test, fwd and fwd+bwd A/B beside FLA, one long row
 #   bash benchmarks/run_gpu_measurements.sh 12  # READOUT_ONLY_GRAD: GPU test, fwd+bwd A/B beside FLA at the main shapes
 #   bash benchmarks/run_gpu_measurements.sh 13  # mode 11 cut to ~300 s: PAIR_TILES A/B at one shape, its bf16 GPU test cases
+#   bash benchmarks/run_gpu_measurements.sh 14  # modes 11 and 12 in one call (PAIR_TILES, READOUT_ONLY_GRAD): tests, A/B, long row
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -164,4 +165,17 @@ case "${1:-2}" in
   rows $M/pair_ab.log
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/pair_test.log | tail -8 | cut -c1-200
   grep -h "pair tiles" $M/pair_test.log | cut -c1-250 ;;
+14)
+  # modes 11 and 12 in one call (s30's two opt-ins, for a session with one device call):
+  # their GPU tests' bf16 cases, then fwd and fwd+bwd with each and both beside tuned FLA
+  # at two main shapes, then the long row with / without PAIR_TILES under "auto"
+  step 200 opt_test $P tests/test_cutedsl_gpu.py -k "(pair_tiles or readout_only_grad) and bfloat16"
+  step 230 ab python -m benchmarks.run fwdbwd \
+    --impl cutedsl,cutedsl+pair,cutedsl+rog,cutedsl+pair+rog,fla \
+    --shapes "8,4096,16,2;8,4096,16,3" --deadline 210 --out $M/ab
+  step 100 long python -m benchmarks.run fwd --impl cutedsl-cpauto,cutedsl-cpauto+pair \
+    --no-check --shapes "1,65536,16,2" --deadline 80 --out $M/long
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/opt_test.log | tail -10 | cut -c1-200
+  grep -hE "pair tiles|readout only grad" $M/opt_test.log | cut -c1-250
+  rows $M/ab.log $M/long.log ;;
 esac
