@@ -17,6 +17,8 @@
 #   bash benchmarks/run_gpu_measurements.sh 12  # READOUT_ONLY_GRAD: GPU test, fwd+bwd A/B beside FLA at the main shapes
 #   bash benchmarks/run_gpu_measurements.sh 13  # mode 11 cut to ~300 s: PAIR_TILES A/B at one shape, its bf16 GPU test cases
 #   bash benchmarks/run_gpu_measurements.sh 14  # modes 11 and 12 in one call (PAIR_TILES, READOUT_ONLY_GRAD): tests, A/B, long row
+#   bash benchmarks/run_gpu_measurements.sh 15  # the three opt-ins not yet run (PAIR_TILES, READOUT_ONLY_GRAD,
+#                                               # READOUT_ONLY_BWD): bf16 GPU tests, fwd+bwd A/B beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -178,4 +180,16 @@ case "${1:-2}" in
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/opt_test.log | tail -10 | cut -c1-200
   grep -hE "pair tiles|readout only grad" $M/opt_test.log | cut -c1-250
   rows $M/ab.log $M/long.log ;;
+15)
+  # s31: the three opt-ins no GPU has run yet (s30 wrote them with its device starts
+  # refused): their GPU tests' bf16 cases, then fwd+bwd with each, the read-out pair
+  # (+rog+rob) and all three beside tuned FLA at two main shapes (float64 check on)
+  step 230 opt_test $P tests/test_cutedsl_gpu.py \
+    -k "(pair_tiles or readout_only_grad or readout_only_bwd) and bfloat16"
+  step 300 ab python -m benchmarks.run fwdbwd \
+    --impl cutedsl,cutedsl+pair,cutedsl+rog,cutedsl+rog+rob,cutedsl+pair+rog+rob,fla \
+    --shapes "8,4096,16,2;8,4096,16,3" --deadline 280 --out $M/ab
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/opt_test.log | tail -12 | cut -c1-200
+  grep -hE "pair tiles|readout only (grad|bwd)" $M/opt_test.log | cut -c1-250
+  rows $M/ab.log ;;
 esac

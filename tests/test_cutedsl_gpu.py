@@ -565,6 +565,35 @@ def test_readout_only_grad_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, pack
             f"vs ref", got, grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False),           # value tiles of 64
+    (2, 3, 1, 3, 64, 128, "bfloat16", True),               # 16, GVA, packed
+    (2, 4, 2, 2, 128, 64, "float16", False),
+])
+def test_readout_only_bwd_matches(monkeypatch, B, n, H, HV, K, V, dtype, packed):
+    """``pipeline.READOUT_ONLY_BWD`` (opt-in: the backward's operands on the read-out
+    rows, the reverse walk's P^T dO and qg^T dO over them): o and the final state the
+    same bits (the forward is untouched), every gradient within float32 rounding of the
+    all-rows backward (the walk's sums run in another order) and within GRAD_TOL of
+    float64."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.state_grad import StateGradKernel
+    if packed:
+        args, cu = _rows_or_pack(27, True, n, H, HV, K, V, dtype)
+    else:
+        args, cu = make(27, B, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
+    rows = []
+    raw = StateGradKernel.raw_call
+    monkeypatch.setattr(StateGradKernel, "raw_call", staticmethod(
+        lambda *a, **k: rows.append(a[2].shape[-2]) or raw(*a, **k)))
+    base, got = grads_off_on(monkeypatch, pipeline, "READOUT_ONLY_BWD", args, cu)
+    assert 32 in rows and 64 in rows, rows
+    assert_same_bits(got[:2], base[:2])            # o, the final state
+    compare("readout only bwd vs all rows", got, base, 2e-3)
+    compare(f"readout only bwd B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} "
+            f"vs ref", got, grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
 def test_head_groups_equal_whole_call(monkeypatch, packed):
     """Head groups (:mod:`gdp_jax.heads`) on the kernels: with the offsets limit cut to 2

@@ -185,6 +185,27 @@ def test_pair_tiles_only_for_one_set_walks_of_even_tiles(monkeypatch):
         pick(128, 64, 1)
 
 
+@pytest.mark.parametrize("BV,fused,extra", [(64, True, 0), (32, False, 0), (16, True, 128)])
+def test_readout_rows_reverse_walk_compiles(BV, fused, extra):
+    """The reverse walk on the read-out rows (``pipeline.READOUT_ONLY_BWD``): qg, P, dO
+    with grid.READOUT_ROWS rows; ddo read or formed from P; the CP summary walk (dO on
+    the first V columns); refused with two operand sets or two tiles a CTA."""
+    B, NC, HV, C, N, K, V, R = 2, 3, 4, grid.CHUNK, 2, 128, 128, grid.READOUT_ROWS
+    dt = jnp.bfloat16
+    ddo = S((B, NC, HV, R, C), dt) if fused else S((B, NC, HV, C, V), jnp.float32)
+    avals = (S((B, NC, HV, C, K), dt),) * 2 + (S((B, NC, HV, R, K), dt), ddo,
+             S((B, NC, HV, R, V), dt), S((B, NC, HV), jnp.float32)) + (
+        S((B, NC), jnp.int32),) * 3 + (S((N, HV, K, V + extra), jnp.float32),)
+    walk = lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused, ds_dtype=dt)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
+    with pytest.raises(ValueError, match="one operand set and one value tile"):
+        jax.eval_shape(lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused,
+                                                           stages=2), *avals)
+    bad = avals[:4] + (S((B, NC, HV, C, V), dt),) + avals[5:]
+    with pytest.raises(ValueError, match="the same for both"):
+        jax.eval_shape(lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused), *bad)
+
+
 def test_pipelined_walk_only_where_one_cta_an_sm(monkeypatch):
     """``PIPELINE="auto"``: two operand sets (twice the shared memory) only for launches of
     at most SMS CTAs and value tiles <= 32; True: every tile <= 32; False (the default
@@ -328,6 +349,12 @@ def test_chunk_major_readout_rows_operands_kernel_compiles(dtype, K, V):
         jax.eval_shape(f, *avals[:6])
     with pytest.raises(ValueError, match="rows: only with readout_rows"):
         jax.eval_shape(lambda *a: ChunkPrepKernel.raw_call(*a, ab_dtype=dtype), *full_q)
+    # with X (the backward's, pipeline.READOUT_ONLY_BWD)
+    fx = lambda *a: ChunkPrepKernel.raw_call(*a, ab_dtype=dtype, readout_rows=True,
+                                             inverse=True)
+    *_, X = jax.eval_shape(fx, *avals)
+    assert X.shape == (B, NC, HV, C, C)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(fx, *avals)
 
 
 @pytest.mark.parametrize("dtype,K,V,l2norm", [(jnp.bfloat16, 128, 128, True),

@@ -413,6 +413,46 @@ def test_differentiated_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), i
 
 
+@pytest.mark.parametrize("n,T,cu,H,HV,S", [
+    (2, 150, None, 2, 2, None),
+    (3, 150, [0, 0, 1, 70, 70, 150], 1, 2, None),          # GVA, packed
+    (5, 150, None, 1, 1, None),                            # 12 rows
+    (3, 150, None, 1, 1, 3),                               # intra_cp: the CP summary walk
+])
+def test_backward_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV, S):
+    """With ``READOUT_ONLY_BWD`` the backward's operands (with X) hold qg, P on the
+    read-out rows and the reverse walk takes qg, P, dO on them; the chunk-local backward
+    still gets dO on all rows. On the emulated kernels (plain matmuls: zero rows add
+    nothing) every gradient is the same bits as with all rows."""
+    from gdp_jax.kernels import emulate
+    N = 2 if cu is None else len(cu) - 1
+    inp = make_inputs(n, 2 if cu is None else 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=N)
+    cuj = None if cu is None else jnp.asarray(cu, jnp.int32)
+    rows = []                           # qg's rows at each reverse-walk call
+    raw = emulate.dh_kernel_call        # (emulated_kernels binds it on entry)
+    monkeypatch.setattr(emulate, "dh_kernel_call",
+                        lambda *a, **k: rows.append(a[2].shape[-2]) or raw(*a, **k))
+    wo = jax.random.normal(jax.random.PRNGKey(2), inp.q.shape[:2] + (HV, 128), jnp.float32)
+
+    def loss(q, k, v, g, beta, h0):
+        o, s = gdp_jax.gated_delta_product(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True, cu_seqlens=cuj,
+                                           use_qk_l2norm=True, backend="cutedsl",
+                                           intra_cp=S)
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
+
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(pipeline, "READOUT_ONLY_BWD", on)
+        with testing.emulated_kernels():
+            out[on] = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(
+                inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    half = len(rows) // 2
+    assert rows and set(rows[:half]) == {C} and set(rows[half:]) == {grid.READOUT_ROWS}, rows
+    for a, b in zip(out[True], out[False]):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_emulated_chunk_rows_invert_the_row_pick():
     """``_to_chunk_rows`` puts row m back at chunk row n m + n - 1 (zeros elsewhere): the
     chunk-major operands kernel's compact q read back, the inverse of ``_readout_rows_of``

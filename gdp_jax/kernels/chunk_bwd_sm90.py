@@ -28,11 +28,12 @@ import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, ab_type, acc_to_smem, c_tile,
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
+                                  acc_to_smem, c_tile,
                                   c_tile_or_zero, chunk_scalars, g2s, g2s_copy,
                                   ldmatrix_copies, load_chunk_scalars, make_acc, mma_split_b,
                                   operand, own_tile, recurrent, smem_layout, smem_tile,
-                                  tile_group, transpose_view, warp_mma)
+                                  tile_group, transpose_view, warp_mma, warp_mma_rows)
 
 
 class ChunkBwdDhSm90:
@@ -40,8 +41,12 @@ class ChunkBwdDhSm90:
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
                  fuse_ddo: bool = False, do_cols: int = 0, write_ds: bool = True,
-                 stages: int = 1, pairs: int = 1):
+                 stages: int = 1, pairs: int = 1, rows: int = C):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and stages in (1, 2)
+        # rows of qg, P and dO a chunk: C, or READOUT_ROWS (their read-out rows only, n >= 2:
+        # the only rows where dO is not zero); one operand set, one value tile a CTA
+        assert rows == C or (rows == READOUT_ROWS and stages == 1 and pairs == 1)
+        self.rows = rows
         # 2: a CTA of two 4-warp groups on two adjacent value tiles, one copy of the
         # chunk's Kt, w, qg (P) in smem (the forward walk's ``pairs``; one operand set)
         assert pairs in (1, 2) and (pairs == 1 or (stages == 1 and (V // BV) % 2 == 0))
@@ -65,11 +70,13 @@ class ChunkBwdDhSm90:
     @cute.jit
     def __call__(self, stream, mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast,
                  mDfinal, mDsEnd, mDh0):
-        K, BV, ab = self.K, self.BV, self.ab
-        sK_layout = smem_layout(C, K)         # Kt, w, qg: [C, K]
+        K, BV, ab, R = self.K, self.BV, self.ab, self.rows
+        sK_layout = smem_layout(C, K)         # Kt, w: [C, K]
         sS_layout = smem_layout(K, BV)        # dS (16-bit copy): [K, BV]
-        sD_layout = smem_layout(C, BV)        # -dDelta, dO (16-bit): [C, BV]
-        sP_layout = smem_layout(C, C)         # P (16-bit, ``fuse_ddo``): [C, C]
+        sD_layout = smem_layout(C, BV)        # -dDelta (16-bit): [C, BV]
+        sP_layout = smem_layout(R, C)         # P (16-bit, ``fuse_ddo``): [R, C]
+        sQ_layout = smem_layout(R, K)         # qg: [R, K]
+        sO_layout = smem_layout(R, BV)        # dO (16-bit): [R, BV]
         B, HV = mKt.shape[0], mKt.shape[2]
         grid = (self.V // BV, HV, B)
         if cutlass.const_expr(self.stages == 2):
@@ -82,13 +89,16 @@ class ChunkBwdDhSm90:
                                               stream=stream)
         else:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
-                               sP_layout if self.fuse_ddo else None, self.pairs)
+                               sP_layout if self.fuse_ddo else None, self.pairs,
+                               sQ_layout, sO_layout)
             threads = NUM_THREADS * self.pairs
             self.kernel(mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast, mDfinal,
                         mDsEnd, mDh0, sK_layout, sS_layout, sD_layout, sP_layout,
                         g2s_copy(ab, K, threads), g2s_copy(ab, C, threads), warp_mma(ab),
-                        Storage).launch(grid=(self.V // BV // self.pairs, HV, B),
-                                        block=[threads, 1, 1], stream=stream)
+                        Storage, sQ_layout, sO_layout,
+                        warp_mma_rows(ab, BV) if R < C else warp_mma(ab)).launch(
+                            grid=(self.V // BV // self.pairs, HV, B),
+                            block=[threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -96,8 +106,9 @@ class ChunkBwdDhSm90:
                mDh0, sK_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
                sD_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_C: cute.TiledCopy, tiled_mma: cute.TiledMma,
-               Storage: cutlass.Constexpr):
-        K, BV, ab, pairs = self.K, self.BV, self.ab, self.pairs
+               Storage: cutlass.Constexpr, sQ_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout, tiled_mma_o: cute.TiledMma):
+        K, BV, ab, pairs, R = self.K, self.BV, self.ab, self.pairs, self.rows
         tidx, _, _ = cute.arch.thread_idx()
         vt, hv, b = cute.arch.block_idx()
         NC = mKt.shape[1]
@@ -110,12 +121,12 @@ class ChunkBwdDhSm90:
         st = smem.allocate(Storage)
         sKt = st.sKt.get_tensor(sK_layout)
         sW = st.sW.get_tensor(sK_layout)
-        sQ = st.sQ.get_tensor(sK_layout)
+        sQ = st.sQ.get_tensor(sQ_layout)                   # qg: [R, K]
         sS = own_tile(st.sS, sS_layout, grp, pairs)        # dS hi: [K, BV]
         sSl = own_tile(st.sSl, sS_layout, grp, pairs)      # dS lo
         sD = own_tile(st.sD, sD_layout, grp, pairs)        # -dDelta hi: [C, BV]
         sDl = own_tile(st.sDl, sD_layout, grp, pairs)      # -dDelta lo
-        sO = own_tile(st.sO, sD_layout, grp, pairs)        # dO: [C, BV]
+        sO = own_tile(st.sO, sO_layout, grp, pairs)        # dO: [R, BV]
 
         thr_mma = tiled_mma.get_slice(tidx)
         acc_S = make_acc(thr_mma, (K, BV))
@@ -126,23 +137,30 @@ class ChunkBwdDhSm90:
         cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
         Kt = operand(thr_mma, cA, sKt, True)
         WT = operand(thr_mma, cAt, transpose_view(sW, C, K), True)
-        QT = operand(thr_mma, cAt, transpose_view(sQ, C, K), True)
+        QT = operand(thr_mma, cAt, transpose_view(sQ, R, K), True)      # qg^T: [K, R]
         S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
         Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
         D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
         Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
-        O = operand(thr_mma, cBt, transpose_view(sO, C, BV), False)
+        O = operand(thr_mma, cBt, transpose_view(sO, R, BV), False)
 
         toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
         toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
         tCsS, tCsSl = toS.dest(sS), toS.dest(sSl)
-        tCsD, tCsDl, tCsO = toD.dest(sD), toD.dest(sDl), toD.dest(sO)
+        tCsD, tCsDl = toD.dest(sD), toD.dest(sDl)
+        # dO's [R, BV] tile enters smem through the accumulator layout of a tiled MMA of
+        # R rows: the walk's (R = C) or the read-out rows' 2 x 2 warps (R = READOUT_ROWS)
+        thr_o = tiled_mma_o.get_slice(tidx)
+        toO = toD
+        if cutlass.const_expr(R < C):
+            toO = acc_to_smem(tiled_mma_o, tidx, make_acc(thr_o, (R, BV)), ab)
+        tCsO = toO.dest(sO)
 
         gK = g2s(copy_K, tidx_cta)
         tKsKt, tKsW, tKsQ = gK.dest(sKt), gK.dest(sW), gK.dest(sQ)
         if cutlass.const_expr(self.fuse_ddo):
-            sP = st.sP.get_tensor(sP_layout)    # P: [C, C]
-            PT = operand(thr_mma, cAt, transpose_view(sP, C, C), True)    # P^T: [C, C]
+            sP = st.sP.get_tensor(sP_layout)    # P: [R, C]
+            PT = operand(thr_mma, cAt, transpose_view(sP, R, C), True)    # P^T: [C, R]
             gP = g2s(copy_C, tidx_cta)
             tPsP = gP.dest(sP)
 
@@ -157,9 +175,9 @@ class ChunkBwdDhSm90:
             # ---- operands of chunk c -> smem (async)
             gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
-            gK.load(mQg[b, c, hv, None, None], (C, K), tKsQ)
+            gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
             if cutlass.const_expr(self.fuse_ddo):
-                gP.load(mDdo[b, c, hv, None, None], (C, C), tPsP)
+                gP.load(mDdo[b, c, hv, None, None], (R, C), tPsP)
             cute.arch.cp_async_commit_group()
 
             # ---- gradient w.r.t. the chunk's end state
@@ -171,14 +189,14 @@ class ChunkBwdDhSm90:
                     acc_S.load().to(mDsEnd.element_type))
             toS.store_split(acc_S.load(), tCsS, tCsSl, self.split)
             if cutlass.const_expr(self.do_cols == self.V):
-                toD.store(c_tile(thr_mma, mDo[b, c, hv, None, None], (C, BV), (0, vt)).load(),
+                toO.store(c_tile(thr_o, mDo[b, c, hv, None, None], (R, BV), (0, vt)).load(),
                           tCsO)
                 if cutlass.const_expr(not self.fuse_ddo):
                     ddo = c_tile(thr_mma, mDdo[b, c, hv, None, None], (C, BV),
                                  (0, vt)).load().to(cutlass.Float32)
             else:
                 tiles = self.do_cols // BV
-                toD.store(c_tile_or_zero(thr_mma, mDo[b, c, hv, None, None], (C, BV), vt,
+                toO.store(c_tile_or_zero(thr_o, mDo[b, c, hv, None, None], (R, BV), vt,
                                          tiles).to(ab), tCsO)
                 if cutlass.const_expr(not self.fuse_ddo):
                     ddo = c_tile_or_zero(thr_mma, mDdo[b, c, hv, None, None], (C, BV), vt,
@@ -189,7 +207,7 @@ class ChunkBwdDhSm90:
             # ---- dDelta = ddo + Kt dS   (kept negated in smem: the next MMA subtracts it)
             acc_D.fill(0.0)
             if cutlass.const_expr(self.fuse_ddo):
-                mma_split_b(tiled_mma, C // MMA_K, [(acc_D, PT)], O, None, False)
+                mma_split_b(tiled_mma, R // MMA_K, [(acc_D, PT)], O, None, False)
             mma_split_b(tiled_mma, K // MMA_K, [(acc_D, Kt)], S, Sl, self.split)
             if cutlass.const_expr(self.fuse_ddo):
                 toD.store_split(-acc_D.load(), tCsD, tCsDl, self.split)
@@ -199,8 +217,13 @@ class ChunkBwdDhSm90:
 
             # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
             acc_S.store(acc_S.load() * decay)
-            mma_split_b(tiled_mma, C // MMA_K, [(acc_S, WT)], D, Dl, self.split,
-                        plain=[(acc_S, QT, O)])
+            if cutlass.const_expr(R == C):
+                mma_split_b(tiled_mma, C // MMA_K, [(acc_S, WT)], D, Dl, self.split,
+                            plain=[(acc_S, QT, O)])
+            else:
+                # qg^T dO over the read-out rows, then w^T (-dDelta) over the chunk's
+                mma_split_b(tiled_mma, R // MMA_K, [(acc_S, QT)], O, None, False)
+                mma_split_b(tiled_mma, C // MMA_K, [(acc_S, WT)], D, Dl, self.split)
 
             if reset != 0:
                 c_tile(thr_mma, mDh0[seq, hv, None, None], (K, BV), (0, vt)).store(acc_S.load())
@@ -340,15 +363,15 @@ class ChunkBwdDhSm90:
                                      (0, do_vt)).load().to(cutlass.Float32))
 
 
-def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, pairs=1):
-    """The kernel's shared memory (a ``cute.struct``): Kt, w, qg; dS hi, lo; -dDelta hi,
-    lo; dO (one of each per group: ``pairs``) - and P where ``sP_layout`` is given
-    (``fuse_ddo``). (Fields are built as objects: this module's annotations are strings,
-    which only a ``cute.jit`` body evaluates.)"""
+def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, pairs, sQ_layout, sO_layout):
+    """The kernel's shared memory (a ``cute.struct``): Kt, w, qg (``sQ_layout``); dS hi,
+    lo; -dDelta hi, lo; dO (``sO_layout``; one of each per group: ``pairs``) - and P where
+    ``sP_layout`` is given (``fuse_ddo``). (Fields are built as objects: this module's
+    annotations are strings, which only a ``cute.jit`` body evaluates.)"""
     fields = {"sKt": smem_tile(ab, sK_layout), "sW": smem_tile(ab, sK_layout),
-              "sQ": smem_tile(ab, sK_layout), "sS": smem_tile(ab, sS_layout, pairs),
+              "sQ": smem_tile(ab, sQ_layout), "sS": smem_tile(ab, sS_layout, pairs),
               "sSl": smem_tile(ab, sS_layout, pairs), "sD": smem_tile(ab, sD_layout, pairs),
-              "sDl": smem_tile(ab, sD_layout, pairs), "sO": smem_tile(ab, sD_layout, pairs)}
+              "sDl": smem_tile(ab, sD_layout, pairs), "sO": smem_tile(ab, sO_layout, pairs)}
     if sP_layout is not None:
         fields["sP"] = smem_tile(ab, sP_layout)
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
@@ -375,9 +398,10 @@ _KERNELS = {}
 
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                fuse_ddo: bool = False, do_cols: int = 0,
-               write_ds: bool = True, stages: int = 1, pairs: int = 1) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages, pairs)
+               write_ds: bool = True, stages: int = 1, pairs: int = 1,
+               rows: int = C) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages, pairs, rows)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols,
-                                       write_ds, stages, pairs)
+                                       write_ds, stages, pairs, rows)
     return _KERNELS[key]

@@ -75,24 +75,24 @@ class ChunkPrepKernel:
         """ch (:class:`gdp_jax.grid.ChunkInputs`, float32) -> ((w, kt, qg, p, u, decay),
         bad), and with ``inverse`` ((..), bad, X): X = (I + A)^-1 [B, NC, HV, C, C]
         float32, as the kernel computed it (from the k rows it entered: a non-finite k row
-        enters as zeros); ``jax.vmap``-able. ``readout_every`` = n >= 2 (no ``inverse``;
-        ``grid.readout_every(n) == n``): qg, p on the read-out rows only, as
-        :meth:`raw_call_tokens` with ``readout_rows`` (ch.q's read-out rows are what the
-        kernel reads)."""
+        enters as zeros); ``jax.vmap``-able. ``readout_every`` = n >= 2
+        (``grid.readout_every(n) == n``): qg, p on the read-out rows only, as
+        :meth:`raw_call_tokens` with ``readout_rows`` gives them (ch.q's read-out rows are
+        what the kernel reads)."""
         scale_rows = jnp.full(ch.k.shape[:1], scale, jnp.float32)
         if readout_every > 1:
-            if inverse:
-                raise ValueError("readout_every: the forward's operands only (no inverse)")
             f = binding.vmappable(
-                lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, readout_rows=True),
-                out_kinds=("rows",) * 7 + ("dummy",))
+                lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, readout_rows=True,
+                                        inverse=inverse),
+                out_kinds=("rows",) * 7 + ("rows" if inverse else "dummy",))
             q = grid.readout_rows(ch.q, readout_every)
             pad = [(0, 0)] * (q.ndim - 2) + [(0, grid.READOUT_ROWS - q.shape[-2]), (0, 0)]
             n = jnp.asarray([0, 0, 0, readout_every], jnp.int32)
             rows = jnp.broadcast_to(n, ch.g.shape[:2] + (4,))
             w, kt, qg, p, u, decay, bad, X = f(jnp.pad(q, pad), ch.k, ch.v, ch.g, ch.beta,
                                                scale_rows, rows)
-            return (w, kt, qg, p, u, decay), bad != 0
+            out = (w, kt, qg, p, u, decay), bad != 0
+            return out + (X,) if inverse else out
         f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, inverse=inverse),
                               out_kinds=("rows",) * 7 + ("rows" if inverse else "dummy",))
         w, kt, qg, p, u, decay, bad, X = f(ch.q, ch.k, ch.v, ch.g, ch.beta, scale_rows)
@@ -109,7 +109,7 @@ class ChunkPrepKernel:
         row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
         placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM clock cycles
         of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags.
-        ``readout_rows`` (no ``inverse``, ``probe``): q [B, NC, HV, READOUT_ROWS, K] holds
+        ``readout_rows`` (no ``probe``): q [B, NC, HV, READOUT_ROWS, K] holds
         the chunk's read-out rows n - 1, 2n - 1, .. (then zeros), rows [B, NC, 4] int32
         their n at [.., 3] (the rest unread); qg, p as :meth:`raw_call_tokens` gives them
         with ``readout_rows``."""
@@ -119,9 +119,8 @@ class ChunkPrepKernel:
             raise ValueError(f"k: chunks of {C} rows, [B, NC, HV, {C}, K]; got {k.shape}")
         if readout_rows:
             R = grid.READOUT_ROWS
-            if inverse or probe:
-                raise ValueError("readout_rows: the forward's operands only (no inverse, "
-                                 "probe)")
+            if probe:
+                raise ValueError("readout_rows: not with probe")
             if q.shape != (B, NC, HV, R, K):
                 raise ValueError(f"q: the read-out rows, {(B, NC, HV, R, K)}; got {q.shape}")
             if rows is None or rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
@@ -139,12 +138,13 @@ class ChunkPrepKernel:
         f32 = lambda x: x.astype(jnp.float32)
         to_ab = lambda x: x.astype(ab)
         if readout_rows:
-            outputs = _outputs(B, NC, HV, K, V, ab, inverse=False, rows=grid.READOUT_ROWS)
+            outputs = _outputs(B, NC, HV, K, V, ab, inverse=inverse, rows=grid.READOUT_ROWS)
             return binding.custom_call(
                 _launcher_tokens, "gdp_chunk_prep_sm90_rows", outputs,
                 (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta), f32(scale), rows),
-                tile_dims=(2, 2, 2, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 1),
-                K=K, V=V, ab_name=ab.name, l2norm=False, readout_rows=True, tokens=False)
+                tile_dims=(2, 2, 2, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 2 if inverse else 1),
+                K=K, V=V, ab_name=ab.name, l2norm=False, readout_rows=True, tokens=False,
+                **({"inverse": True} if inverse else {}))
         outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),

@@ -123,7 +123,7 @@ def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=Fal
     if readout_rows:
         n = rows[..., 3]
         out = chunk_prep_call(_to_chunk_rows(q, n, k.shape[-2]), k, v, g, beta, scale,
-                              ab_dtype=ab_dtype)
+                              ab_dtype=ab_dtype, inverse=inverse)
         w, kt, qg, p, *rest = out
         return (w, kt, _readout_rows_of(qg, n), _readout_rows_of(p, n), *rest)
     acc = jnp.promote_types(jnp.float32, ab_dtype)

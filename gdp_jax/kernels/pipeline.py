@@ -135,7 +135,9 @@ class BackwardWork:
     factors of the chunk-local backward (``w``, ``u``, ``X`` = (I + A)^-1, and ``it``, the
     :class:`gdp_jax.chunked.Intra` the chunk states are recomputed from) and the reverse
     kernel's operands (kt, w, qg, ddo, do, decay); ddo = P^T dO is what the output sends
-    to Delta directly.
+    to Delta directly. ``do``: dO on all C rows (zeros off the read-out ones), for the
+    chunk-local backward; the reverse kernel's may hold the read-out rows alone
+    (:data:`READOUT_ONLY_BWD`: qg, P, dO on ``grid.READOUT_ROWS`` rows).
 
     ``on_kernel`` (:func:`kernel_backward`): the factors and operands come from one pass of
     the operands kernel with X (``ChunkPrepKernel``, as the forward's operands do), for
@@ -160,34 +162,43 @@ class BackwardWork:
         if on_kernel:
             # ``prep``: the forward's (operands, X) when it kept them (SAVE_OPERANDS)
             if prep is None:
-                operands, _, X = ChunkPrepKernel.call(ch, scale=scale, ab_dtype=ab_dtype,
-                                                      inverse=True)
+                operands, _, X = ChunkPrepKernel.call(
+                    ch, scale=scale, ab_dtype=ab_dtype, inverse=True,
+                    readout_every=every if READOUT_ONLY_BWD else 1)
                 prep = (operands, X)
             (w, kt, qg, p, u, decay), self.X = prep
+            do_walk = do
+            if qg.shape[-2] != grid.CHUNK:
+                # qg, P on the read-out rows (the first C // every of READOUT_ROWS): the
+                # reverse kernel takes dO on those rows too
+                pad = [(0, 0)] * (doc.ndim - 2) + [(0, qg.shape[-2] - doc.shape[-2]), (0, 0)]
+                do_walk = jnp.pad(cast(doc), pad)
+                rows = lambda x: x[..., :doc.shape[-2], :]
             ddo = p if self.fuse_ddo else (
                 jnp.swapaxes(rows(p).astype(acc), -1, -2) @ doc.astype(acc))
             # the chunk-state recompute (states_from_checkpoints) reads w, u, Kt, G_last
             G_last = chunked.prefix_sum(ch.g, axis=-1)[..., -1]
             self.it = chunked.Intra(G_last, None, None, w.astype(acc), u, kt.astype(acc))
-            self.w, self.u = w, u
-            self.operands = (kt, w, qg, ddo, do, decay)
+            self.w, self.u, self.do = w, u, do
+            self.operands = (kt, w, qg, ddo, do_walk, decay)
             return
         self.it, self.X = chunked.wy_factors(ch, inverse=wy_inverse.unit_lower_inverse)
         self.w, self.u = self.it.w, self.it.u
         p = scale * chunked.causal_scores(rows(ch.q), ch.k, rows(self.it.Gam))  # [.., Cr, C]
         ddo = jnp.swapaxes(p, -1, -2) @ doc
         qg = scale * self.it.gam[..., None] * ch.q
+        self.do = do
         self.operands = (cast(self.it.Kt), cast(self.it.w), cast(qg), ddo.astype(acc), do,
                          jnp.exp(self.it.G_last).astype(acc))
 
     # a pytree (its arrays the leaves), so a CP backward context can leave a jax.vmap
     def tree_flatten(self):
-        return (self.X, self.it, self.w, self.u, self.operands), self.fuse_ddo
+        return (self.X, self.it, self.w, self.u, self.do, self.operands), self.fuse_ddo
 
     @classmethod
     def tree_unflatten(cls, fuse_ddo, children):
         work = object.__new__(cls)
-        work.X, work.it, work.w, work.u, work.operands = children
+        work.X, work.it, work.w, work.u, work.do, work.operands = children
         work.fuse_ddo = fuse_ddo
         return work
 
@@ -223,6 +234,13 @@ READOUT_ONLY = True
 # ``test_readout_only_same_bits`` covers it, ``bash benchmarks/run_gpu_measurements.sh
 # 12`` measures it.
 READOUT_ONLY_GRAD = False
+# and the backward's operands on the read-out rows (the operands kernel with X writes qg, P
+# on them) with the reverse walk forming P^T dO and qg^T dO over those rows alone (k = 32
+# instead of C: 21% fewer of its multiply-adds a chunk, 12 KB less loaded; not the same
+# bits as all rows: the float32 sums run in another order). Opt-in, NOT yet run on a GPU
+# (s30): GPU test ``test_readout_only_bwd_matches``; ``bash
+# benchmarks/run_gpu_measurements.sh 15``.
+READOUT_ONLY_BWD = False
 
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
@@ -263,7 +281,7 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
         rows = token_rows(layout, spec.n, spec.T)
         q, k, v = qkv if qkv is not None else ch[:3]
         dq, dk, dv, dg, dbeta = LocalGradKernel.call_tokens(
-            q, k, v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.operands[4],
+            q, k, v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.do,
             ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype,
             tokens_in=qkv is not None)
         gates = _vma.cotangent_like((dg.astype(ch.g.dtype), dbeta.astype(ch.beta.dtype)),
@@ -271,7 +289,7 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
         return TokenCotangents(dq, dk, dv, *gates)
     if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
-                                     work.X, S0, work.operands[4], ds_end, scale=spec.scale,
+                                     work.X, S0, work.do, ds_end, scale=spec.scale,
                                      ab_dtype=spec.ab_dtype)
         dch = grid.ChunkInputs(*(d.astype(x.dtype) for d, x in zip(grads, ch)))
         return _vma.cotangent_like(dch, ch)

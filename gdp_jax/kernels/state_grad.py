@@ -16,6 +16,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from gdp_jax import grid
+from gdp_jax.grid import CHUNK, READOUT_ROWS
 from gdp_jax.kernels import binding
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
@@ -41,7 +42,11 @@ class StateGradKernel:
             bv = BV or ChunkForwardKernel.launch_bv(a[0], a[9])
             stages = ChunkForwardKernel.pick_stages(a[0].shape[0], a[0].shape[2],
                                                     a[9].shape[-1], bv)
+            if a[2].shape[-2] != a[0].shape[-2]:        # the read-out rows: one set, one tile
+                stages = 1
             pairs = ChunkForwardKernel.pick_pairs(a[9].shape[-1], bv, stages)
+            if a[2].shape[-2] != a[0].shape[-2]:
+                pairs = 1
             return cls.raw_call(*a, BV=bv, split=split, ds_dtype=ds_dtype, fuse_ddo=fuse_ddo,
                                 write_ds=write_ds, stages=stages,
                                 **({"pairs": 2} if pairs == 2 else {}))
@@ -72,6 +77,13 @@ class StateGradKernel:
         """
         B, NC, HV, C, K = kt.shape
         V, Vo = dfinal.shape[-1], do.shape[-1]
+        R = qg.shape[-2]
+        if R not in (C, READOUT_ROWS) or do.shape[-2] != R:
+            raise ValueError(f"qg {qg.shape}, do {do.shape}: expected {C} rows a chunk, or "
+                             f"{READOUT_ROWS} read-out rows, the same for both")
+        if R != C and (stages != 1 or pairs != 1):
+            raise ValueError(f"the read-out rows (qg {qg.shape}) take one operand set and one "
+                             f"value tile a CTA; got stages={stages}, pairs={pairs}")
         if pairs not in (1, 2) or (pairs == 2 and (stages != 1 or (V // BV) % 2)):
             raise ValueError(f"pairs={pairs}: 1, or 2 for a one-set walk (stages=1, got "
                              f"{stages}) of an even number of value tiles (V={V}, BV={BV})")
@@ -79,7 +91,7 @@ class StateGradKernel:
             raise ValueError(f"do has shape {do.shape}; expected at most the {V} state "
                              f"columns of dfinal {dfinal.shape}, a multiple of BV={BV}")
         ab_name = jnp.dtype(kt.dtype).name
-        want = ((B, NC, HV, C, C), kt.dtype) if fuse_ddo else ((B, NC, HV, C, Vo), jnp.float32)
+        want = ((B, NC, HV, R, C), kt.dtype) if fuse_ddo else ((B, NC, HV, C, Vo), jnp.float32)
         if (ddo.shape, jnp.dtype(ddo.dtype)) != (want[0], jnp.dtype(want[1])):
             raise ValueError(f"{'P' if fuse_ddo else 'ddo'}: expected {jnp.dtype(want[1]).name}"
                              f" {want[0]}; got {jnp.dtype(ddo.dtype).name} {ddo.shape}")
@@ -99,7 +111,8 @@ class StateGradKernel:
                                    **({"do_cols": Vo} if Vo < V else {}),
                                    **({} if write_ds else {"write_ds": False}),
                                    **({"stages": 2} if stages == 2 else {}),
-                                   **({"pairs": 2} if pairs == 2 else {}))
+                                   **({"pairs": 2} if pairs == 2 else {}),
+                                   **({"rows": R} if R != C else {}))
 
     @classmethod
     def variants(cls):
@@ -157,9 +170,9 @@ def _launcher():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0,
                write_ds: cutlass.Constexpr = True, stages: cutlass.Constexpr = 1,
-               pairs: cutlass.Constexpr = 1):
+               pairs: cutlass.Constexpr = 1, rows: cutlass.Constexpr = CHUNK):
         mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds, stages,
-                       pairs)(
+                       pairs, rows)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
