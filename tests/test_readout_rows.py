@@ -499,3 +499,38 @@ def test_emulated_readout_rows_pick_the_read_out_rows():
             rows = np.asarray(x)[b, c, :, nn - 1::nn][:, :C // nn]
             np.testing.assert_array_equal(y[b, c, :, :C // nn], rows)
             assert not y[b, c, :, C // nn:].any()
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save_operands"])
+def test_readout_rows_forward_and_backward_together(monkeypatch, save):
+    """``READOUT_ONLY_GRAD`` and ``READOUT_ONLY_BWD`` on together (with the backward's
+    operands recomputed, or kept by the forward: ``SAVE_OPERANDS``, whose all-rows
+    operands then serve both walks) give the loss and every gradient of both off: the
+    same bits but dg (float32 rounding: XLA's sums around the kernels), packed with GVA
+    and empty / one-token sequences, n = 3, on the emulated kernels."""
+    n, T, cu, H, HV = 3, 150, [0, 0, 1, 70, 70, 150], 1, 2
+    inp = make_inputs(7, 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=len(cu) - 1)
+    cuj = jnp.asarray(cu, jnp.int32)
+    wo = jax.random.normal(jax.random.PRNGKey(3), inp.q.shape[:2] + (HV, 128), jnp.float32)
+    monkeypatch.setattr(pipeline, "SAVE_OPERANDS", save)
+
+    def loss(q, k, v, g, beta, h0):
+        o, s = gdp_jax.gated_delta_product(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True, cu_seqlens=cuj,
+                                           use_qk_l2norm=True, backend="cutedsl")
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
+
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(pipeline, "READOUT_ONLY_GRAD", on)
+        monkeypatch.setattr(pipeline, "READOUT_ONLY_BWD", on)
+        with testing.emulated_kernels():
+            out[on] = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))(
+                inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    (l1, g1), (l0, g0) = out[True], out[False]
+    for i, (a, b) in enumerate(zip((l1,) + g1, (l0,) + g0)):
+        assert np.isfinite(np.asarray(a, np.float32)).all(), i
+        if i == 4:                                       # dg
+            assert rel_max(a, b) < 1e-6
+        else:
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), i
