@@ -29,11 +29,11 @@ import cutlass.memory
 import cutlass.cute as cute
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
-                                  acc_to_smem, c_tile,
-                                  c_tile_or_zero, chunk_scalars, g2s, g2s_copy,
-                                  ldmatrix_copies, load_chunk_scalars, make_acc, mma_split_b,
-                                  operand, own_tile, recurrent, smem_layout, smem_tile,
-                                  tile_group, transpose_view, warp_mma, warp_mma_rows)
+                                  acc_to_smem, c_tile, c_tile_or_zero, chunk_scalars, g2s,
+                                  g2s_copy, ldmatrix_copies, load_chunk_scalars, make_acc,
+                                  mma_split_b, operand, own_tile, recurrent, smem_layout,
+                                  smem_tile, tile_group, transpose_view, warp_mma,
+                                  warp_mma_rows)
 
 
 class ChunkBwdDhSm90:

@@ -40,13 +40,11 @@ class StateGradKernel:
         the rows of the launch (``ChunkForwardKernel.launch_bv``)."""
         def launch(*a):
             bv = BV or ChunkForwardKernel.launch_bv(a[0], a[9])
-            stages = ChunkForwardKernel.pick_stages(a[0].shape[0], a[0].shape[2],
-                                                    a[9].shape[-1], bv)
-            if a[2].shape[-2] != a[0].shape[-2]:        # the read-out rows: one set, one tile
-                stages = 1
-            pairs = ChunkForwardKernel.pick_pairs(a[9].shape[-1], bv, stages)
-            if a[2].shape[-2] != a[0].shape[-2]:
-                pairs = 1
+            stages, pairs = 1, 1                # qg on the read-out rows: one set, one tile
+            if a[2].shape[-2] == a[0].shape[-2]:
+                stages = ChunkForwardKernel.pick_stages(a[0].shape[0], a[0].shape[2],
+                                                        a[9].shape[-1], bv)
+                pairs = ChunkForwardKernel.pick_pairs(a[9].shape[-1], bv, stages)
             return cls.raw_call(*a, BV=bv, split=split, ds_dtype=ds_dtype, fuse_ddo=fuse_ddo,
                                 write_ds=write_ds, stages=stages,
                                 **({"pairs": 2} if pairs == 2 else {}))
