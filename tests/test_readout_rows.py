@@ -369,6 +369,45 @@ def test_kernel_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV, l2norm
     assert np.isfinite(np.asarray(out[True][0], np.float32)).all()
 
 
+def _emulated_loss_and_grads(monkeypatch, switches, inp, cu, seed, intra_cp=None):
+    """{False: (loss, grads), True: (loss, grads)}: ``jax.value_and_grad`` of a random
+    weighting of o plus the final state's sum, on the emulated cutedsl kernels,
+    with the ``pipeline`` switches named in ``switches`` all off, then all on."""
+    cuj = None if cu is None else jnp.asarray(cu, jnp.int32)
+    wo = jax.random.normal(jax.random.PRNGKey(seed), inp.q.shape[:2] + inp.v.shape[-2:],
+                           jnp.float32)                 # [B, T, HV, V], as o
+
+    def loss(q, k, v, g, beta, h0):
+        o, s = gdp_jax.gated_delta_product(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True, cu_seqlens=cuj,
+                                           use_qk_l2norm=True, backend="cutedsl",
+                                           intra_cp=intra_cp)
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
+
+    out = {}
+    for on in (False, True):
+        for name in switches:
+            monkeypatch.setattr(pipeline, name, on)
+        with testing.emulated_kernels():
+            out[on] = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))(
+                inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    return out
+
+
+def _assert_same_bits_but_dg(out, dg_too=False):
+    """The loss and every gradient of ``out[True]`` the same bits as ``out[False]``'s; dg
+    (unless ``dg_too``) within float32 rounding: it is summed in XLA around the kernels,
+    and a changed forward graph may let XLA reassociate those sums (seen once in 3.8e-8;
+    the emulated kernels' results are exact)."""
+    (l1, g1), (l0, g0) = out[True], out[False]
+    for i, (a, b) in enumerate(zip((l1,) + g1, (l0,) + g0)):
+        assert np.isfinite(np.asarray(a, np.float32)).all(), i
+        if i == 4 and not dg_too:
+            assert rel_max(a, b) < 1e-6
+        else:
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), i
+
+
 @pytest.mark.parametrize("n,T,cu,H,HV", [
     (2, 150, None, 2, 2),
     (3, 150, [0, 0, 1, 70, 70, 150], 1, 2),                # GVA, packed
@@ -383,34 +422,13 @@ def test_differentiated_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV
     from gdp_jax.kernels import emulate
     N = 2 if cu is None else len(cu) - 1
     inp = make_inputs(n, 2 if cu is None else 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=N)
-    cuj = None if cu is None else jnp.asarray(cu, jnp.int32)
     seen = []
     to_rows = emulate._to_chunk_rows
     monkeypatch.setattr(emulate, "_to_chunk_rows",
                         lambda x, nn, c: seen.append(x.shape) or to_rows(x, nn, c))
-    wo = jax.random.normal(jax.random.PRNGKey(1), inp.q.shape[:2] + (HV, 128), jnp.float32)
-
-    def loss(q, k, v, g, beta, h0):
-        o, s = gdp_jax.gated_delta_product(q, k, v, g, beta, initial_state=h0,
-                                           output_final_state=True, cu_seqlens=cuj,
-                                           use_qk_l2norm=True, backend="cutedsl")
-        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
-
-    out = {}
-    for on in (False, True):
-        monkeypatch.setattr(pipeline, "READOUT_ONLY_GRAD", on)
-        with testing.emulated_kernels():
-            out[on] = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))(
-                inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    out = _emulated_loss_and_grads(monkeypatch, ["READOUT_ONLY_GRAD"], inp, cu, seed=1)
     assert seen and all(x[-2] == grid.READOUT_ROWS for x in seen)
-    (l1, g1), (l0, g0) = out[True], out[False]
-    # dg is summed in XLA around the kernels: the forward's changed graph may let XLA
-    # reassociate those float32 sums (seen once in 3.8e-8; the kernels' results are exact)
-    for i, (a, b) in enumerate(zip((l1,) + g1, (l0,) + g0)):
-        if i == 4:
-            assert rel_max(a, b) < 1e-6
-        else:
-            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), i
+    _assert_same_bits_but_dg(out)
 
 
 @pytest.mark.parametrize("n,T,cu,H,HV,S", [
@@ -427,30 +445,15 @@ def test_backward_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV, S):
     from gdp_jax.kernels import emulate
     N = 2 if cu is None else len(cu) - 1
     inp = make_inputs(n, 2 if cu is None else 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=N)
-    cuj = None if cu is None else jnp.asarray(cu, jnp.int32)
     rows = []                           # qg's rows at each reverse-walk call
     raw = emulate.dh_kernel_call        # (emulated_kernels binds it on entry)
     monkeypatch.setattr(emulate, "dh_kernel_call",
                         lambda *a, **k: rows.append(a[2].shape[-2]) or raw(*a, **k))
-    wo = jax.random.normal(jax.random.PRNGKey(2), inp.q.shape[:2] + (HV, 128), jnp.float32)
-
-    def loss(q, k, v, g, beta, h0):
-        o, s = gdp_jax.gated_delta_product(q, k, v, g, beta, initial_state=h0,
-                                           output_final_state=True, cu_seqlens=cuj,
-                                           use_qk_l2norm=True, backend="cutedsl",
-                                           intra_cp=S)
-        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
-
-    out = {}
-    for on in (False, True):
-        monkeypatch.setattr(pipeline, "READOUT_ONLY_BWD", on)
-        with testing.emulated_kernels():
-            out[on] = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(
-                inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
+    out = _emulated_loss_and_grads(monkeypatch, ["READOUT_ONLY_BWD"], inp, cu, seed=2,
+                                   intra_cp=S)
     half = len(rows) // 2
     assert rows and set(rows[:half]) == {C} and set(rows[half:]) == {grid.READOUT_ROWS}, rows
-    for a, b in zip(out[True], out[False]):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    _assert_same_bits_but_dg(out, dg_too=True)
 
 
 def test_emulated_chunk_rows_invert_the_row_pick():
@@ -510,27 +513,7 @@ def test_readout_rows_forward_and_backward_together(monkeypatch, save):
     and empty / one-token sequences, n = 3, on the emulated kernels."""
     n, T, cu, H, HV = 3, 150, [0, 0, 1, 70, 70, 150], 1, 2
     inp = make_inputs(7, 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=len(cu) - 1)
-    cuj = jnp.asarray(cu, jnp.int32)
-    wo = jax.random.normal(jax.random.PRNGKey(3), inp.q.shape[:2] + (HV, 128), jnp.float32)
     monkeypatch.setattr(pipeline, "SAVE_OPERANDS", save)
-
-    def loss(q, k, v, g, beta, h0):
-        o, s = gdp_jax.gated_delta_product(q, k, v, g, beta, initial_state=h0,
-                                           output_final_state=True, cu_seqlens=cuj,
-                                           use_qk_l2norm=True, backend="cutedsl")
-        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
-
-    out = {}
-    for on in (False, True):
-        monkeypatch.setattr(pipeline, "READOUT_ONLY_GRAD", on)
-        monkeypatch.setattr(pipeline, "READOUT_ONLY_BWD", on)
-        with testing.emulated_kernels():
-            out[on] = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))(
-                inp.q, inp.k, inp.v, inp.g, inp.beta, inp.initial_state)
-    (l1, g1), (l0, g0) = out[True], out[False]
-    for i, (a, b) in enumerate(zip((l1,) + g1, (l0,) + g0)):
-        assert np.isfinite(np.asarray(a, np.float32)).all(), i
-        if i == 4:                                       # dg
-            assert rel_max(a, b) < 1e-6
-        else:
-            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), i
+    out = _emulated_loss_and_grads(
+        monkeypatch, ["READOUT_ONLY_GRAD", "READOUT_ONLY_BWD"], inp, cu, seed=3)
+    _assert_same_bits_but_dg(out)
