@@ -187,7 +187,7 @@ case "${1:-2}" in
   step 230 opt_test $P tests/test_cutedsl_gpu.py \
     -k "(pair_tiles or readout_only_grad or readout_only_bwd) and bfloat16"
   step 300 ab python -m benchmarks.run fwdbwd \
-    --impl cutedsl,cutedsl+pair,cutedsl+rog,cutedsl+rog+rob,cutedsl+pair+rog+rob,fla \
+    --impl cutedsl,fla,cutedsl+rog+rob,cutedsl+rog,cutedsl+pair,cutedsl+pair+rog+rob \
     --shapes "8,4096,16,2;8,4096,16,3" --deadline 280 --out $M/ab
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/opt_test.log | tail -12 | cut -c1-200
   grep -hE "pair tiles|readout only (grad|bwd)" $M/opt_test.log | cut -c1-250
