@@ -133,6 +133,19 @@ def test_pipelined_walk_compiles(BV, split, readout, ckpt, dtype):
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
 
 
+def _reverse_walk_avals(fused, extra, rows=grid.CHUNK):
+    """StateGradKernel.raw_call's operands (bf16, B, NC, HV = 2, 3, 4, K = V = 128, two
+    sequences): Kt, w [.., C, K]; qg [.., rows, K]; P [.., rows, C] (``fused``) or
+    ddo [.., C, V] float32; dO [.., rows, V]; decay; reset, seq, last; dfinal with
+    ``extra`` state columns (the CP summary walk)."""
+    B, NC, HV, C, N, K, V = 2, 3, 4, grid.CHUNK, 2, 128, 128
+    dt = jnp.bfloat16
+    ddo = S((B, NC, HV, rows, C), dt) if fused else S((B, NC, HV, C, V), jnp.float32)
+    return ((S((B, NC, HV, C, K), dt),) * 2 + (S((B, NC, HV, rows, K), dt), ddo,
+            S((B, NC, HV, rows, V), dt), S((B, NC, HV), jnp.float32))
+            + (S((B, NC), jnp.int32),) * 3 + (S((N, HV, K, V + extra), jnp.float32),))
+
+
 @pytest.mark.parametrize("BV,split,fused,ds,extra", [
     (16, False, True, jnp.bfloat16, 0), (32, True, False, None, 0),
     (16, False, True, None, 128), (32, False, False, jnp.float32, 0)])
@@ -140,12 +153,7 @@ def test_pipelined_reverse_walk_compiles(BV, split, fused, ds, extra):
     """The reverse walk with its operands one chunk ahead (``stages=2``): dS_end written
     (16-bit or float32) or not (the start-state gradients alone), ddo read or formed from
     P, and the CP summary walk (``extra`` state columns, dO on the first V)."""
-    B, NC, HV, C, N, K, V = 2, 3, 4, grid.CHUNK, 2, 128, 128
-    dt = jnp.bfloat16
-    ddo = S((B, NC, HV, C, C), dt) if fused else S((B, NC, HV, C, V), jnp.float32)
-    avals = (S((B, NC, HV, C, K), dt),) * 3 + (ddo, S((B, NC, HV, C, V), dt),
-             S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
-        S((N, HV, K, V + extra), jnp.float32),)
+    avals = _reverse_walk_avals(fused, extra)
     walk = lambda *a: StateGradKernel.raw_call(*a, BV=BV, split=split, fuse_ddo=fused,
                                                ds_dtype=ds, write_ds=ds is not None,
                                                stages=2)
@@ -157,12 +165,7 @@ def test_pipelined_reverse_walk_compiles(BV, split, fused, ds, extra):
 def test_pair_tiles_reverse_walk_compiles(BV, fused, ds, extra):
     """The reverse walk with two value tiles a CTA (``chunk_forward.PAIR_TILES``): dS_end
     written or not, ddo read or formed from P, the CP summary walk."""
-    B, NC, HV, C, N, K, V = 2, 3, 4, grid.CHUNK, 2, 128, 128
-    dt = jnp.bfloat16
-    ddo = S((B, NC, HV, C, C), dt) if fused else S((B, NC, HV, C, V), jnp.float32)
-    avals = (S((B, NC, HV, C, K), dt),) * 3 + (ddo, S((B, NC, HV, C, V), dt),
-             S((B, NC, HV), jnp.float32)) + (S((B, NC), jnp.int32),) * 3 + (
-        S((N, HV, K, V + extra), jnp.float32),)
+    avals = _reverse_walk_avals(fused, extra)
     walk = lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused, ds_dtype=ds,
                                                write_ds=ds is not None, pairs=2)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
@@ -190,18 +193,15 @@ def test_readout_rows_reverse_walk_compiles(BV, fused, extra):
     """The reverse walk on the read-out rows (``pipeline.READOUT_ONLY_BWD``): qg, P, dO
     with grid.READOUT_ROWS rows; ddo read or formed from P; the CP summary walk (dO on
     the first V columns); refused with two operand sets or two tiles a CTA."""
-    B, NC, HV, C, N, K, V, R = 2, 3, 4, grid.CHUNK, 2, 128, 128, grid.READOUT_ROWS
-    dt = jnp.bfloat16
-    ddo = S((B, NC, HV, R, C), dt) if fused else S((B, NC, HV, C, V), jnp.float32)
-    avals = (S((B, NC, HV, C, K), dt),) * 2 + (S((B, NC, HV, R, K), dt), ddo,
-             S((B, NC, HV, R, V), dt), S((B, NC, HV), jnp.float32)) + (
-        S((B, NC), jnp.int32),) * 3 + (S((N, HV, K, V + extra), jnp.float32),)
-    walk = lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused, ds_dtype=dt)
+    avals = _reverse_walk_avals(fused, extra, rows=grid.READOUT_ROWS)
+    walk = lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused,
+                                               ds_dtype=jnp.bfloat16)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(walk, *avals)
     with pytest.raises(ValueError, match="one operand set and one value tile"):
         jax.eval_shape(lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused,
                                                            stages=2), *avals)
-    bad = avals[:4] + (S((B, NC, HV, C, V), dt),) + avals[5:]
+    do = avals[4]                               # dO on all C rows, qg on the read-out ones
+    bad = avals[:4] + (S(do.shape[:-2] + (grid.CHUNK, do.shape[-1]), do.dtype),) + avals[5:]
     with pytest.raises(ValueError, match="the same for both"):
         jax.eval_shape(lambda *a: StateGradKernel.raw_call(*a, BV=BV, fuse_ddo=fused), *bad)
 
