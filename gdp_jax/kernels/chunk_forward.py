@@ -41,13 +41,12 @@ NARROW_TILES = True
 # of value tiles <= 32 (A/B only), False never (the default until measured: the GPU test
 # ``test_pipelined_walk_same_bits`` and ``bash benchmarks/run_gpu_measurements.sh 6``).
 PIPELINE = False
-# Opt-in, NOT yet run on a GPU (s30): a forward walk CTA of 8 warps walks two adjacent
-# value tiles, its two 4-warp groups sharing one copy of each chunk's w, Kt, qg, P in
-# shared memory (``pairs`` = 2 of ``ChunkFwdSm90``): half the operand loads of two
-# one-tile CTAs, the same products in the same order (the same bits; GPU test
-# ``test_pair_tiles_same_bits``). True: every one-set walk with an even number of value
-# tiles; False: never (the default until measured: ``bash
-# benchmarks/run_gpu_measurements.sh 11``).
+# Opt-in: a forward walk CTA of 8 warps walks two adjacent value tiles, its two 4-warp
+# groups sharing one copy of each chunk's w, Kt, qg, P in shared memory (``pairs`` = 2 of
+# ``ChunkFwdSm90``): half the operand loads of two one-tile CTAs, the same products in the
+# same order (the same bits: GPU test ``test_pair_tiles_same_bits`` passes). True: every
+# one-set walk with an even number of value tiles; False: never. Off: within noise (fwd
+# 1.94 -> 1.93 ms at (8, 4096, 16, 2), 2.87 -> 2.84 at n = 3; H100, s32-1).
 PAIR_TILES = False
 
 
