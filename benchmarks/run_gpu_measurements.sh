@@ -19,6 +19,8 @@
 #   bash benchmarks/run_gpu_measurements.sh 14  # modes 11 and 12 in one call (PAIR_TILES, READOUT_ONLY_GRAD): tests, A/B, long row
 #   bash benchmarks/run_gpu_measurements.sh 15  # the three opt-ins not yet run (PAIR_TILES, READOUT_ONLY_GRAD,
 #                                               # READOUT_ONLY_BWD): bf16 GPU tests, fwd+bwd A/B beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 16  # the L2 norm's backward in the local-gradient kernel
+#                                               # (FUSED_NORM_BWD): GPU test, fwd+bwd A/B beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -191,5 +193,14 @@ case "${1:-2}" in
     --shapes "8,4096,16,2;8,4096,16,3" --deadline 280 --out $M/ab
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/opt_test.log | tail -12 | cut -c1-200
   grep -hE "pair tiles|readout only (grad|bwd)" $M/opt_test.log | cut -c1-250
+  rows $M/ab.log ;;
+16)
+  # s32: the L2 norm's backward inside the local-gradient kernel (pipeline.FUSED_NORM_BWD):
+  # its GPU test, fwd+bwd A/B beside tuned FLA at the main shapes (float64 check on)
+  step 200 nb_test $P tests/test_cutedsl_gpu.py -k "fused_norm_bwd"
+  step 330 ab python -m benchmarks.run fwdbwd --impl cutedsl,fla,cutedsl+nb \
+    --shapes main --deadline 300 --out $M/ab
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/nb_test.log | tail -6 | cut -c1-200
+  grep -hE "fused norm" $M/nb_test.log | cut -c1-250
   rows $M/ab.log ;;
 esac

@@ -49,6 +49,7 @@ The xla engine is here; the CuTe DSL engine is :class:`gdp_jax.kernels.pipeline.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
@@ -480,6 +481,12 @@ class TokenCotangents(NamedTuple):
     beta: jax.Array
 
 
+class RawTokenCotangents(TokenCotangents):
+    """:class:`TokenCotangents` whose q, k cotangents are already those of the raw
+    (un-normalised) q, k of an op with the in-op L2 norm - per value head, before the GVA
+    head sum (the engine applied the norm's backward itself)."""
+
+
 class ForwardProblem(NamedTuple):
     layout: grid.ChunkLayout
     ch: grid.ChunkInputs
@@ -517,6 +524,11 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
     :func:`gdp_jax.grid.readout_every`)."""
     layout = grid.layout_of(spec, cu_seqlens)
     tok, pull_tokens = jax.vjp(lambda *a: grid.tokens_of(spec, *a), q, k, v, g, beta)
+    # the same map without the L2 norm (RawTokenCotangents: the engine pulled through it)
+    pull_plain = pull_tokens
+    if spec.use_qk_l2norm:
+        _, pull_plain = jax.vjp(lambda *a: grid.tokens_of(
+            dataclasses.replace(spec, use_qk_l2norm=False), *a), q, k, v, g, beta)
     ch = grid.steps_to_chunks(layout, *_cast_fields(tok, dtypes or {}))
     # the relayout is linear: its vjp at the compute-dtype operands takes the engine's
     # cotangents whatever ``dtypes`` cast
@@ -526,20 +538,21 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
                                                                        b_))[3:], *tok[3:])
 
     # a Partial (a pytree of its residuals), so the problem can leave a jax.vmap
-    pull_inputs = jax.tree_util.Partial(_pull_inputs, pull_tokens, pull_steps, pull_gates,
-                                        tuple(tok))
+    pull_inputs = jax.tree_util.Partial(_pull_inputs, pull_tokens, pull_plain, pull_steps,
+                                        pull_gates, tuple(tok))
     doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))
     return BackwardProblem(layout, ch, pull_inputs, doc, dfinal.astype(spec.cdt),
                            OpTokens((q, k, v), tok))
 
 
-def _pull_inputs(pull_tokens, pull_steps, pull_gates, tok, dch):
+def _pull_inputs(pull_tokens, pull_plain, pull_steps, pull_gates, tok, dch):
     """:class:`BackwardProblem`'s ``pull_inputs``: chunk-input (or token-major)
     cotangents -> those of (q, k, v, g, beta)."""
     if isinstance(dch, TokenCotangents):
         dg, dbeta = pull_gates((dch.g.astype(tok[3].dtype), dch.beta.astype(tok[4].dtype)))
         dqkv = tuple(d.astype(t.dtype) for d, t in zip(dch[:3], tok[:3]))
-        return pull_tokens(_vma.cotangent_like(dqkv, tuple(tok[:3])) + (dg, dbeta))
+        pull = pull_plain if isinstance(dch, RawTokenCotangents) else pull_tokens
+        return pull(_vma.cotangent_like(dqkv, tuple(tok[:3])) + (dg, dbeta))
     return pull_tokens(pull_steps(dch))
 
 

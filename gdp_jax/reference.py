@@ -26,12 +26,26 @@ def l2_normalize(x, axis=-1):
     overflowing to inf (and returning zeros). For m <= 1 no scaling is applied (the
     formula is exactly FLA's).
     """
+    xs, s, _ = _scaled_squares(x, axis)
+    return xs * lax.rsqrt(s)
+
+
+def l2_norm_scale(x, axis=-1):
+    """``1 / sqrt(sum(x**2) + 1e-6)`` along ``axis`` (keepdims): the factor
+    :func:`l2_normalize` multiplies a row by, from the same overflow-safe sums (XLA shares
+    them). The norm's backward is ``rho (dy - y sum(y dy))`` with y the normalised row."""
+    _, s, m = _scaled_squares(x, axis)
+    return lax.rsqrt(s) / m
+
+
+def _scaled_squares(x, axis):
+    """(x / m, sum((x / m)**2) + 1e-6 / m**2, m) with m = max |x| where it exceeds 1."""
     m = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
     # Only scale down (m > 1); lax.stop_gradient: m is a constant factor of the formula,
     # its derivative cancels exactly, and max's gradient would be a tie-breaking mess.
     m = lax.stop_gradient(jnp.where(m > 1, m, jnp.ones_like(m)))
     xs = x / m
-    return xs * lax.rsqrt(jnp.sum(xs * xs, axis=axis, keepdims=True) + L2_EPS / (m * m))
+    return xs, jnp.sum(xs * xs, axis=axis, keepdims=True) + L2_EPS / (m * m), m
 
 
 def gated_delta_product_reference(

@@ -764,6 +764,35 @@ def test_local_grad_kernel_compiles(dtype, K, V):
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(tok, *avals_t)
 
 
+@pytest.mark.parametrize("dtype,K,V", [(jnp.bfloat16, 128, 128), (jnp.float16, 64, 128)])
+def test_local_grad_kernel_with_norm_backward_compiles(dtype, K, V):
+    """The token-major local-gradient kernel applying the L2 norm's backward to dq, dk
+    (``pipeline.FUSED_NORM_BWD``): row norms of 2 key heads for 4 value heads (GVA), its
+    vmap too; the variant differs from the one without (its own machine code)."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    B, NC, HV, H, C, n, T = 2, 3, 4, 2, grid.CHUNK, 2, 70
+    f32 = jnp.float32
+    avals = (S((B, NC, HV, C, K), f32), S((B, NC, HV, C, K), f32), S((B, NC, HV, C, V), f32),
+             S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B, NC, HV, C, K), dtype),
+             S((B, NC, HV, C, V), f32), S((B, NC, HV, C, C), f32), S((B, NC, HV, K, V), dtype),
+             S((B, NC, HV, C, V), dtype), S((B, NC, HV, K, V), dtype), S((B, NC, 4), jnp.int32),
+             S((B, T, H), f32), S((B, T, n, H), f32))
+    tok = lambda *a: LocalGradKernel.call_tokens(*a[:12], n=n, T=T, scale=0.1,
+                                                 ab_dtype=dtype, rho=a[12:])
+    out = jax.eval_shape(tok, *avals)
+    assert [(o.shape, o.dtype) for o in out] == [
+        ((B, T, HV, K), dtype), ((B, T, n, HV, K), dtype), ((B, T, n, HV, V), dtype),
+        ((B, NC, HV, C), f32), ((B, NC, HV, C), f32)]
+    text = _lower(tok, *avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in text
+    plain = lambda *a: LocalGradKernel.call_tokens(*a[:12], n=n, T=T, scale=0.1,
+                                                   ab_dtype=dtype)
+    assert _lower(plain, *avals) != text
+    batched = jax.vmap(tok)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(
+        batched, *(S((2, B // 2) + a.shape[1:], a.dtype) for a in avals))
+
+
 def test_token_major_local_grad_call_rejects_bad_inputs():
     """``LocalGradKernel.raw_call_tokens`` names the argument, its shape and what it
     expected, before anything reaches XLA."""

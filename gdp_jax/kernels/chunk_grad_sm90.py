@@ -51,7 +51,11 @@ the CTAs run in (head, chunk, row) order, so the CTAs resident at once write eve
 piece of their token rows (a first version, 32-bit stores straight from the accumulators
 in chunk order, made the kernel 36% slower; staged stores in chunk order cost the op's
 fwd+bwd 0.4 ms: benchmarks/results/CURRENT.md, s19-2 / s19-3). dg, dbeta are float32
-[B, NC, HV, C] either way.
+[B, NC, HV, C] either way. With ``norm_bwd`` (tokens only) dq, dk leave as the cotangents
+of the raw q, k rows of an op with the in-op L2 norm: d_raw = rho (d - y rows(y, d)) in
+float32 per row before the 16-bit rounding, y the q, k tiles (the normalised rows, 16-bit),
+rho = 1 / |raw row| read through the row table - XLA's two passes over dq and dk for the
+norm's backward are gone.
 
 This module imports cutlass; import it only through ``gdp_jax.kernels.local_grad``
 (lazily).
@@ -83,7 +87,7 @@ class ChunkGradSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
                  warps_n: int = 2, tokens: bool = False, head_major: bool = False,
-                 tokens_in: bool = False):
+                 tokens_in: bool = False, norm_bwd: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -106,11 +110,17 @@ class ChunkGradSm90:
         # grid of them in XLA): ``_load_rows``
         self.tokens_in = tokens_in
         assert tokens or not tokens_in
+        # dq, dk leave as the cotangents of the raw (un-normalised) q, k rows: the L2
+        # norm's backward d_raw = rho (d - y (y . d)) applied in float32 before the
+        # 16-bit rounding (y: the kernel's normalised q, k rows; rho = 1 / |raw row|
+        # from mRhoQ [B, T, H], mRhoK [B, n T, H], read through the row table)
+        self.norm_bwd = norm_bwd
+        assert tokens or not norm_bwd
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, stream, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS,
-                 mRows, mDq, mDk, mDv, mDg, mDbeta):
+                 mRows, mRhoQ, mRhoK, mDq, mDk, mDv, mDg, mDbeta):
         K, V, ab = self.K, self.V, self.ab
         WN, NT = self.warps_n, self.threads
         sKl = smem_layout(C, K)
@@ -146,19 +156,21 @@ class ChunkGradSm90:
             srs: cute.struct.MemRange[F32, C * WN]      # row sums of dseg: dP QG
             srs2: cute.struct.MemRange[F32, C * WN]     # row sums of dseg: diag(beta) dA KG
             sy: cute.struct.MemRange[F32, C]           # phase 14's row vector
+            snq: cute.struct.MemRange[F32, C * WN]      # rows(q, dq) (norm_bwd)
+            snk: cute.struct.MemRange[F32, C * WN]      # rows(k, dk) (norm_bwd)
             sred: cute.struct.MemRange[F32, NT // 32]
 
         B, NC, HV = mW.shape[0], mW.shape[1], mW.shape[2]
-        self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mDq,
-                    mDk, mDv, mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
+        self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mRhoQ,
+                    mRhoK, mDq, mDk, mDv, mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),
                     g2s_copy(ab, V, NT), warp_mma(ab, WN),
                     Storage).launch(grid=(HV, NC, B) if self.head_major else (NC, HV, B),
                                     block=[NT, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mDq,
-               mDk, mDv, mDg, mDbeta, sKl: cute.ComposedLayout, sVl: cute.ComposedLayout,
+    def kernel(self, mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mRhoQ,
+               mRhoK, mDq, mDk, mDv, mDg, mDbeta, sKl: cute.ComposedLayout, sVl: cute.ComposedLayout,
                sSl: cute.ComposedLayout, pad: cute.Layout, copy_K: cute.TiledCopy,
                copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
         K, V, ab, split = self.K, self.V, self.ab, self.split
@@ -197,6 +209,7 @@ class ChunkGradSm90:
         rvec = lambda f: f.get_tensor(cute.make_layout((WN, C), stride=(C, 1)))
         srq, sdto, sdba, srs, srs2 = (rvec(st.srq), rvec(st.sdto), rvec(st.sdba),
                                       rvec(st.srs), rvec(st.srs2))
+        snq, snk = rvec(st.snq), rvec(st.snk)
         sy = vec(st.sy)
         sred = st.sred.get_tensor(cute.make_layout(NT // 32))
         wn = tidx // NUM_THREADS               # this warp's N index (sm90.warp_mma)
@@ -457,6 +470,10 @@ class ChunkGradSm90:
             marks.append(cute.arch.clock())
 
         # ---- phase 11: dv = diag(beta) X^T ddelta
+        if cutlass.const_expr(self.norm_bwd):
+            # this thread's rows' 1 / |raw row| now: the loads fly during phases 11-13
+            rho_q, rho_k = self._row_norms(mRows, mRhoQ, mRhoK, b, c, hv, r0,
+                                           mDq.shape[2])
         acc_v.fill(0.0)
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
                    R(transpose_view(sX, C, C), True, lambda x, i, j: x * sb[i]),
@@ -482,6 +499,18 @@ class ChunkGradSm90:
         if cutlass.const_expr(roundtrip):
             acc_dq.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_dq, R(F2, True), Bt(sK, C, K))
+        if cutlass.const_expr(self.norm_bwd):
+            # the L2 norm's backward: d_raw = rho (d - y rows(y, d)), y = q, k (16-bit)
+            _row_sums(acc_dk, crd_k, r0, lambda e: acc_dk[e] * tKc[e].to(F32), snk, wn)
+            _row_sums(acc_dq, crd_k, r0, lambda e: acc_dq[e] * tQc[e].to(F32), snq, wn)
+            cute.arch.sync_threads()
+            for e in cutlass.range_constexpr(cute.size(acc_dk)):
+                i, _ = crd_k[e]
+                hi = i == r0
+                acc_dk[e] = pick(hi, rho_k[0], rho_k[1]) * (
+                    acc_dk[e] - tKc[e].to(F32) * rsum(snk, i))
+                acc_dq[e] = pick(hi, rho_q[0], rho_q[1]) * (
+                    acc_dq[e] - tQc[e].to(F32) * rsum(snq, i))
         if cutlass.const_expr(self.tokens):
             cute.arch.sync_threads()           # q and dW are dead: dq, dk take their place
             toK.store(acc_dk.load().to(ab), toK.dest(sW))
@@ -522,6 +551,21 @@ class ChunkGradSm90:
             if tidx == 0:
                 for m in cutlass.range_constexpr(len(marks) - 1):
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
+
+    def _row_norms(self, mRows, mRhoQ, mRhoK, b, c, hv, r0, HV):
+        """([rho_q(r0), rho_q(r0 + 8)], [rho_k(r0), rho_k(r0 + 8)]): 1 / |raw row| of the
+        q, k rows behind chunk rows r0, r0 + 8 (key head of value head ``hv``); rows
+        without a token (or, for q, not read out) read row 0, their results unwritten.
+        Runs at trace time (plain Python, as the module's helpers)."""
+        base, count, tok, n = mRows[b, c, 0], mRows[b, c, 1], mRows[b, c, 2], mRows[b, c, 3]
+        hk = hv // (HV // mRhoK.shape[2])
+        rq, rk = [], []
+        for i in (r0, r0 + 8):
+            ok = i < count
+            rk.append(mRhoK[b, cutlass.select_(ok, base + i, 0), hk])
+            okq = ok & (i % n == n - 1)
+            rq.append(mRhoQ[b, cutlass.select_(okq, tok + i // n, 0), hk])
+        return rq, rk
 
     @cute.jit
     def _load_rows(self, cp, s, mIn, mRows, b, c, h, N: cutlass.Constexpr,
@@ -674,9 +718,10 @@ _KERNELS = {}
 
 def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
                warps_n: int = 2, tokens: bool = False,
-               head_major: bool = False, tokens_in: bool = False) -> ChunkGradSm90:
-    key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in)
+               head_major: bool = False, tokens_in: bool = False,
+               norm_bwd: bool = False) -> ChunkGradSm90:
+    key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in, norm_bwd)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
-                                      tokens, head_major, tokens_in)
+                                      tokens, head_major, tokens_in, norm_bwd)
     return _KERNELS[key]

@@ -231,7 +231,7 @@ def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dty
 
 
 def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n,
-                           T, ab_dtype, split=True, warps_n=2, tokens_in=False):
+                           T, ab_dtype, split=True, warps_n=2, tokens_in=False, rho=None):
     """The token-major local-gradient kernel's contract (``LocalGradKernel.raw_call_tokens``):
     :func:`local_grad_call`'s dq, dk, dv moved to their token-major rows by the row table
     ``rows`` [B, NC, 4] = (base, count, tok, n) and rounded to ``ab_dtype``: chunk row
@@ -239,7 +239,9 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
     i = n - 1 (mod n) to token tok + i // n of dq [B, T, HV, K]. Rows no chunk row
     covers are zero here (the kernel leaves them unwritten). ``tokens_in``: q, k, v
     token-major (q [B, T, H, K], k [B, n T, H, K], v [B, n T, HV, V]), gathered to the
-    chunk grid by the same rows."""
+    chunk grid by the same rows. ``rho`` = (rho_q [B, T, H], rho_k [B, n T, H]): dq, dk
+    as the raw rows' cotangents, d_raw = rho (d - y rows(y, d)) in float32 with y the
+    16-bit q, k tiles, before the rounding."""
     del warps_n                         # a tuning knob
     if tokens_in:
         HV, C = g.shape[2:]
@@ -252,6 +254,19 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
     base, count, tok, n_ = (rows[..., j, None] for j in range(4))   # [B, NC, 1]
     i = jnp.arange(C, dtype=jnp.int32)
     valid = i < count
+    if rho is not None:
+        acc = dq.dtype
+        rd = lambda x: x.astype(ab_dtype).astype(acc)
+        b = jnp.arange(B)[:, None, None]
+
+        def norm_bwd(d, y, r, idx):             # r [B, L, H] at rows idx [B, NC, C]
+            rr = r[b, jnp.clip(idx, 0, r.shape[1] - 1)].astype(acc)     # [B, NC, C, H]
+            rr = jnp.repeat(jnp.moveaxis(rr, 3, 2), HV // r.shape[2], axis=2)[..., None]
+            y = rd(y)
+            return rr * (d - y * jnp.sum(y * d, axis=-1, keepdims=True))
+
+        dq = norm_bwd(dq, q, rho[0], tok + i // n_)
+        dk = norm_bwd(dk, k, rho[1], base + i)
 
     def scatter(x, idx, ok, length):               # [B, NC, HV, C, X] -> [B, length, HV, X]
         idx = jnp.where(ok, idx, length).reshape(B, NC * C)       # out of range: dropped

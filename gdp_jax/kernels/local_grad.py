@@ -128,7 +128,7 @@ class LocalGradKernel:
     @classmethod
     def call_tokens(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, rows, *, n: int,
                     T: int, scale: float, ab_dtype, split: Optional[bool] = None,
-                    tokens_in: bool = False):
+                    tokens_in: bool = False, rho=None):
         """:meth:`call` with dq, dk, dv written in the op's token-major layout, in
         ``ab_dtype``: -> (dq [B, T, HV, K], dk [B, T, n, HV, K], dv [B, T, n, HV, V],
         dg, dbeta [B, NC, HV, C] float32). ``rows`` [B, NC, 4]: the chunk grid's row table
@@ -136,18 +136,30 @@ class LocalGradKernel:
         step of every row must be some chunk's row (true of every valid layout).
         ``tokens_in``: q [B, T, H, K], k [B, T, n, H, K], v [B, T, n, HV, V] come
         token-major too (in ``ab_dtype``; H divides HV), read by the kernel through
-        ``rows`` - else they are chunk tiles as :meth:`call`'s. ``jax.vmap``-able."""
+        ``rows`` - else they are chunk tiles as :meth:`call`'s. ``rho`` = (rho_q [B, T, H],
+        rho_k [B, T, n, H]) float32, 1 / |row| of the raw q, k of an op with the in-op L2
+        norm (:func:`gdp_jax.reference.l2_norm_scale`; q, k the normalised rows): dq, dk
+        come out as the cotangents of the raw rows (the norm's backward applied per value
+        head, before the GVA head sum). ``jax.vmap``-able."""
+        norm = rho is not None
         f = binding.vmappable(
-            lambda *a: cls.raw_call_tokens(*a, n=n, T=T, ab_dtype=ab_dtype, split=split,
-                                           tokens_in=tokens_in),
+            lambda *a: cls.raw_call_tokens(*a[:13], n=n, T=T, ab_dtype=ab_dtype, split=split,
+                                           tokens_in=tokens_in,
+                                           rho=tuple(a[13:]) if norm else None),
             out_kinds=("rows",) * 5)
         scale_rows = jnp.full(w.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
         if tokens_in:
             B = q.shape[0]
             k = k.reshape((B, n * T) + k.shape[3:])
             v = v.reshape((B, n * T) + v.shape[3:])
+        extra = ()
+        if norm:
+            rho_q, rho_k = rho
+            extra = (rho_q.astype(jnp.float32),
+                     rho_k.reshape((rho_k.shape[0], n * T) + rho_k.shape[3:]).astype(
+                         jnp.float32))
         dq, dk, dv, dg, dbeta = f(q, k, w, doc, v, g, beta, scale_rows, X, u, S0, ds_end,
-                                  rows)
+                                  rows, *extra)
         B, _, HV = g.shape[:3]
         return (dq, dk.reshape((B, T, n, HV) + dk.shape[3:]),
                 dv.reshape((B, T, n, HV) + dv.shape[3:]), dg, dbeta)
@@ -155,13 +167,14 @@ class LocalGradKernel:
     @staticmethod
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
                         T: int, ab_dtype, split: Optional[bool] = None,
-                        warps_n: Optional[int] = None, tokens_in: bool = False):
+                        warps_n: Optional[int] = None, tokens_in: bool = False, rho=None):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
         [B, NC, HV, C] float32. ``tokens_in``: q [B, T, H, K], k [B, n T, H, K],
         v [B, n T, HV, V] in ``ab_dtype``, read through the same rows (chunk rows without
-        a token row read as zeros)."""
+        a token row read as zeros). ``rho`` = (rho_q [B, T, H], rho_k [B, n T, H]) float32:
+        dq, dk as the raw rows' cotangents (:meth:`call_tokens`)."""
         # the chunk-grid tensors' dims: k, v's (as raw_call's), or w, u's with tokens_in
         B, NC, HV, K, V = _checked_dims(w, u, scale, ab_dtype) if tokens_in else \
             _checked_dims(k, v, scale, ab_dtype)
@@ -179,10 +192,18 @@ class LocalGradKernel:
         outputs = (binding.out((B, T, HV, K), ab), binding.out((B, n * T, HV, K), ab),
                    binding.out((B, n * T, HV, V), ab), binding.out(rows_, jnp.float32),
                    binding.out(rows_, jnp.float32))
+        extra, extra_dims, launcher, name = (), (), _launcher_tokens, \
+            "gdp_chunk_grad_sm90_tokens"
+        if rho is not None:
+            extra = _checked_row_norms(rho, B, n, T, HV)
+            extra_dims, launcher = (0, 0), _launcher_tokens_norm
+            name = "gdp_chunk_grad_sm90_tokens_norm"
         return binding.custom_call(
-            _launcher_tokens, "gdp_chunk_grad_sm90_tokens", outputs,
-            _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,),
-            tile_dims=(tok, tok, 2, 2, tok, 1, 1, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
+            launcher, name, outputs,
+            _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,)
+            + extra,
+            tile_dims=(tok, tok, 2, 2, tok, 1, 1, 0, 2, 2, 2, 2, 1) + extra_dims
+            + (1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
             warps_n=int(WARPS_N if warps_n is None else warps_n),
@@ -216,6 +237,14 @@ class LocalGradKernel:
                     out.append(aot.Variant(
                         f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V}", fn,
                         args(ab) + table))
+                    # and the L2 norm's backward on dq, dk (pipeline.FUSED_NORM_BWD)
+                    rho = (jax.ShapeDtypeStruct((1, 1, 1), jnp.float32),) * 2
+                    fn = functools.partial(
+                        lambda *a, **kw: cls.raw_call_tokens(*a[:13], rho=a[13:], **kw),
+                        n=1, T=1, ab_dtype=name)
+                    out.append(aot.Variant(
+                        f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V} norm", fn,
+                        args(ab) + table + rho))
                     # and q, k, v read token-major (pipeline.TOKEN_BACKWARD)
                     R = lambda d: jax.ShapeDtypeStruct((1, 1, 1, d), ab)
                     a = list(args(ab))
@@ -226,6 +255,19 @@ class LocalGradKernel:
                         f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V} tokens in", fn,
                         tuple(a) + table))
         return out
+
+
+def _checked_row_norms(rho, B, n, T, HV):
+    """(rho_q, rho_k) checked: float32 [B, T, H] and [B, n T, H] with H dividing HV."""
+    rho_q, rho_k = rho
+    H = rho_q.shape[-1] if rho_q.ndim == 3 else 0
+    for name, x, want in (("rho_q", rho_q, (B, T, H)), ("rho_k", rho_k, (B, n * T, H))):
+        if tuple(x.shape) != want or x.dtype != jnp.float32:
+            raise ValueError(f"{name}: float32 {want}; got {x.dtype} {tuple(x.shape)}")
+    if H < 1 or HV % H:
+        raise ValueError(f"rho_q, rho_k have {H} heads, the call {HV} value heads: "
+                         "expected a divisor")
+    return rho_q, rho_k
 
 
 def _checked_dims(k, v, scale, ab_dtype):
@@ -277,10 +319,10 @@ def _launcher():
                dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ablate: cutlass.Constexpr, warps_n: cutlass.Constexpr):
-        # (no row table: ``scale`` fills its slot, unread)
+        # (no row table, no row norms: ``scale`` fills their slots, unread)
         mod.get_kernel(K, V, ab_name, split, ablate, warps_n)(
-            stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, scale, dq, dk, dv, dg,
-            dbeta)
+            stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, scale, scale, scale,
+            dq, dk, dv, dg, dbeta)
 
     return launch
 
@@ -298,9 +340,31 @@ def _launcher_tokens():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
                tokens_in: cutlass.Constexpr = False):
+        # (no row norms: ``scale`` fills their slots, unread)
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in)(
-            stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, dq, dk, dv, dg,
-            dbeta)
+            stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, scale, scale,
+            dq, dk, dv, dg, dbeta)
+
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_tokens_norm():
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_grad_sm90 as mod
+
+    @cute.jit
+    def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,
+               dq, dk, dv, dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+               head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
+               tokens_in: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
+                       head_major=head_major, tokens_in=tokens_in, norm_bwd=True)(
+            stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,
+            dq, dk, dv, dg, dbeta)
 
     return launch

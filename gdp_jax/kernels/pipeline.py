@@ -46,13 +46,14 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _vma, chunked, grid, heads
-from gdp_jax.engine import (Engine, TokenCotangents, identity_columns, mm_exact,
-                            where_has_tokens)
+from gdp_jax.engine import (Engine, RawTokenCotangents, TokenCotangents, identity_columns,
+                            mm_exact, where_has_tokens)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows
 from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
 from gdp_jax.kernels import wy_inverse
+from gdp_jax.reference import l2_norm_scale
 
 
 def acc_dtype(ab_dtype):
@@ -242,6 +243,13 @@ READOUT_ONLY_GRAD = True
 # (9.46 vs 9.47 ms at (8, 4096, 16, 2), 14.05 vs 14.07 at n = 3; H100, s32-1).
 READOUT_ONLY_BWD = False
 
+# and the local-gradient kernel applying the in-op L2 norm's backward to dq, dk in float32
+# before their 16-bit rounding (``chunk_grad_sm90`` ``norm_bwd``: d_raw = rho (d - y
+# rows(y, d)), rho = 1 / |raw row| from XLA's forward sums), instead of XLA's two passes
+# over dq and dk after it (0.67 ms at (8, 4096, 16, 2) on an H100, s32-2's trace).
+# Opt-in until measured on a GPU: GPU test ``test_fused_norm_bwd_matches``.
+FUSED_NORM_BWD = False
+
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
 # at (8, 4096, 16, 2): benchmarks/results/CURRENT.md, s20-1)
@@ -267,7 +275,7 @@ def kernel_backward(spec, ch: grid.ChunkInputs) -> bool:
 
 
 def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
-                layout: Optional[grid.ChunkLayout] = None, qkv=None):
+                layout: Optional[grid.ChunkLayout] = None, qkv=None, rho=None):
     """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
     dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
@@ -275,7 +283,9 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
     ``do``, the copy the reverse kernel reads. With the call's ``layout`` (the
     single-device op), where the kernel can, dq, dk, dv come out token-major instead
     (:class:`gdp_jax.engine.TokenCotangents`: no relayout or cast of them in XLA); with
-    ``qkv`` (:func:`token_operands`) the kernel reads q, k, v token-major as well."""
+    ``qkv`` (:func:`token_operands`) the kernel reads q, k, v token-major as well; with
+    ``rho`` (:func:`row_norms`) the kernel applies the L2 norm's backward to those dq, dk
+    (:class:`gdp_jax.engine.RawTokenCotangents`)."""
     if (layout is not None and local_grad_kernel(spec, ch)
             and LocalGradKernel.can_write_tokens(spec, ch)):
         rows = token_rows(layout, spec.n, spec.T)
@@ -283,10 +293,10 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
         dq, dk, dv, dg, dbeta = LocalGradKernel.call_tokens(
             q, k, v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.do,
             ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype,
-            tokens_in=qkv is not None)
+            tokens_in=qkv is not None, rho=rho)
         gates = _vma.cotangent_like((dg.astype(ch.g.dtype), dbeta.astype(ch.beta.dtype)),
                                     (ch.g, ch.beta))
-        return TokenCotangents(dq, dk, dv, *gates)
+        return (TokenCotangents if rho is None else RawTokenCotangents)(dq, dk, dv, *gates)
     if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
                                      work.X, S0, work.do, ds_end, scale=spec.scale,
@@ -295,6 +305,20 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
         return _vma.cotangent_like(dch, ch)
     return chunked.local_grads_direct(ch, work.it, work.X, S0, doc, ds_end.astype(ch.k.dtype),
                                       spec.scale)
+
+
+def row_norms(spec, tokens) -> Optional[tuple]:
+    """(rho_q [B, T, H], rho_k [B, T, n, H]) float32: 1 / |row| of the op's raw q, k
+    (:func:`gdp_jax.reference.l2_norm_scale`, the sums XLA shares with the forward's norm)
+    for the local-gradient kernel to apply the L2 norm's backward (:data:`FUSED_NORM_BWD`),
+    or None: switch off, no in-op norm, ``batch_invariant`` (its norm has its own sums), no
+    token-major inputs."""
+    if not (FUSED_NORM_BWD and spec.use_qk_l2norm and not spec.batch_invariant
+            and tokens is not None):
+        return None
+    q, k = tokens.raw[:2]
+    rho = lambda x: l2_norm_scale(x.astype(spec.cdt))[..., 0].astype(jnp.float32)
+    return rho(q), rho(k)
 
 
 def token_operands(spec, ch: grid.ChunkInputs, tokens) -> Optional[tuple]:
@@ -423,7 +447,8 @@ class CuTeDSLEngine(Engine):
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
                                            ds_dtype=spec.ab_dtype if on_kernel else None,
                                            fuse_ddo=work.fuse_ddo)
-        dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout, qkv=qkv)
+        dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout, qkv=qkv,
+                          rho=row_norms(spec, tokens))
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
