@@ -179,23 +179,28 @@ class OursOp:
             kw["intra_cp"] = self.intra_cp
         if self.batch_invariant:
             kw["batch_invariant"] = True
-        f = lambda q, k, v, g, beta: gated_delta_product(
+        return lambda q, k, v, g, beta: gated_delta_product(
             q, k, v, g, beta, use_qk_l2norm=True, backend=self.backend, **kw)
-        if not self.switches:
-            return f
 
-        def switched(*a):           # the kernels read their switches when the op is traced
+    def switched(self, fn):
+        """``fn`` with this implementation's module switches set while it runs - wrap the
+        WHOLE function a jit traces (a value-and-grad: the op's backward is traced after
+        the op's forward returns, and backward switches are read then)."""
+        if not self.switches:
+            return fn
+
+        def run(*a):
             import importlib
             mods = [(importlib.import_module(f"gdp_jax.{sw[0]}"), sw[1]) for sw in self.switches]
             old = [getattr(m, n) for m, n in mods]
             for (m, n), sw in zip(mods, self.switches):
                 setattr(m, n, sw[2] if len(sw) > 2 else True)
             try:
-                return f(*a)
+                return fn(*a)
             finally:
                 for (m, n), o in zip(mods, old):
                     setattr(m, n, o)
-        return switched
+        return run
 
     def build(self, x: Inputs) -> Built:
         import jax
@@ -206,8 +211,8 @@ class OursOp:
         # w is an argument: closed over, jit would embed it as a constant (2 GB at
         # (1, 262144, 16, 1): slow compiles, host memory)
         loss = lambda q, k, v, g, beta, w: jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * w)
-        fwd = jax.jit(op)
-        vg_jit = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        fwd = jax.jit(self.switched(op))
+        vg_jit = jax.jit(self.switched(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))))
         vg_args = args + (x.w,)
         compiled = []           # compiled once (on first use): timed and asked for its memory
 
@@ -217,7 +222,7 @@ class OursOp:
             return compiled[0](*a)
 
         def memory():
-            res = jax.jit(lambda *a: jax.vjp(op, *a)[1])(*args)
+            res = jax.jit(self.switched(lambda *a: jax.vjp(op, *a)[1]))(*args)
             kept = sum(l.nbytes for l in jax.tree_util.tree_leaves(res) if hasattr(l, "nbytes"))
             del res
             return {"peak_gb": compiled[0].memory_analysis().temp_size_in_bytes / 1e9,

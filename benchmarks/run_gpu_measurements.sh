@@ -198,7 +198,7 @@ case "${1:-2}" in
   # s32: the L2 norm's backward inside the local-gradient kernel (pipeline.FUSED_NORM_BWD):
   # its GPU test, fwd+bwd A/B beside tuned FLA at the main shapes (float64 check on)
   step 200 nb_test $P tests/test_cutedsl_gpu.py -k "fused_norm_bwd"
-  step 330 ab python -m benchmarks.run fwdbwd --impl cutedsl,fla,cutedsl+nb \
+  step 330 ab python -m benchmarks.run fwdbwd --impl cutedsl,fla,cutedsl+nb,cutedsl+rob,cutedsl+nb+rob \
     --shapes main --deadline 300 --out $M/ab
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/nb_test.log | tail -6 | cut -c1-200
   grep -hE "fused norm" $M/nb_test.log | cut -c1-250

@@ -187,13 +187,43 @@ def test_switch_suffixes_turn_kernel_opt_ins_on_only_while_tracing(monkeypatch):
     before = (False, False)
     o = registry.impl("cutedsl-cp4+narrow+save", "fwdbwd")
     assert (o.name, o.intra_cp, o.fwd_same_as) == ("cutedsl-cp4+narrow+save", 4, None)
-    o.op()(1, 2, 3, 4, 5)
+    o.switched(o.op())(1, 2, 3, 4, 5)
     assert seen == [(True, True, "cutedsl")]
     assert (chunk_forward.NARROW_TILES, pipeline.SAVE_OPERANDS) == before
     with pytest.raises(ValueError, match="unknown switch"):
         registry.impl("cutedsl+narow", "fwdbwd")
     with pytest.raises(ValueError, match="unknown implementation"):
         registry.impl("xla+narrow", "fwdbwd")
+
+
+def test_switches_cover_the_backward_trace(monkeypatch):
+    """A switch the op's backward reads (``+nb``: pipeline.FUSED_NORM_BWD) is on while a
+    jitted value-and-grad traces the custom_vjp's backward - after the op's forward has
+    returned (s32: the switches were set around the forward alone, so +rob and +nb
+    measured the defaults) - and off again after."""
+    import jax
+    import jax.numpy as jnp
+    from gdp_jax.kernels import pipeline
+    monkeypatch.setattr(pipeline, "FUSED_NORM_BWD", False)
+    seen = []
+
+    @jax.custom_vjp
+    def f(x):
+        return x
+
+    def fwd(x):
+        seen.append(("fwd", pipeline.FUSED_NORM_BWD))
+        return x, None
+
+    def bwd(_, g):
+        seen.append(("bwd", pipeline.FUSED_NORM_BWD))
+        return (g,)
+
+    f.defvjp(fwd, bwd)
+    o = registry.impl("cutedsl+nb", "fwdbwd")
+    jax.jit(o.switched(jax.grad(lambda x: f(x).sum())))(jnp.ones(3))
+    assert seen == [("fwd", True), ("bwd", True)]
+    assert pipeline.FUSED_NORM_BWD is False
 
 
 def test_kernel_ab_configs_parse_and_reject_typos():
