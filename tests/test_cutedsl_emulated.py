@@ -866,8 +866,8 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     """``pipeline.TOKEN_BACKWARD``: the differentiated op's operands kernels (forward, and
     backward with X) and the local-gradient kernel read q, k, v token-major (the
     normalised per-token operands, through the row table) instead of the chunk tiles XLA
-    lays out: the same values reach the kernels, so outputs and every gradient are the
-    same bits (bf16, T not a multiple of 64, T = 2, n = 1..3, GVA, packed with empty and
+    lays out: the same values reach the kernels, so outputs and every gradient but dg are
+    the same bits, dg to float32 rounding (bf16, T not a multiple of 64, T = 2, n = 1..3, GVA, packed with empty and
     one-token sequences); the plain forward keeps its raw-token path."""
     from gdp_jax.kernels import pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
@@ -898,6 +898,9 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     assert np.asarray(s).tobytes() == np.asarray(s2).tobytes()
     assert set(g) == set(g2)
     for name in g:
+        if name == "g":     # summed in XLA around the kernels: another graph may reassociate
+            assert rel_max(g[name], g2[name]) < 1e-6
+            continue
         assert np.asarray(g[name]).tobytes() == np.asarray(g2[name]).tobytes(), name
     calls.clear()
     jax.jit(lambda *a: OP(*a, use_qk_l2norm=l2norm, backend="cutedsl"))(*inp[:5])

@@ -256,13 +256,18 @@ class ChunkPrepKernel:
                             + (" inverse" if inverse else ""), fn,
                             (S(K), S(K), S(V), S(), S(),
                              jax.ShapeDtypeStruct((1,), jnp.float32))))
-                    # the differentiated forward's, qg and p on the read-out rows
-                    out.append(aot.Variant(
-                        f"gdp_chunk_prep_sm90 {name} K={K} V={V} readout_rows",
-                        functools.partial(cls.raw_call, ab_dtype=name, readout_rows=True),
-                        (jax.ShapeDtypeStruct((1, 1, 1, grid.READOUT_ROWS, K), jnp.float32),
-                         S(K), S(V), S(), S(), jax.ShapeDtypeStruct((1,), jnp.float32),
-                         jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
+                    # the differentiated forward's and the backward's (with X), qg and
+                    # p on the read-out rows (READOUT_ONLY_GRAD, READOUT_ONLY_BWD)
+                    for inverse in (False, True):
+                        out.append(aot.Variant(
+                            f"gdp_chunk_prep_sm90 {name} K={K} V={V} readout_rows"
+                            + (" inverse" if inverse else ""),
+                            functools.partial(cls.raw_call, ab_dtype=name, readout_rows=True,
+                                              inverse=inverse),
+                            (jax.ShapeDtypeStruct((1, 1, 1, grid.READOUT_ROWS, K),
+                                                  jnp.float32),
+                             S(K), S(V), S(), S(), jax.ShapeDtypeStruct((1,), jnp.float32),
+                             jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
                     # token-major q, k, v: the forward (normalised in the kernel or
                     # not; all rows or the read-out rows of qg, p) and the backward's,
                     # with X (pipeline.TOKEN_BACKWARD)

@@ -263,7 +263,7 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
             rr = r[b, jnp.clip(idx, 0, r.shape[1] - 1)].astype(acc)     # [B, NC, C, H]
             rr = jnp.repeat(jnp.moveaxis(rr, 3, 2), HV // r.shape[2], axis=2)[..., None]
             y = rd(y)
-            return rr * (d - y * jnp.sum(y * d, axis=-1, keepdims=True))
+            return rr * (d - y * _row_dot(y, d))
 
         dq = norm_bwd(dq, q, rho[0], tok + i // n_)
         dk = norm_bwd(dk, k, rho[1], base + i)
@@ -277,6 +277,17 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
 
     return (scatter(dq, tok + i // n_, valid & (i % n_ == n_ - 1), T),
             scatter(dk, base + i, valid, n * T), scatter(dv, base + i, valid, n * T), dg, dbeta)
+
+
+def _row_dot(y, d):
+    """sum(y * d) over the last axis, [..., 1], one term after another: an order that
+    does not depend on the leading dims (as the kernel's per-row sums; XLA may vectorise a
+    reduce differently for another batch, e.g. under jax.vmap)."""
+    t = y * d
+    s = t[..., :1]
+    for j in range(1, t.shape[-1]):
+        s = s + t[..., j:j + 1]
+    return s
 
 
 def inverse_kernel_call_batched(A):

@@ -155,9 +155,9 @@ class LocalGradKernel:
         extra = ()
         if norm:
             rho_q, rho_k = rho
-            extra = (rho_q.astype(jnp.float32),
-                     rho_k.reshape((rho_k.shape[0], n * T) + rho_k.shape[3:]).astype(
-                         jnp.float32))
+            rdt = scale_rows.dtype
+            extra = (rho_q.astype(rdt),
+                     rho_k.reshape((rho_k.shape[0], n * T) + rho_k.shape[3:]).astype(rdt))
         dq, dk, dv, dg, dbeta = f(q, k, w, doc, v, g, beta, scale_rows, X, u, S0, ds_end,
                                   rows, *extra)
         B, _, HV = g.shape[:3]

@@ -238,17 +238,19 @@ READOUT_ONLY_GRAD = True
 # and the backward's operands on the read-out rows (the operands kernel with X writes qg, P
 # on them) with the reverse walk forming P^T dO and qg^T dO over those rows alone (k = 32
 # instead of C: 21% fewer of its multiply-adds a chunk, 12 KB less loaded; not the same
-# bits as all rows: the float32 sums run in another order). Opt-in: GPU test
-# ``test_readout_only_bwd_matches`` passes, but no faster on top of READOUT_ONLY_GRAD
-# (9.46 vs 9.47 ms at (8, 4096, 16, 2), 14.05 vs 14.07 at n = 3; H100, s32-1).
-READOUT_ONLY_BWD = False
+# bits as all rows: the float32 sums run in another order; GPU test
+# ``test_readout_only_bwd_matches``). fwd+bwd 9.60 -> 9.42 ms at (8, 4096, 16, 2), 14.15 ->
+# 13.91 at n = 3, 10.67 -> 10.37 at (2, 16384, 16, 2) (H100, s32-3: benchmarks/results/
+# CURRENT.md; s32-1's "no gain" had the switch off in the backward by mistake).
+READOUT_ONLY_BWD = True
 
 # and the local-gradient kernel applying the in-op L2 norm's backward to dq, dk in float32
 # before their 16-bit rounding (``chunk_grad_sm90`` ``norm_bwd``: d_raw = rho (d - y
 # rows(y, d)), rho = 1 / |raw row| from XLA's forward sums), instead of XLA's two passes
-# over dq and dk after it (0.67 ms at (8, 4096, 16, 2) on an H100, s32-2's trace).
-# Opt-in until measured on a GPU: GPU test ``test_fused_norm_bwd_matches``.
-FUSED_NORM_BWD = False
+# over dq and dk after it: fwd+bwd 9.60 -> 9.02 ms at (8, 4096, 16, 2), 5.37 -> 5.00 at
+# n = 1, 14.15 -> 13.39 at n = 3, dq, dk no farther from float64 (H100, s32-3: GPU test
+# ``test_fused_norm_bwd_matches``, benchmarks/results/CURRENT.md).
+FUSED_NORM_BWD = True
 
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
@@ -317,7 +319,9 @@ def row_norms(spec, tokens) -> Optional[tuple]:
             and tokens is not None):
         return None
     q, k = tokens.raw[:2]
-    rho = lambda x: l2_norm_scale(x.astype(spec.cdt))[..., 0].astype(jnp.float32)
+    # float32 for the kernel (float64 only in emulated tests)
+    dt = jnp.promote_types(jnp.float32, spec.cdt)
+    rho = lambda x: l2_norm_scale(x.astype(spec.cdt))[..., 0].astype(dt)
     return rho(q), rho(k)
 
 

@@ -139,19 +139,30 @@ class StateGradKernel:
                                     + (" fused ddo" if fused else "") + f" BV={BV}"
                                     + (" stages=2" if stages == 2 else ""),
                                     fn, _avals(name, K, Vx, fused, do_cols=V)))
+                        if fused:       # qg, P, dO on the read-out rows (READOUT_ONLY_BWD)
+                            for BV in ChunkForwardKernel.value_tiles(Vx):
+                                fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
+                                                       fuse_ddo=True, write_ds=ds is not None)
+                                out.append(aot.Variant(
+                                    f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
+                                    + (f"dS_end {ds}" if ds else "summary")
+                                    + f" fused ddo BV={BV} rows={READOUT_ROWS}",
+                                    fn, _avals(name, K, Vx, True, do_cols=V,
+                                               rows=READOUT_ROWS)))
         return out
 
 
-def _avals(dtype, K, V, fuse_ddo=False, do_cols=None):
+def _avals(dtype, K, V, fuse_ddo=False, do_cols=None, rows=None):
     """(kt, w, qg, ddo or P, do, decay, reset, seq, last, dfinal) at the canonical shape,
-    on V state columns (dO, ddo on the first ``do_cols``; None: all)."""
+    on V state columns (dO, ddo on the first ``do_cols``; None: all); qg, P, dO on
+    ``rows`` rows a chunk (None: all C)."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     C, f32, i32 = grid.CHUNK, jnp.float32, jnp.int32
-    Vo = do_cols or V
-    ddo = S((1, 1, 1, C, C), dtype) if fuse_ddo else S((1, 1, 1, C, Vo), f32)
-    return ((S((1, 1, 1, C, K), dtype),) * 3 + (ddo,
-            S((1, 1, 1, C, Vo), dtype), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
+    Vo, R = do_cols or V, rows or C
+    ddo = S((1, 1, 1, R, C), dtype) if fuse_ddo else S((1, 1, 1, C, Vo), f32)
+    return ((S((1, 1, 1, C, K), dtype),) * 2 + (S((1, 1, 1, R, K), dtype), ddo,
+            S((1, 1, 1, R, Vo), dtype), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
             + (S((1, 1, K, V), f32),))
 
 
