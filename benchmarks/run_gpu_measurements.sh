@@ -21,6 +21,8 @@
 #                                               # READOUT_ONLY_BWD): bf16 GPU tests, fwd+bwd A/B beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 16  # the L2 norm's backward in the local-gradient kernel
 #                                               # (FUSED_NORM_BWD): GPU test, fwd+bwd A/B beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 17  # dO read token-major by the local-gradient kernel
+#                                               # (DO_TOKENS): GPU test, fwd+bwd A/B at one shape, no FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -202,5 +204,14 @@ case "${1:-2}" in
     --shapes main --deadline 300 --out $M/ab
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/nb_test.log | tail -6 | cut -c1-200
   grep -hE "fused norm" $M/nb_test.log | cut -c1-250
+  rows $M/ab.log ;;
+17)
+  # s32 (cut for ~150 s of device time): DO_TOKENS's GPU test, then an A/B at the main
+  # shape without FLA (NO_BUILD=1: the few variants compile when traced)
+  step 90 do_test $P tests/test_cutedsl_gpu.py -k "do_tokens_same_bits"
+  step 90 ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+dotok \
+    --shapes "8,4096,16,2" --no-check --deadline 60 --out $M/ab
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/do_test.log | tail -4 | cut -c1-200
+  grep -hE "do tokens" $M/do_test.log | cut -c1-250
   rows $M/ab.log ;;
 esac

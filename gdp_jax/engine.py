@@ -464,9 +464,11 @@ class OpTokens(NamedTuple):
     ``raw`` = (q [B, T, H, K], k [B, T, n, H, K], v [B, T, n, HV, V]) as the caller gave
     them; ``tok`` = :func:`gdp_jax.grid.tokens_of`'s per-token operands (q, k, v, g,
     beta: L2-normalised, GVA-repeated to HV heads, in the compute dtype) - the values the
-    chunk inputs are laid out from."""
+    chunk inputs are laid out from; in the backward ``do`` = the output cotangent
+    [B, T, HV, V] token-major (compute dtype), for kernels that read it themselves."""
     raw: tuple
     tok: tuple
+    do: Optional[jax.Array] = None
 
 
 class TokenCotangents(NamedTuple):
@@ -542,7 +544,7 @@ def backward_problem(spec: CallSpec, q, k, v, g, beta, cu_seqlens, do, dfinal,
                                         pull_gates, tuple(tok))
     doc = grid.readout_cotangent(layout, do.astype(spec.cdt), grid.readout_every(spec.n))
     return BackwardProblem(layout, ch, pull_inputs, doc, dfinal.astype(spec.cdt),
-                           OpTokens((q, k, v), tok))
+                           OpTokens((q, k, v), tok, do.astype(spec.cdt)))
 
 
 def _pull_inputs(pull_tokens, pull_plain, pull_steps, pull_gates, tok, dch):

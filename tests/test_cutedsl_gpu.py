@@ -636,6 +636,35 @@ def test_fused_norm_bwd_matches(monkeypatch, B, n, H, HV, K, V, packed):
             ref, GRAD_TOL)
 
 
+@pytest.mark.parametrize("B,n,H,HV,K,V,packed", [
+    (8, 2, 16, 16, 128, 128, False),
+    (2, 3, 1, 3, 64, 128, True),                           # GVA, K != V, packed
+])
+def test_do_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, packed):
+    """``pipeline.DO_TOKENS`` (opt-in: the local-gradient kernel reads dO token-major
+    through its row table): the same values reach its shared memory as from XLA's
+    all-rows copy, so o, the final state and every gradient but dg are the same bits (dg
+    to float32 rounding: XLA's sums around the kernels); within GRAD_TOL of float64."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    if packed:
+        args, cu = _rows_or_pack(31, True, n, H, HV, K, V, "bfloat16")
+    else:
+        args, cu = make(31, B, 203, n, H, HV, K, V, jnp.bfloat16), None
+    calls = []
+    raw = LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **k: calls.append(k.get("do_tokens", False)) or raw(*a, **k)))
+    base, got = grads_off_on(monkeypatch, pipeline, "DO_TOKENS", args, cu)
+    assert calls == [False, True], calls
+    compare("do tokens vs all-rows dO", got, base, 1e-6)
+    i = NAMES.index("dg")
+    drop = lambda r: tuple(None if j == i else x for j, x in enumerate(r))
+    assert_same_bits(drop(got), drop(base))
+    compare(f"do tokens B={B} n={n} HV={HV} K={K} V={V} packed={packed} vs ref", got,
+            grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
 def test_head_groups_equal_whole_call(monkeypatch, packed):
     """Head groups (:mod:`gdp_jax.heads`) on the kernels: with the offsets limit cut to 2

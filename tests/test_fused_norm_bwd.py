@@ -78,6 +78,37 @@ def test_fused_norm_bwd_matches_unfused(monkeypatch, n, T, cu, H, HV, K, V):
             assert a.tobytes() == b.tobytes(), name
 
 
+@pytest.mark.parametrize("n,T,cu,H,HV,K,V", [
+    (2, 150, [0, 0, 1, 70, 70, 150], 1, 2, 64, 64),        # GVA, packed, empty and 1-token
+    (3, 90, None, 1, 1, 128, 64),
+])
+def test_do_tokens_same_bits(monkeypatch, n, T, cu, H, HV, K, V):
+    """``pipeline.DO_TOKENS``: the local-gradient kernel reads dO token-major through its
+    row table (zeros off the read-out rows) - the same values as XLA's all-rows copy, so
+    o, the final state and every gradient but dg are the same bits, dg to float32 rounding
+    (emulated kernels)."""
+    N = 2 if cu is None else len(cu) - 1
+    inp = make_inputs(n + 40, 2 if cu is None else 1, T, n, H, HV, K, V, jnp.bfloat16, N=N)
+    seen = []
+    raw = emulate.local_grad_tokens_call        # (emulated_kernels binds it on entry)
+    monkeypatch.setattr(emulate, "local_grad_tokens_call", lambda *a, **k: seen.append(
+        (k.get("do_tokens", False), a[3].ndim)) or raw(*a, **k))
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(pipeline, "DO_TOKENS", on)
+        testing._value_and_grad_fn.cache_clear()
+        with testing.emulated_kernels():
+            out[on] = loss_and_grads(gdp_jax.gated_delta_product, inp, cu_seqlens=cu,
+                                     key=3, backend="cutedsl", use_qk_l2norm=True)
+    assert seen == [(False, 5), (True, 4)], seen
+    (o1, s1, l1, g1), (o0, s0, l0, g0) = out[True], out[False]
+    for name, a, b in [("o", o1, o0), ("final", s1, s0)] + [(k, g1[k], g0[k]) for k in g0]:
+        if name == "g":     # summed in XLA around the kernels: another graph may reassociate
+            assert testing.rel_max(a, b) < 1e-6
+        else:
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+
+
 def test_l2_norm_scale_is_the_normalise_factor():
     """l2_normalize(x) == x * l2_norm_scale(x) (float64, rows from 1e-30 to 1e30 and a zero
     row), and the norm's backward rho (dy - y (y . dy)) equals jax.vjp of l2_normalize."""

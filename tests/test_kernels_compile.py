@@ -788,6 +788,15 @@ def test_local_grad_kernel_with_norm_backward_compiles(dtype, K, V):
     plain = lambda *a: LocalGradKernel.call_tokens(*a[:12], n=n, T=T, scale=0.1,
                                                    ab_dtype=dtype)
     assert _lower(plain, *avals) != text
+    # and dO read token-major (pipeline.DO_TOKENS): doc [B, T, HV, V]
+    do_t = list(avals)
+    do_t[9] = S((B, T, HV, V), dtype)
+    dot = lambda *a: LocalGradKernel.call_tokens(*a[:12], n=n, T=T, scale=0.1,
+                                                 ab_dtype=dtype, rho=a[12:], do_tokens=True)
+    assert [o.shape for o in jax.eval_shape(dot, *do_t)] == [o.shape for o in out]
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(dot, *do_t)
+    with pytest.raises(ValueError, match=r"^doc: token-major"):
+        jax.eval_shape(dot, *avals)
     batched = jax.vmap(tok)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(
         batched, *(S((2, B // 2) + a.shape[1:], a.dtype) for a in avals))

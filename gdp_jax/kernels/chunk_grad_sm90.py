@@ -87,7 +87,7 @@ class ChunkGradSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
                  warps_n: int = 2, tokens: bool = False, head_major: bool = False,
-                 tokens_in: bool = False, norm_bwd: bool = False):
+                 tokens_in: bool = False, norm_bwd: bool = False, do_tokens: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -116,6 +116,10 @@ class ChunkGradSm90:
         # from mRhoQ [B, T, H], mRhoK [B, n T, H], read through the row table)
         self.norm_bwd = norm_bwd
         assert tokens or not norm_bwd
+        # doc read from the op's token-major dO [B, T, HV, V] by the row table (read-out
+        # rows; zeros elsewhere), as q with ``tokens_in``
+        self.do_tokens = do_tokens
+        assert tokens or not do_tokens
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -215,7 +219,9 @@ class ChunkGradSm90:
         wn = tidx // NUM_THREADS               # this warp's N index (sm90.warp_mma)
         rsum = lambda t, i: _sum_n(t, i, WN)
 
-        gW, gDo = mW[b, c, hv, None, None], mDo[b, c, hv, None, None]
+        gW = mW[b, c, hv, None, None]
+        if cutlass.const_expr(not self.do_tokens):
+            gDo = mDo[b, c, hv, None, None]
         if cutlass.const_expr(not self.tokens_in):
             gQ, gK, gV = (mQ[b, c, hv, None, None], mK[b, c, hv, None, None],
                           mV[b, c, hv, None, None])
@@ -237,7 +243,10 @@ class ChunkGradSm90:
             cpK.load(gK, (C, K), cpK.dest(sK))
         cute.arch.cp_async_commit_group()
         cpK.load(gW, (C, K), cpK.dest(sW))
-        cpV.load(gDo, (C, V), cpV.dest(sDo))
+        if cutlass.const_expr(self.do_tokens):
+            self._load_rows(cpV, sDo, mDo, mRows, b, c, hv, V, True)
+        else:
+            cpV.load(gDo, (C, V), cpV.dest(sDo))
         cpV.load(mS0[b, c, hv, None, None], (K, V), cpV.dest(sS0))     # [K, V] rows of V
         if cutlass.const_expr(ds16):
             cpV.load(mDS[b, c, hv, None, None], (K, V), cpV.dest(sDS))
@@ -719,9 +728,10 @@ _KERNELS = {}
 def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
                warps_n: int = 2, tokens: bool = False,
                head_major: bool = False, tokens_in: bool = False,
-               norm_bwd: bool = False) -> ChunkGradSm90:
-    key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in, norm_bwd)
+               norm_bwd: bool = False, do_tokens: bool = False) -> ChunkGradSm90:
+    key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in, norm_bwd,
+           do_tokens)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
-                                      tokens, head_major, tokens_in, norm_bwd)
+                                      tokens, head_major, tokens_in, norm_bwd, do_tokens)
     return _KERNELS[key]

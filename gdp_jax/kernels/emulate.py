@@ -231,7 +231,8 @@ def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dty
 
 
 def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n,
-                           T, ab_dtype, split=True, warps_n=2, tokens_in=False, rho=None):
+                           T, ab_dtype, split=True, warps_n=2, tokens_in=False, rho=None,
+                           do_tokens=False):
     """The token-major local-gradient kernel's contract (``LocalGradKernel.raw_call_tokens``):
     :func:`local_grad_call`'s dq, dk, dv moved to their token-major rows by the row table
     ``rows`` [B, NC, 4] = (base, count, tok, n) and rounded to ``ab_dtype``: chunk row
@@ -241,8 +242,12 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
     token-major (q [B, T, H, K], k [B, n T, H, K], v [B, n T, HV, V]), gathered to the
     chunk grid by the same rows. ``rho`` = (rho_q [B, T, H], rho_k [B, n T, H]): dq, dk
     as the raw rows' cotangents, d_raw = rho (d - y rows(y, d)) in float32 with y the
-    16-bit q, k tiles, before the rounding."""
+    16-bit q, k tiles, before the rounding. ``do_tokens``: doc is dO [B, T, HV, V],
+    gathered onto the read-out rows by the same rows."""
     del warps_n                         # a tuning knob
+    if do_tokens:
+        HV, C = g.shape[2:]
+        doc = _gather_token_rows(rows, C, doc, doc[:, :1], doc[:, :1])[0]
     if tokens_in:
         HV, C = g.shape[2:]
         q, k, v = _gather_token_rows(rows, C, q, k, v)

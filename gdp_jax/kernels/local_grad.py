@@ -128,7 +128,7 @@ class LocalGradKernel:
     @classmethod
     def call_tokens(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, rows, *, n: int,
                     T: int, scale: float, ab_dtype, split: Optional[bool] = None,
-                    tokens_in: bool = False, rho=None):
+                    tokens_in: bool = False, rho=None, do_tokens: bool = False):
         """:meth:`call` with dq, dk, dv written in the op's token-major layout, in
         ``ab_dtype``: -> (dq [B, T, HV, K], dk [B, T, n, HV, K], dv [B, T, n, HV, V],
         dg, dbeta [B, NC, HV, C] float32). ``rows`` [B, NC, 4]: the chunk grid's row table
@@ -140,12 +140,15 @@ class LocalGradKernel:
         rho_k [B, T, n, H]) float32, 1 / |row| of the raw q, k of an op with the in-op L2
         norm (:func:`gdp_jax.reference.l2_norm_scale`; q, k the normalised rows): dq, dk
         come out as the cotangents of the raw rows (the norm's backward applied per value
-        head, before the GVA head sum). ``jax.vmap``-able."""
+        head, before the GVA head sum). ``do_tokens``: ``doc`` is the op's output cotangent
+        token-major [B, T, HV, V] (in ``ab_dtype``), read on the read-out rows through
+        ``rows``. ``jax.vmap``-able."""
         norm = rho is not None
         f = binding.vmappable(
             lambda *a: cls.raw_call_tokens(*a[:13], n=n, T=T, ab_dtype=ab_dtype, split=split,
                                            tokens_in=tokens_in,
-                                           rho=tuple(a[13:]) if norm else None),
+                                           rho=tuple(a[13:]) if norm else None,
+                                           do_tokens=do_tokens),
             out_kinds=("rows",) * 5)
         scale_rows = jnp.full(w.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
         if tokens_in:
@@ -167,14 +170,16 @@ class LocalGradKernel:
     @staticmethod
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
                         T: int, ab_dtype, split: Optional[bool] = None,
-                        warps_n: Optional[int] = None, tokens_in: bool = False, rho=None):
+                        warps_n: Optional[int] = None, tokens_in: bool = False, rho=None,
+                        do_tokens: bool = False):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
         [B, NC, HV, C] float32. ``tokens_in``: q [B, T, H, K], k [B, n T, H, K],
         v [B, n T, HV, V] in ``ab_dtype``, read through the same rows (chunk rows without
         a token row read as zeros). ``rho`` = (rho_q [B, T, H], rho_k [B, n T, H]) float32:
-        dq, dk as the raw rows' cotangents (:meth:`call_tokens`)."""
+        dq, dk as the raw rows' cotangents (:meth:`call_tokens`). ``do_tokens``: ``doc``
+        [B, T, HV, V] token-major in ``ab_dtype``."""
         # the chunk-grid tensors' dims: k, v's (as raw_call's), or w, u's with tokens_in
         B, NC, HV, K, V = _checked_dims(w, u, scale, ab_dtype) if tokens_in else \
             _checked_dims(k, v, scale, ab_dtype)
@@ -185,6 +190,9 @@ class LocalGradKernel:
                              f"outputs within the kernel's 32-bit offsets")
         ab = jnp.dtype(ab_dtype)
         tok = 2
+        if do_tokens and (tuple(doc.shape) != (B, T, HV, V) or doc.dtype != ab):
+            raise ValueError(f"doc: token-major {ab.name} {(B, T, HV, V)}; got {doc.dtype} "
+                             f"{tuple(doc.shape)}")
         if tokens_in:
             _check_token_inputs(q, k, v, B, n, T, HV, K, V, ab)
             tok = 1
@@ -202,12 +210,14 @@ class LocalGradKernel:
             launcher, name, outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab) + (rows,)
             + extra,
-            tile_dims=(tok, tok, 2, 2, tok, 1, 1, 0, 2, 2, 2, 2, 1) + extra_dims
+            tile_dims=(tok, tok, 2, 1 if do_tokens else 2, tok, 1, 1, 0, 2, 2, 2, 2, 1)
+            + extra_dims
             + (1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
             warps_n=int(WARPS_N if warps_n is None else warps_n),
-            **({"tokens_in": True} if tokens_in else {}))
+            **({"tokens_in": True} if tokens_in else {}),
+            **({"do_tokens": True} if do_tokens else {}))
 
     @classmethod
     def variants(cls):
@@ -245,6 +255,15 @@ class LocalGradKernel:
                     out.append(aot.Variant(
                         f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V} norm", fn,
                         args(ab) + table + rho))
+                    # and dO read token-major (pipeline.DO_TOKENS)
+                    fn = functools.partial(
+                        lambda *a, **kw: cls.raw_call_tokens(*a[:13], rho=a[13:], **kw),
+                        n=1, T=1, ab_dtype=name, do_tokens=True)
+                    a = list(args(ab))
+                    a[3] = jax.ShapeDtypeStruct((1, 1, 1, V), ab)
+                    out.append(aot.Variant(
+                        f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V} norm do tokens", fn,
+                        tuple(a) + table + rho))
                     # and q, k, v read token-major (pipeline.TOKEN_BACKWARD)
                     R = lambda d: jax.ShapeDtypeStruct((1, 1, 1, d), ab)
                     a = list(args(ab))
@@ -339,10 +358,10 @@ def _launcher_tokens():
                dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
-               tokens_in: cutlass.Constexpr = False):
+               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False):
         # (no row norms: ``scale`` fills their slots, unread)
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
-                       head_major=head_major, tokens_in=tokens_in)(
+                       head_major=head_major, tokens_in=tokens_in, do_tokens=do_tokens)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, scale, scale,
             dq, dk, dv, dg, dbeta)
 
@@ -361,9 +380,10 @@ def _launcher_tokens_norm():
                dq, dk, dv, dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
-               tokens_in: cutlass.Constexpr = False):
+               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False):
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
-                       head_major=head_major, tokens_in=tokens_in, norm_bwd=True)(
+                       head_major=head_major, tokens_in=tokens_in, norm_bwd=True,
+                       do_tokens=do_tokens)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,
             dq, dk, dv, dg, dbeta)
 

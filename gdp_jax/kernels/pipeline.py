@@ -251,6 +251,11 @@ READOUT_ONLY_BWD = True
 # n = 1, 14.15 -> 13.39 at n = 3, dq, dk no farther from float64 (H100, s32-3: GPU test
 # ``test_fused_norm_bwd_matches``, benchmarks/results/CURRENT.md).
 FUSED_NORM_BWD = True
+# and that kernel reading the output cotangent dO token-major through its row table (zeros
+# on the rows that are not read out) instead of XLA's copy of dO on all C rows of every
+# chunk (the pad fusion: 0.18 ms at (8, 4096, 16, 2), s32-2's trace). Opt-in, NOT yet
+# measured: GPU test ``test_do_tokens_same_bits``; ``+dotok``.
+DO_TOKENS = False
 
 # and the reverse kernel forming ddo = P^T dO from P itself (StateGradKernel ``fuse_ddo``)
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
@@ -277,7 +282,7 @@ def kernel_backward(spec, ch: grid.ChunkInputs) -> bool:
 
 
 def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
-                layout: Optional[grid.ChunkLayout] = None, qkv=None, rho=None):
+                layout: Optional[grid.ChunkLayout] = None, qkv=None, rho=None, do=None):
     """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
     dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
@@ -287,15 +292,17 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
     (:class:`gdp_jax.engine.TokenCotangents`: no relayout or cast of them in XLA); with
     ``qkv`` (:func:`token_operands`) the kernel reads q, k, v token-major as well; with
     ``rho`` (:func:`row_norms`) the kernel applies the L2 norm's backward to those dq, dk
-    (:class:`gdp_jax.engine.RawTokenCotangents`)."""
+    (:class:`gdp_jax.engine.RawTokenCotangents`); with ``do`` (the op's output cotangent
+    [B, T, HV, V], :data:`DO_TOKENS`) it reads dO token-major instead of ``work.do``."""
     if (layout is not None and local_grad_kernel(spec, ch)
             and LocalGradKernel.can_write_tokens(spec, ch)):
         rows = token_rows(layout, spec.n, spec.T)
         q, k, v = qkv if qkv is not None else ch[:3]
         dq, dk, dv, dg, dbeta = LocalGradKernel.call_tokens(
-            q, k, v, ch.g, ch.beta, work.w, work.u, work.X, S0, work.do,
+            q, k, v, ch.g, ch.beta, work.w, work.u, work.X, S0,
+            work.do if do is None else do.astype(spec.ab_dtype),
             ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype,
-            tokens_in=qkv is not None, rho=rho)
+            tokens_in=qkv is not None, rho=rho, do_tokens=do is not None)
         gates = _vma.cotangent_like((dg.astype(ch.g.dtype), dbeta.astype(ch.beta.dtype)),
                                     (ch.g, ch.beta))
         return (TokenCotangents if rho is None else RawTokenCotangents)(dq, dk, dv, *gates)
@@ -452,7 +459,8 @@ class CuTeDSLEngine(Engine):
                                            ds_dtype=spec.ab_dtype if on_kernel else None,
                                            fuse_ddo=work.fuse_ddo)
         dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout, qkv=qkv,
-                          rho=row_norms(spec, tokens))
+                          rho=row_norms(spec, tokens),
+                          do=tokens.do if DO_TOKENS and tokens is not None else None)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 
     def forward_summaries(self, spec, ch, layout):
