@@ -207,7 +207,7 @@ case "${1:-2}" in
   rows $M/ab.log ;;
 17)
   # s32 (cut for ~150 s of device time): DO_TOKENS's GPU test, then an A/B at the main
-  # shape without FLA (NO_BUILD=1: the few variants compile when traced)
+  # shape without FLA; run with BUILD_ONLY=bfloat16 (NOT run yet: no device time left in s32)
   step 90 do_test $P tests/test_cutedsl_gpu.py -k "do_tokens_same_bits"
   step 90 ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+dotok \
     --shapes "8,4096,16,2" --no-check --deadline 60 --out $M/ab
