@@ -3,8 +3,8 @@
 On the emulated kernels (CPU): with the switch the kernel contract takes the rows'
 1 / |raw row| (``reference.l2_norm_scale``) and returns dq, dk as the raw q, k rows'
 cotangents; the op's gradients must then be those of the unfused path (XLA's norm
-backward after the 16-bit rounding) up to bf16 rounding, dv, dg, dbeta and dh0 the same
-bits (the norm touches only q, k), and every gradient as close to float64 as the unfused
+backward after the 16-bit rounding) up to bf16 rounding, dv, dbeta and dh0 the same bits
+(the norm touches only q, k; dg to float32 rounding: XLA's sums around the kernels), and every gradient as close to float64 as the unfused
 path's. Batched and packed rows with empty and one-token sequences, T not a multiple of
 64, n = 1..3, GVA, K != V, and rows of very different lengths (|k| from 1e-3 to 1e3).
 """
@@ -74,6 +74,8 @@ def test_fused_norm_bwd_matches_unfused(monkeypatch, n, T, cu, H, HV, K, V):
             # y (the normalised rows) enters in 16 bits instead of d: a little worse on
             # some inputs (k of the GVA case: 3.3e-3 vs 2.8e-3), better on others
             assert e_on < 1.25 * e_off + 1e-4, (name, e_on, e_off)
+        elif name == "g":   # summed in XLA around the kernels: another graph may reassociate
+            assert testing.rel_max(a, b) < 1e-6, name
         else:
             assert a.tobytes() == b.tobytes(), name
 
