@@ -147,22 +147,28 @@ def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=Fal
 
 def _gather_token_rows(rows, C, q, k, v):
     """The chunk tiles [B, NC, heads, C, X] of token-major q [B, T, H, K], k [B, L, H, K],
-    v [B, L, HV, V] (L = n T steps) by the row table ``rows`` [B, NC, 4] = (base, count,
-    tok, n): chunk row i < count is step base + i, q only on the read-out rows
-    i = n - 1 (mod n), token tok + i // n; other rows zero (as the kernels read them)."""
+    v [B, L, HV, V] (L = n T steps) by the row table ``rows`` (:func:`_gather_rows`; q on
+    the read-out rows)."""
+    return (_gather_rows(rows, C, q, True), _gather_rows(rows, C, k, False),
+            _gather_rows(rows, C, v, False))
+
+
+def _gather_rows(rows, C, x, readout):
+    """The chunk tiles [B, NC, heads, C, X] of token-major x [B, L, heads, X] by the row
+    table ``rows`` [B, NC, 4] = (base, count, tok, n): chunk row i < count is step
+    base + i, or with ``readout`` only the read-out rows i = n - 1 (mod n), token
+    tok + i // n; other rows zero (as the kernels read them)."""
     B, NC = rows.shape[:2]
     base, count, tok, n = (rows[..., j, None] for j in range(4))    # [B, NC, 1]
     i = jnp.arange(C, dtype=jnp.int32)
-
-    def gather(x, idx, ok):                        # -> [B, NC, heads, C, X]
-        idx = jnp.clip(idx, 0, x.shape[1] - 1).reshape(B, NC * C, 1, 1)
-        y = jnp.take_along_axis(x, idx, axis=1).reshape((B, NC, C) + x.shape[2:])
-        y = jnp.where(ok[..., None, None], y, jnp.zeros((), x.dtype))
-        return jnp.moveaxis(y, 2, 3)
-
-    valid = i < count
-    return (gather(q, tok + i // n, valid & (i % n == n - 1)), gather(k, base + i, valid),
-            gather(v, base + i, valid))
+    ok = i < count
+    idx = base + i
+    if readout:
+        ok, idx = ok & (i % n == n - 1), tok + i // n
+    idx = jnp.clip(idx, 0, x.shape[1] - 1).reshape(B, NC * C, 1, 1)
+    y = jnp.take_along_axis(x, idx, axis=1).reshape((B, NC, C) + x.shape[2:])
+    y = jnp.where(ok[..., None, None], y, jnp.zeros((), x.dtype))
+    return jnp.moveaxis(y, 2, 3)
 
 
 def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
@@ -246,8 +252,8 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
     gathered onto the read-out rows by the same rows."""
     del warps_n                         # a tuning knob
     if do_tokens:
-        HV, C = g.shape[2:]
-        doc = _gather_token_rows(rows, C, doc, doc[:, :1], doc[:, :1])[0]
+        C = g.shape[-1]
+        doc = _gather_rows(rows, C, doc, True)
     if tokens_in:
         HV, C = g.shape[2:]
         q, k, v = _gather_token_rows(rows, C, q, k, v)
