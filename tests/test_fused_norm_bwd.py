@@ -24,6 +24,15 @@ from gdp_jax.testing import loss_and_grads, make_inputs, rel_rms
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_traces():
+    """These tests trace the op with switches off their defaults: drop the cached jitted
+    loss afterwards, or a later test of the same shapes reuses that trace (s32: the
+    packed case of ``test_token_backward_equals_chunk_tiles`` did, in the same worker)."""
+    yield
+    testing._value_and_grad_fn.cache_clear()
+
+
 def _grads(inp, cu, backend, fused, monkeypatch, calls=None):
     monkeypatch.setattr(pipeline, "FUSED_NORM_BWD", fused)
     kw = dict(backend=backend, use_qk_l2norm=True)
