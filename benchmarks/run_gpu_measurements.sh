@@ -23,6 +23,8 @@
 #                                               # (FUSED_NORM_BWD): GPU test, fwd+bwd A/B beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 17  # dO read token-major by the local-gradient kernel
 #                                               # (DO_TOKENS): GPU test, fwd+bwd A/B at one shape, no FLA
+#   bash benchmarks/run_gpu_measurements.sh 18  # DO_TOKENS (test, A/B), TOKEN_BACKWARD A/B, a trace of the
+#                                               # default fwd+bwd, one long row beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -214,4 +216,18 @@ case "${1:-2}" in
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/do_test.log | tail -4 | cut -c1-200
   grep -hE "do tokens" $M/do_test.log | cut -c1-250
   rows $M/ab.log ;;
+18)
+  # s33: DO_TOKENS's GPU test and A/B, TOKEN_BACKWARD re-checked on today's kernels, a
+  # trace of today's default fwd+bwd, one long row (fwd, fwd+bwd) beside tuned FLA
+  step 90 do_test $P tests/test_cutedsl_gpu.py -k "do_tokens_same_bits"
+  step 150 ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+dotok,cutedsl+tb,fla \
+    --shapes "8,4096,16,2" --no-check --deadline 120 --out $M/ab
+  step 80 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --hlo $M/f.hlo.gz
+  [ -f $M/f.hlo.gz ] && python -m benchmarks.hlo_lines $M/trace.log $M/f.hlo.gz > $M/lines.log 2>&1
+  step 170 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,fla \
+    --shapes "1,65536,16,2" --no-check --deadline 140 --out $M/long
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/do_test.log | tail -4 | cut -c1-200
+  grep -hE "do tokens" $M/do_test.log | cut -c1-250
+  head -30 $M/lines.log | cut -c1-160
+  rows $M/ab.log $M/long.log ;;
 esac
