@@ -283,7 +283,7 @@ class OursStep:
 # or all rows; ``+rob``: the backward's reverse walk's; ``+pair``: walk CTAs of two value
 # tiles; ``+nb`` / ``+xlanb``: the L2 norm's backward in the local-gradient kernel or in XLA;
 # ``+dotok``: that kernel reading dO token-major; ``+tb``: the backward's kernels reading
-# q, k, v token-major)
+# q, k, v token-major; ``+nk``: with +tb, those kernels normalising the raw q, k themselves)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -291,6 +291,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "nb": ("kernels.pipeline", "FUSED_NORM_BWD", True),
             "dotok": ("kernels.pipeline", "DO_TOKENS", True),
             "tb": ("kernels.pipeline", "TOKEN_BACKWARD", True),
+            "nk": ("kernels.pipeline", "NORM_IN_KERNELS", True),
             "xlanb": ("kernels.pipeline", "FUSED_NORM_BWD", False),
             "rob": ("kernels.pipeline", "READOUT_ONLY_BWD", True),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
@@ -342,7 +343,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +pair switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -25,6 +25,8 @@
 #                                               # (DO_TOKENS): GPU test, fwd+bwd A/B at one shape, no FLA
 #   bash benchmarks/run_gpu_measurements.sh 18  # DO_TOKENS (test, A/B), TOKEN_BACKWARD A/B, a trace of the
 #                                               # default fwd+bwd, one long row beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 19  # TOKEN_BACKWARD (read-out rows) and NORM_IN_KERNELS: GPU tests,
+#                                               # fwd+bwd A/B beside tuned FLA at the main shapes, a trace
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -230,4 +232,18 @@ case "${1:-2}" in
   grep -hE "do tokens" $M/do_test.log | cut -c1-250
   head -30 $M/lines.log | cut -c1-160
   rows $M/ab.log $M/long.log ;;
+19)
+  # s33: TOKEN_BACKWARD with the read-out rows, NORM_IN_KERNELS (GPU tests), then fwd+bwd
+  # A/B at the main shapes beside tuned FLA (float64 check on), one trace of +tb+nk
+  step 150 nk_test $P tests/test_cutedsl_gpu.py -k "norm_in_kernels or token_backward_same_bits"
+  step 250 ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+tb,cutedsl+tb+nk,fla \
+    --shapes main --deadline 220 --out $M/ab
+  step 60 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl \
+    --set kernels.pipeline.TOKEN_BACKWARD=True --set kernels.pipeline.NORM_IN_KERNELS=True \
+    --hlo $M/f.hlo.gz
+  [ -f $M/f.hlo.gz ] && python -m benchmarks.hlo_lines $M/trace.log $M/f.hlo.gz > $M/lines.log 2>&1
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/nk_test.log | tail -8 | cut -c1-200
+  grep -hE "norm in kernels|token backward" $M/nk_test.log | cut -c1-250
+  head -24 $M/lines.log | cut -c1-160
+  rows $M/ab.log ;;
 esac

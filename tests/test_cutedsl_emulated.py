@@ -866,8 +866,8 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     """``pipeline.TOKEN_BACKWARD``: the differentiated op's operands kernels (forward, and
     backward with X) and the local-gradient kernel read q, k, v token-major (the
     normalised per-token operands, through the row table) instead of the chunk tiles XLA
-    lays out: the same values reach the kernels, so outputs and every gradient but dg are
-    the same bits, dg to float32 rounding (bf16, T not a multiple of 64, T = 2, n = 1..3, GVA, packed with empty and
+    lays out: the same values reach the kernels (qg, P on the read-out rows in both), so
+    outputs and every gradient but dg are the same bits, dg to float32 rounding (bf16, T not a multiple of 64, T = 2, n = 1..3, GVA, packed with empty and
     one-token sequences); the plain forward keeps its raw-token path."""
     from gdp_jax.kernels import pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
@@ -876,9 +876,10 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     prep, lg = ChunkPrepKernel.raw_call_tokens, LocalGradKernel.raw_call_tokens
     monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
         lambda *a, **kw: calls.append(("prep", kw["l2norm"], kw.get("inverse", False)))
-        or prep(*a, **kw)))
+        or compact.append(kw.get("readout_rows", False)) or prep(*a, **kw)))
     monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
         lambda *a, **kw: calls.append(("grad", kw.get("tokens_in", False))) or lg(*a, **kw)))
+    compact = []
     B, T, n, H, HV, cu = TOKEN_CASES[case]
     N = B if cu is None else len(cu) - 1
     inp = make_inputs(41, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
@@ -892,6 +893,9 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     calls.clear()
     got = run()
     assert sorted(calls) == [("grad", True), ("prep", False, False), ("prep", False, True)]
+    # qg, P on the read-out rows where n >= 2 (READOUT_ONLY_GRAD, READOUT_ONLY_BWD on): both
+    # operands kernels, the backward's with X as well
+    assert compact == [n >= 2] * 2
     o, s, _, g = got
     o2, s2, _, g2 = want
     assert np.asarray(o).tobytes() == np.asarray(o2).tobytes()
@@ -905,6 +909,59 @@ def test_token_backward_equals_chunk_tiles(monkeypatch, case, l2norm):
     calls.clear()
     jax.jit(lambda *a: OP(*a, use_qk_l2norm=l2norm, backend="cutedsl"))(*inp[:5])
     assert calls == [("prep", l2norm, False)]       # the plain forward: raw tokens
+
+
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
+def test_norm_in_kernels(monkeypatch, case):
+    """``pipeline.NORM_IN_KERNELS`` (with TOKEN_BACKWARD): the differentiated op's operands
+    kernels (forward; backward with X) and the local-gradient kernel read the raw q, k and
+    L2-normalise them themselves, the local-gradient kernel applying the norm's backward
+    with its own factors: no normalised copy or row norms from XLA. The same values up to
+    float32 rounding of the norm (XLA's sums over token rows vs the kernels' over chunk
+    rows) as XLA's norm; within the 16-bit tolerance of float64 (bf16, T not a multiple of
+    64, T = 2, n = 2, 3, GVA, packed with empty and one-token sequences); n = 1 keeps XLA's
+    norm."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    from gdp_jax.testing import DIFF_NAMES, rel_rms, upcast
+    calls = []
+    prep, lg = ChunkPrepKernel.raw_call_tokens, LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(("prep", kw["l2norm"], kw.get("inverse", False)))
+        or prep(*a, **kw)))
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(("grad", kw.get("l2norm", False), kw["rho"] is None))
+        or lg(*a, **kw)))
+    B, T, n, H, HV, cu = TOKEN_CASES[case]
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(43, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
+    run = lambda: loss_and_grads(OP, inp, cu_seqlens=cu, backend="cutedsl",
+                                 use_qk_l2norm=True)
+    monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", True)
+    jax.clear_caches()
+    want = run()
+    assert sorted(calls) == [("grad", False, False), ("prep", False, False),
+                             ("prep", False, True)]
+    monkeypatch.setattr(pipeline, "NORM_IN_KERNELS", True)
+    jax.clear_caches()
+    calls.clear()
+    got = run()
+    if n == 1:       # operands on all rows: XLA's norm (pipeline.norm_in_kernels)
+        assert sorted(calls) == [("grad", False, False), ("prep", False, False),
+                                 ("prep", False, True)]
+    else:
+        assert sorted(calls) == [("grad", True, True), ("prep", True, False),
+                                 ("prep", True, True)]
+    ref = loss_and_grads(REF, upcast(inp, jnp.float64)._replace(
+        g=inp.g.astype(jnp.float64), initial_state=inp.initial_state.astype(jnp.float64)),
+        cu_seqlens=cu, use_qk_l2norm=True)
+    pairs = {"o": (got[0], want[0], ref[0]), "final": (got[1], want[1], ref[1])}
+    pairs.update({m: (got[3][m], want[3][m], ref[3][m]) for m in DIFF_NAMES})
+    for name, (x, y, r) in pairs.items():
+        assert rel_rms(x, y) < 2e-3, name               # a few 16-bit roundings apart
+        e_got, e_want = rel_rms(x, r), rel_rms(y, r)
+        assert e_got < 1e-2 and e_got < 1.25 * e_want + 1e-4, (name, e_got, e_want)
 
 
 def test_value_tile_is_picked_for_the_launch(monkeypatch):

@@ -373,9 +373,25 @@ def test_readout_rows_operands_kernel_compiles(dtype, K, V, l2norm):
     assert qg.shape == (B, NC, HV, R, K) and p.shape == (B, NC, HV, R, C)
     assert bad.shape == (B, NC, HV, C)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, *avals)
-    with pytest.raises(ValueError, match="readout_rows: the forward's operands only"):
+    with pytest.raises(ValueError, match="readout_rows: not with probe"):
         jax.eval_shape(lambda *a: ChunkPrepKernel.raw_call_tokens(
-            *a, ab_dtype=dtype, l2norm=l2norm, readout_rows=True, inverse=True), *avals)
+            *a, ab_dtype=dtype, l2norm=l2norm, readout_rows=True, probe=True), *avals)
+
+
+def test_readout_rows_operands_kernel_with_inverse_compiles():
+    """The backward's token-major operands kernel (TOKEN_BACKWARD) with X and qg, p on the
+    read-out rows (READOUT_ONLY_BWD)."""
+    B, T, n, H, HV, NC, C, R, K, V = 1, 100, 3, 1, 3, 5, grid.CHUNK, grid.READOUT_ROWS, 64, 128
+    f32, i32, ab = jnp.float32, jnp.int32, jnp.bfloat16
+    avals = (S((B, T, H, K), ab), S((B, n * T, H, K), ab), S((B, n * T, HV, V), ab),
+             S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B,), f32),
+             S((B, NC, 4), i32))
+    f = lambda *a: ChunkPrepKernel.raw_call_tokens(*a, ab_dtype=ab, l2norm=False,
+                                                   readout_rows=True, inverse=True)
+    w, kt, qg, p, u, decay, bad, X = jax.eval_shape(f, *avals)
+    assert qg.shape == (B, NC, HV, R, K) and p.shape == (B, NC, HV, R, C)
+    assert X.shape == (B, NC, HV, C, C) and u.shape == (B, NC, HV, C, V)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, *avals)
 
 
 def _chunk_avals(B, NC, HV, K, V, dtype=jnp.float32):
@@ -802,6 +818,31 @@ def test_local_grad_kernel_with_norm_backward_compiles(dtype, K, V):
         batched, *(S((2, B // 2) + a.shape[1:], a.dtype) for a in avals))
 
 
+def test_local_grad_kernel_normalising_raw_rows_compiles():
+    """The token-major local-gradient kernel reading raw q, k token-major and normalising
+    them itself, the norm's backward on its own factors (``pipeline.NORM_IN_KERNELS``):
+    GVA (2 key heads, 4 value heads), its vmap; l2norm needs tokens_in and no rho."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    B, NC, HV, H, C, n, T, K, V = 2, 3, 4, 2, grid.CHUNK, 2, 70, 128, 64
+    f32, ab = jnp.float32, jnp.bfloat16
+    avals = (S((B, T, H, K), ab), S((B, T, n, H, K), ab), S((B, T, n, HV, V), ab),
+             S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B, NC, HV, C, K), ab),
+             S((B, NC, HV, C, V), f32), S((B, NC, HV, C, C), f32), S((B, NC, HV, K, V), ab),
+             S((B, NC, HV, C, V), ab), S((B, NC, HV, K, V), ab), S((B, NC, 4), jnp.int32))
+    tok = lambda *a: LocalGradKernel.call_tokens(*a, n=n, T=T, scale=0.1, ab_dtype=ab,
+                                                 tokens_in=True, l2norm=True)
+    out = jax.eval_shape(tok, *avals)
+    assert [(o.shape, o.dtype) for o in out] == [
+        ((B, T, HV, K), ab), ((B, T, n, HV, K), ab), ((B, T, n, HV, V), ab),
+        ((B, NC, HV, C), f32), ((B, NC, HV, C), f32)]
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(tok, *avals)
+    assert "CuteDSLRT_NvJaxCutlassCall" in _lower(
+        jax.vmap(tok), *(S((2, B // 2) + a.shape[1:], a.dtype) for a in avals))
+    with pytest.raises(ValueError, match="l2norm: q, k token-major"):
+        jax.eval_shape(lambda *a: LocalGradKernel.call_tokens(
+            *a, n=n, T=T, scale=0.1, ab_dtype=ab, l2norm=True), *avals)
+
+
 def test_token_major_local_grad_call_rejects_bad_inputs():
     """``LocalGradKernel.raw_call_tokens`` names the argument, its shape and what it
     expected, before anything reaches XLA."""
@@ -883,7 +924,7 @@ def test_narrow_tiles_only_when_32_leaves_sms_idle():
 def test_operands_kernel_holds_three_ctas_per_sm():
     """The operands kernel caps its registers so that 3 CTAs share an SM (its ~70 KB of
     shared memory allow 3; uncapped, the assembler took ~190 registers: 2), chunk-major and
-    token-major, with and without X / the in-kernel L2 norm / the read-out rows only (9). Read
+    token-major, with and without X / the in-kernel L2 norm / the read-out rows only (11). Read
     from the cubin the CuTe DSL keeps (benchmarks.kernel_resources)."""
     import subprocess
     import sys
@@ -893,7 +934,7 @@ def test_operands_kernel_holds_three_ctas_per_sm():
                        capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gdp_chunk_prep_sm90")]
-    assert r.returncode == 0 and len(lines) == 9, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and len(lines) == 11, r.stdout[-2000:] + r.stderr[-2000:]
     for ln in lines:
         regs = int(ln.split(": ")[1].split(" registers")[0])
         assert regs <= 168 and "3 CTAs / SM by registers" in ln, ln

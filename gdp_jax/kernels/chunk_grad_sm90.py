@@ -55,7 +55,9 @@ fwd+bwd 0.4 ms: benchmarks/results/CURRENT.md, s19-2 / s19-3). dg, dbeta are flo
 of the raw q, k rows of an op with the in-op L2 norm: d_raw = rho (d - y rows(y, d)) in
 float32 per row before the 16-bit rounding, y the q, k tiles (the normalised rows, 16-bit),
 rho = 1 / |raw row| read through the row table - XLA's two passes over dq and dk for the
-norm's backward are gone.
+norm's backward are gone. With ``l2norm`` (tokens_in and norm_bwd) q, k arrive raw and are
+normalised here, after their loads land (``sm90.l2_normalize_rows``, the token-major
+operands kernel's norm: the same bits), and rho is this kernel's own factor per row.
 
 This module imports cutlass; import it only through ``gdp_jax.kernels.local_grad``
 (lazily).
@@ -68,7 +70,8 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, acc_to_smem,
-                                  c_tile, g2s, g2s_copy, ldmatrix_copies, make_acc,
+                                  c_tile, g2s, g2s_copy, l2_normalize_rows,
+                                  ldmatrix_copies, make_acc,
                                   mma_split_b, operand, pick, smem_layout, smem_tile,
                                   transpose_view, warp_mma)
 
@@ -87,7 +90,8 @@ class ChunkGradSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
                  warps_n: int = 2, tokens: bool = False, head_major: bool = False,
-                 tokens_in: bool = False, norm_bwd: bool = False, do_tokens: bool = False):
+                 tokens_in: bool = False, norm_bwd: bool = False, do_tokens: bool = False,
+                 l2norm: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -120,6 +124,11 @@ class ChunkGradSm90:
         # rows; zeros elsewhere), as q with ``tokens_in``
         self.do_tokens = do_tokens
         assert tokens or not do_tokens
+        # q, k read raw (token-major) and L2-normalised here, as the token-major operands
+        # kernel does (``sm90.l2_normalize_rows``: the same bits), with the norm's backward
+        # on this kernel's own row factors rho (mRhoQ, mRhoK unread)
+        self.l2norm = l2norm
+        assert not l2norm or (tokens_in and norm_bwd)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -162,6 +171,8 @@ class ChunkGradSm90:
             sy: cute.struct.MemRange[F32, C]           # phase 14's row vector
             snq: cute.struct.MemRange[F32, C * WN]      # rows(q, dq) (norm_bwd)
             snk: cute.struct.MemRange[F32, C * WN]      # rows(k, dk) (norm_bwd)
+            shq: cute.struct.MemRange[F32, C]          # rho of the q rows (l2norm)
+            shk: cute.struct.MemRange[F32, C]          # rho of the k rows (l2norm)
             sred: cute.struct.MemRange[F32, NT // 32]
 
         B, NC, HV = mW.shape[0], mW.shape[1], mW.shape[2]
@@ -214,6 +225,7 @@ class ChunkGradSm90:
         srq, sdto, sdba, srs, srs2 = (rvec(st.srq), rvec(st.sdto), rvec(st.sdba),
                                       rvec(st.srs), rvec(st.srs2))
         snq, snk = rvec(st.snq), rvec(st.snk)
+        shq, shk = vec(st.shq), vec(st.shk)
         sy = vec(st.sy)
         sred = st.sred.get_tensor(cute.make_layout(NT // 32))
         wn = tidx // NUM_THREADS               # this warp's N index (sm90.warp_mma)
@@ -291,6 +303,12 @@ class ChunkGradSm90:
             tXc[e] = acc_x[e]
         cute.arch.cp_async_wait_group(1 if ds16 else 0)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.l2norm):
+            # the raw q, k rows -> normalised in place (this thread's cp.async pieces),
+            # their factors rho for the norm's backward; the second load group still flies
+            self._normalize_tile(cpK, sQ, shq)
+            self._normalize_tile(cpK, sK, shk)
+            cute.arch.sync_threads()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
         if cutlass.const_expr(not ds16):
@@ -481,8 +499,11 @@ class ChunkGradSm90:
         # ---- phase 11: dv = diag(beta) X^T ddelta
         if cutlass.const_expr(self.norm_bwd):
             # this thread's rows' 1 / |raw row| now: the loads fly during phases 11-13
-            rho_q, rho_k = self._row_norms(mRows, mRhoQ, mRhoK, b, c, hv, r0,
-                                           mDq.shape[2])
+            if cutlass.const_expr(self.l2norm):
+                rho_q, rho_k = [shq[r0], shq[r0 + 8]], [shk[r0], shk[r0 + 8]]
+            else:
+                rho_q, rho_k = self._row_norms(mRows, mRhoQ, mRhoK, b, c, hv, r0,
+                                               mDq.shape[2])
         acc_v.fill(0.0)
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
                    R(transpose_view(sX, C, C), True, lambda x, i, j: x * sb[i]),
@@ -560,6 +581,16 @@ class ChunkGradSm90:
             if tidx == 0:
                 for m in cutlass.range_constexpr(len(marks) - 1):
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
+
+    def _normalize_tile(self, cp, s, row_scale):
+        """The rows of a 16-bit [C, K] smem tile L2-normalised in place, this thread's
+        ``cp`` (``g2s``) pieces, with each row's factor rho into ``row_scale`` [C]. Runs at
+        trace time (plain Python)."""
+        t = cp.dest(s)
+        r = cute.make_fragment_like(t)
+        cute.autovec_copy(t, r)
+        crd = cp.thr.partition_D(cute.make_identity_tensor((C, self.K)))
+        l2_normalize_rows(r, t, self.K // 8, cute.size(t) // 8, self.ab, row_scale, crd)
 
     def _row_norms(self, mRows, mRhoQ, mRhoK, b, c, hv, r0, HV):
         """([rho_q(r0), rho_q(r0 + 8)], [rho_k(r0), rho_k(r0 + 8)]): 1 / |raw row| of the
@@ -728,10 +759,12 @@ _KERNELS = {}
 def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
                warps_n: int = 2, tokens: bool = False,
                head_major: bool = False, tokens_in: bool = False,
-               norm_bwd: bool = False, do_tokens: bool = False) -> ChunkGradSm90:
+               norm_bwd: bool = False, do_tokens: bool = False,
+               l2norm: bool = False) -> ChunkGradSm90:
     key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in, norm_bwd,
-           do_tokens)
+           do_tokens, l2norm)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
-                                      tokens, head_major, tokens_in, norm_bwd, do_tokens)
+                                      tokens, head_major, tokens_in, norm_bwd, do_tokens,
+                                      l2norm)
     return _KERNELS[key]

@@ -174,9 +174,9 @@ class ChunkPrepKernel:
         read; its q, k, v are left to XLA's dead-code elimination), with q, k, v read by
         the kernel from the token-major inputs (:meth:`can_read_tokens`) and L2-normalised
         in it when ``spec.use_qk_l2norm`` and not ``normalized`` (q, k already are);
-        ``inverse``: X as well, as :meth:`call`'s; ``readout_rows`` (n >= 2, no
-        ``inverse``): qg, p on the read-out rows only, [.., READOUT_ROWS, K / C]
-        (:meth:`raw_call_tokens`). ``jax.vmap``-able."""
+        ``inverse``: X as well, as :meth:`call`'s; ``readout_rows`` (n >= 2): qg, p on
+        the read-out rows only, [.., READOUT_ROWS, K / C] (:meth:`raw_call_tokens`).
+        ``jax.vmap``-able."""
         B, T, n, H, K = k.shape
         rows = token_rows(layout, n, T)
         f = binding.vmappable(
@@ -204,8 +204,8 @@ class ChunkPrepKernel:
         [B, NC, HV, R, K] and p [B, NC, HV, R, C], R = ``grid.READOUT_ROWS``, hold the
         read-out rows n - 1, 2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero),
         the same values as those rows of the full tensors."""
-        if readout_rows and (inverse or probe):
-            raise ValueError("readout_rows: the forward's operands only (no inverse, probe)")
+        if readout_rows and probe:
+            raise ValueError("readout_rows: not with probe")
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
         if C_ != C:
@@ -270,10 +270,15 @@ class ChunkPrepKernel:
                              jax.ShapeDtypeStruct((1, 1, 4), jnp.int32))))
                     # token-major q, k, v: the forward (normalised in the kernel or
                     # not; all rows or the read-out rows of qg, p) and the backward's,
-                    # with X (pipeline.TOKEN_BACKWARD)
+                    # with X (pipeline.TOKEN_BACKWARD; all rows or, READOUT_ONLY_BWD, the
+                    # read-out rows)
+                    # (normalised by XLA, or raw with the norm in the kernel on the
+                    # read-out rows: NORM_IN_KERNELS)
                     for l2norm, inverse, readout in ((False, False, False),
                                                      (True, False, False),
                                                      (False, True, False),
+                                                     (False, True, True),
+                                                     (True, True, True),
                                                      (False, False, True),
                                                      (True, False, True)):
                         T = lambda *shape: jax.ShapeDtypeStruct((1, 1, 1) + shape,

@@ -55,13 +55,12 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand, ab_type,
-                                  c_tile, g2s,
+                                  c_tile, g2s, l2_normalize_rows,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
                                   operand, smem_layout, smem_tile, transpose_view, warp_mma)
 from gdp_jax.kernels.sm90 import pick as _pick
 
 F32 = cutlass.Float32
-L2_EPS = 1e-6       # gdp_jax.reference.L2_EPS (this module must not import jax)
 I32 = cutlass.Int32
 INF = float("inf")
 HB = C // 2         # the inverse's block size
@@ -450,8 +449,8 @@ class ChunkPrepSm90:
         cute.autovec_copy(tK, rk)
         cute.autovec_copy(tQ, rq)
         if cutlass.const_expr(self.l2norm):
-            self._normalize_rows(rk, tK, lanes, pieces)
-            self._normalize_rows(rq, tQ, lanes, q_pieces)
+            l2_normalize_rows(rk, tK, lanes, pieces, ab)
+            l2_normalize_rows(rq, tQ, lanes, q_pieces, ab)
         for m in cutlass.range_constexpr(pieces):
             has_q = m < q_pieces
             r, col = crd[8 * m]
@@ -492,33 +491,6 @@ class ChunkPrepSm90:
             if bad_k != 0:                      # rare: keep it out of the MMAs
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                     tK[e] = F32(0.0).to(ab)
-
-    @cute.jit
-    def _normalize_rows(self, r, t, lanes: cutlass.Constexpr, pieces: cutlass.Constexpr):
-        """In-op L2 norm of the rows this thread holds 8 columns of (``r``: registers, ``t``:
-        their smem tile, both overwritten with the 16-bit normalised values; the first
-        ``pieces`` of them), over the row's ``lanes`` consecutive lanes: x / m rsqrt(sum
-        (x / m)^2 + eps / m^2) with m = max |x| where > 1, else 1 -
-        ``gdp_jax.reference.l2_normalize``."""
-        for m in cutlass.range_constexpr(pieces):
-            mx = F32(0.0)
-            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                mx = cute.arch.fmax(mx, cute.math.absf(r[e].to(F32)))
-            for sh in cutlass.range_constexpr(lanes.bit_length() - 1):
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
-            # NaN anywhere in the row: |x| comparisons skip it, the sum below does not
-            inv = _pick(mx > F32(1.0), F32(1.0) / mx, F32(1.0))
-            ss = F32(0.0)
-            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                y = r[e].to(F32) * inv
-                ss = ss + y * y
-            for sh in cutlass.range_constexpr(lanes.bit_length() - 1):
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << sh)
-            d = inv * cute.math.rsqrt(ss + F32(L2_EPS) * (inv * inv))
-            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                y = (r[e].to(F32) * d).to(self.ab)
-                r[e] = y
-                t[e] = y
 
     @cute.jit
     def _row_rules(self, lane, sb, sgam, fA, fK, fV, fWU, fP, fQ, ok, gBad):

@@ -238,7 +238,7 @@ def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dty
 
 def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n,
                            T, ab_dtype, split=True, warps_n=2, tokens_in=False, rho=None,
-                           do_tokens=False):
+                           do_tokens=False, l2norm=False):
     """The token-major local-gradient kernel's contract (``LocalGradKernel.raw_call_tokens``):
     :func:`local_grad_call`'s dq, dk, dv moved to their token-major rows by the row table
     ``rows`` [B, NC, 4] = (base, count, tok, n) and rounded to ``ab_dtype``: chunk row
@@ -249,15 +249,25 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
     chunk grid by the same rows. ``rho`` = (rho_q [B, T, H], rho_k [B, n T, H]): dq, dk
     as the raw rows' cotangents, d_raw = rho (d - y rows(y, d)) in float32 with y the
     16-bit q, k tiles, before the rounding. ``do_tokens``: doc is dO [B, T, HV, V],
-    gathered onto the read-out rows by the same rows."""
+    gathered onto the read-out rows by the same rows. ``l2norm``: the gathered q, k rows
+    are raw, L2-normalised in float32 and rounded to ``ab_dtype`` (as
+    :func:`chunk_prep_tokens_call` does), and rho is their own
+    (:func:`gdp_jax.reference.l2_norm_scale`)."""
+    from gdp_jax.reference import l2_norm_scale, l2_normalize
     del warps_n                         # a tuning knob
     if do_tokens:
         C = g.shape[-1]
         doc = _gather_rows(rows, C, doc, True)
+    own_rho = None
     if tokens_in:
         HV, C = g.shape[2:]
         q, k, v = _gather_token_rows(rows, C, q, k, v)
         H = k.shape[2]
+        if l2norm:
+            f32 = lambda x: x.astype(jnp.float32)
+            own_rho = tuple(jnp.repeat(l2_norm_scale(f32(x)), HV // H, axis=2)
+                            for x in (q, k))
+            q, k = (l2_normalize(f32(x)).astype(x.dtype) for x in (q, k))
         q, k = jnp.repeat(q, HV // H, axis=2), jnp.repeat(k, HV // H, axis=2)
     dq, dk, dv, dg, dbeta = local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0,
                                             ds_end, ab_dtype=ab_dtype, split=split)
@@ -278,6 +288,11 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
 
         dq = norm_bwd(dq, q, rho[0], tok + i // n_)
         dk = norm_bwd(dk, k, rho[1], base + i)
+    elif own_rho is not None:
+        rd = lambda x: x.astype(ab_dtype).astype(dq.dtype)
+        (rq, rk), (yq, yk) = own_rho, (rd(q), rd(k))
+        dq = rq.astype(dq.dtype) * (dq - yq * _row_dot(yq, dq))
+        dk = rk.astype(dk.dtype) * (dk - yk * _row_dot(yk, dk))
 
     def scatter(x, idx, ok, length):               # [B, NC, HV, C, X] -> [B, length, HV, X]
         idx = jnp.where(ok, idx, length).reshape(B, NC * C)       # out of range: dropped

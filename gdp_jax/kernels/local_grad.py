@@ -128,7 +128,8 @@ class LocalGradKernel:
     @classmethod
     def call_tokens(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, rows, *, n: int,
                     T: int, scale: float, ab_dtype, split: Optional[bool] = None,
-                    tokens_in: bool = False, rho=None, do_tokens: bool = False):
+                    tokens_in: bool = False, rho=None, do_tokens: bool = False,
+                    l2norm: bool = False):
         """:meth:`call` with dq, dk, dv written in the op's token-major layout, in
         ``ab_dtype``: -> (dq [B, T, HV, K], dk [B, T, n, HV, K], dv [B, T, n, HV, V],
         dg, dbeta [B, NC, HV, C] float32). ``rows`` [B, NC, 4]: the chunk grid's row table
@@ -142,13 +143,16 @@ class LocalGradKernel:
         come out as the cotangents of the raw rows (the norm's backward applied per value
         head, before the GVA head sum). ``do_tokens``: ``doc`` is the op's output cotangent
         token-major [B, T, HV, V] (in ``ab_dtype``), read on the read-out rows through
-        ``rows``. ``jax.vmap``-able."""
+        ``rows``. ``l2norm`` (with ``tokens_in``, no ``rho``): q, k are the raw rows of an
+        op with the in-op L2 norm; the kernel normalises them itself (as the token-major
+        operands kernel does: the same bits) and applies the norm's backward with its own
+        rho. ``jax.vmap``-able."""
         norm = rho is not None
         f = binding.vmappable(
             lambda *a: cls.raw_call_tokens(*a[:13], n=n, T=T, ab_dtype=ab_dtype, split=split,
                                            tokens_in=tokens_in,
                                            rho=tuple(a[13:]) if norm else None,
-                                           do_tokens=do_tokens),
+                                           do_tokens=do_tokens, l2norm=l2norm),
             out_kinds=("rows",) * 5)
         scale_rows = jnp.full(w.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
         if tokens_in:
@@ -171,7 +175,7 @@ class LocalGradKernel:
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
                         T: int, ab_dtype, split: Optional[bool] = None,
                         warps_n: Optional[int] = None, tokens_in: bool = False, rho=None,
-                        do_tokens: bool = False):
+                        do_tokens: bool = False, l2norm: bool = False):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
@@ -179,7 +183,11 @@ class LocalGradKernel:
         v [B, n T, HV, V] in ``ab_dtype``, read through the same rows (chunk rows without
         a token row read as zeros). ``rho`` = (rho_q [B, T, H], rho_k [B, n T, H]) float32:
         dq, dk as the raw rows' cotangents (:meth:`call_tokens`). ``do_tokens``: ``doc``
-        [B, T, HV, V] token-major in ``ab_dtype``."""
+        [B, T, HV, V] token-major in ``ab_dtype``. ``l2norm`` (``tokens_in``, no ``rho``):
+        q, k raw, normalised in the kernel, dq, dk the raw rows' cotangents."""
+        if l2norm and (not tokens_in or rho is not None):
+            raise ValueError("l2norm: q, k token-major (tokens_in) and no rho (the kernel "
+                             "computes its own)")
         # the chunk-grid tensors' dims: k, v's (as raw_call's), or w, u's with tokens_in
         B, NC, HV, K, V = _checked_dims(w, u, scale, ab_dtype) if tokens_in else \
             _checked_dims(k, v, scale, ab_dtype)
@@ -202,8 +210,10 @@ class LocalGradKernel:
                    binding.out(rows_, jnp.float32))
         extra, extra_dims, launcher, name = (), (), _launcher_tokens, \
             "gdp_chunk_grad_sm90_tokens"
-        if rho is not None:
-            extra = _checked_row_norms(rho, B, n, T, HV)
+        if rho is not None or l2norm:
+            # with l2norm the kernel's own factors: [1, 1, 1] placeholders, unread
+            extra = _checked_row_norms(rho, B, n, T, HV) if rho is not None else \
+                (jnp.zeros((1, 1, 1), jnp.float32),) * 2
             extra_dims, launcher = (0, 0), _launcher_tokens_norm
             name = "gdp_chunk_grad_sm90_tokens_norm"
         return binding.custom_call(
@@ -217,7 +227,8 @@ class LocalGradKernel:
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
             warps_n=int(WARPS_N if warps_n is None else warps_n),
             **({"tokens_in": True} if tokens_in else {}),
-            **({"do_tokens": True} if do_tokens else {}))
+            **({"do_tokens": True} if do_tokens else {}),
+            **({"l2norm": True} if l2norm else {}))
 
     @classmethod
     def variants(cls):
@@ -273,6 +284,13 @@ class LocalGradKernel:
                     out.append(aot.Variant(
                         f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V} tokens in", fn,
                         tuple(a) + table))
+                    # and raw q, k normalised in the kernel, the norm's backward on its
+                    # own factors (pipeline.NORM_IN_KERNELS)
+                    fn = functools.partial(cls.raw_call_tokens, n=1, T=1, ab_dtype=name,
+                                           tokens_in=True, l2norm=True)
+                    out.append(aot.Variant(
+                        f"gdp_chunk_grad_sm90_tokens {name} K={K} V={V} tokens in l2norm",
+                        fn, tuple(a) + table))
         return out
 
 
@@ -380,10 +398,11 @@ def _launcher_tokens_norm():
                dq, dk, dv, dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
-               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False):
+               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
+               l2norm: cutlass.Constexpr = False):
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, norm_bwd=True,
-                       do_tokens=do_tokens)(
+                       do_tokens=do_tokens, l2norm=l2norm)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,
             dq, dk, dv, dg, dbeta)
 

@@ -220,6 +220,12 @@ SAVE_OPERANDS = False
 # Off: the same bits, 12% less peak memory, but no faster (fwd+bwd 9.18 vs 9.06 ms at
 # (8, 4096, 16, 2): the token-major loads cost what the relayouts did; CURRENT.md, s22-1).
 TOKEN_BACKWARD = False
+# and, with TOKEN_BACKWARD and the in-op L2 norm, those kernels reading the raw q, k and
+# normalising them themselves (the token-major operands kernel's norm, ``sm90.
+# l2_normalize_rows``: the same bits in each; the local-gradient kernel applies the norm's
+# backward with its own factors) instead of XLA's norm passes and normalised copies.
+# Opt-in, NOT yet measured: ``+nk``.
+NORM_IN_KERNELS = False
 
 # and the forward without a backward (and the CP summary pass's) keeping only the read-out
 # rows of qg, P and o where n >= 2 (``grid.READOUT_ROWS`` = 32 rows a chunk instead of C = 64):
@@ -282,7 +288,8 @@ def kernel_backward(spec, ch: grid.ChunkInputs) -> bool:
 
 
 def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
-                layout: Optional[grid.ChunkLayout] = None, qkv=None, rho=None, do=None):
+                layout: Optional[grid.ChunkLayout] = None, qkv=None, rho=None, do=None,
+                l2norm: bool = False):
     """The cotangents of the chunk inputs (:class:`gdp_jax.grid.ChunkInputs`, ``ch``'s
     dtypes) from the output-row cotangents ``doc`` [B, NC, HV, C, V], the end-state
     cotangents ``ds_end`` and the start states ``S0`` [B, NC, HV, K, V]. ``doc`` may hold
@@ -292,8 +299,10 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
     (:class:`gdp_jax.engine.TokenCotangents`: no relayout or cast of them in XLA); with
     ``qkv`` (:func:`token_operands`) the kernel reads q, k, v token-major as well; with
     ``rho`` (:func:`row_norms`) the kernel applies the L2 norm's backward to those dq, dk
-    (:class:`gdp_jax.engine.RawTokenCotangents`); with ``do`` (the op's output cotangent
-    [B, T, HV, V], :data:`DO_TOKENS`) it reads dO token-major instead of ``work.do``."""
+    (:class:`gdp_jax.engine.RawTokenCotangents`), or with ``l2norm`` (``qkv`` raw,
+    :func:`norm_in_kernels`) normalises q, k itself and applies it with its own rho; with
+    ``do`` (the op's output cotangent [B, T, HV, V], :data:`DO_TOKENS`) it reads dO
+    token-major instead of ``work.do``."""
     if (layout is not None and local_grad_kernel(spec, ch)
             and LocalGradKernel.can_write_tokens(spec, ch)):
         rows = token_rows(layout, spec.n, spec.T)
@@ -302,10 +311,11 @@ def local_grads(spec, ch: grid.ChunkInputs, work: BackwardWork, S0, doc, ds_end,
             q, k, v, ch.g, ch.beta, work.w, work.u, work.X, S0,
             work.do if do is None else do.astype(spec.ab_dtype),
             ds_end, rows, n=spec.n, T=spec.T, scale=spec.scale, ab_dtype=spec.ab_dtype,
-            tokens_in=qkv is not None, rho=rho, do_tokens=do is not None)
+            tokens_in=qkv is not None, rho=rho, do_tokens=do is not None, l2norm=l2norm)
         gates = _vma.cotangent_like((dg.astype(ch.g.dtype), dbeta.astype(ch.beta.dtype)),
                                     (ch.g, ch.beta))
-        return (TokenCotangents if rho is None else RawTokenCotangents)(dq, dk, dv, *gates)
+        raw = rho is not None or l2norm
+        return (RawTokenCotangents if raw else TokenCotangents)(dq, dk, dv, *gates)
     if local_grad_kernel(spec, ch):
         grads = LocalGradKernel.call(ch.q, ch.k, ch.v, ch.g, ch.beta, work.w, work.u,
                                      work.X, S0, work.do, ds_end, scale=spec.scale,
@@ -336,14 +346,34 @@ def token_operands(spec, ch: grid.ChunkInputs, tokens) -> Optional[tuple]:
     """The differentiated op's q, k, v for kernels that read them token-major
     (:data:`TOKEN_BACKWARD`): :class:`gdp_jax.engine.OpTokens`' per-token operands in the
     16-bit operand dtype - q [B, T, HV, K], k [B, T, n, HV, K], v [B, T, n, HV, V],
-    L2-normalised, the same values the chunk inputs hold - or None where the backward
-    runs on chunk tiles (switch off, no tokens, a kernel that cannot take the call)."""
+    L2-normalised, the same values the chunk inputs hold - or, where the kernels
+    normalise them (:func:`norm_in_kernels`), the raw q [B, T, H, K], k [B, T, n, H, K] and
+    v; None where the backward runs on chunk tiles (switch off, no tokens, a kernel that
+    cannot take the call)."""
     if not TOKEN_BACKWARD or tokens is None or not kernel_backward(spec, ch):
         return None
     if not LocalGradKernel.can_write_tokens(spec, ch):
         return None
-    qkv = tuple(x.astype(spec.ab_dtype) for x in tokens.tok[:3])
+    src = tokens.raw if norm_in_kernels(spec, tokens) else tokens.tok
+    qkv = tuple(x.astype(spec.ab_dtype) for x in src[:3])
     return qkv if ChunkPrepKernel.can_read_tokens(spec, *qkv) else None
+
+
+def norm_in_kernels(spec, tokens) -> bool:
+    """Do the differentiated op's token-major kernels (:func:`token_operands`) read the
+    raw q, k (``tokens.raw``) and L2-normalise them themselves (:data:`NORM_IN_KERNELS`)?
+    Only with the in-op norm, its backward in the local-gradient kernel
+    (:data:`FUSED_NORM_BWD`), not ``batch_invariant`` (whose norm has its own sums), raw
+    q, k already in the 16-bit operand dtype (the kernels normalise 16-bit rows; wider
+    inputs are normalised before their rounding, in XLA), and the operands on the read-out
+    rows both ways (n >= 2, :data:`READOUT_ONLY_GRAD`, :data:`READOUT_ONLY_BWD`): on all
+    rows the backward's operands kernel with X and the norm is 134 KiB of machine code,
+    past the suspected 128 KiB instruction-cache limit (docs/KERNELS.md)."""
+    ab = jnp.dtype(spec.ab_dtype)
+    return (NORM_IN_KERNELS and TOKEN_BACKWARD and FUSED_NORM_BWD and spec.use_qk_l2norm
+            and not spec.batch_invariant and tokens is not None
+            and READOUT_ONLY_GRAD and READOUT_ONLY_BWD and readout_rows_only(spec)
+            and all(x.dtype == ab for x in tokens.raw[:2]))
 
 
 def _flags(layout: grid.ChunkLayout):
@@ -419,7 +449,7 @@ class CuTeDSLEngine(Engine):
             read, normalized = None, False
             if keep_states:
                 read = token_operands(spec, ch, tokens)
-                normalized = read is not None
+                normalized = read is not None and not norm_in_kernels(spec, tokens)
             elif tokens is not None:
                 read = tokens.raw
             operands, bad = masked_operands(
@@ -444,8 +474,14 @@ class CuTeDSLEngine(Engine):
             states, prep = states
         qkv = token_operands(spec, ch, tokens) if work is None else None
         if qkv is not None and prep is None:
-            operands, _, X = ChunkPrepKernel.call_tokens(spec, *qkv, ch, layout, inverse=True,
-                                                         normalized=True)
+            # qg, P on the read-out rows where the reverse walk takes them (as
+            # BackwardWork's own operands kernel call does)
+            every = grid.every_of(doc.shape[-2])
+            compact = READOUT_ONLY_BWD and every > 1 and every == spec.n
+            operands, _, X = ChunkPrepKernel.call_tokens(
+                spec, *qkv, ch, layout, inverse=True,
+                normalized=not norm_in_kernels(spec, tokens),
+                readout_rows=compact)
             prep = (operands, X)
         work = work if work is not None else BackwardWork(
             ch, doc, spec.scale, spec.ab_dtype, on_kernel=kernel_backward(spec, ch),
@@ -458,8 +494,9 @@ class CuTeDSLEngine(Engine):
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
                                            ds_dtype=spec.ab_dtype if on_kernel else None,
                                            fuse_ddo=work.fuse_ddo)
+        raw = qkv is not None and norm_in_kernels(spec, tokens)
         dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout, qkv=qkv,
-                          rho=row_norms(spec, tokens),
+                          rho=None if raw else row_norms(spec, tokens), l2norm=raw,
                           do=tokens.do if DO_TOKENS and tokens is not None else None)
         return dch, where_has_tokens(layout, dh0.astype(dfinal.dtype), dfinal)
 

@@ -162,6 +162,43 @@ def readout_operands(tiled_mma_o, tidx, ab, K: int, BV: int, sS, sSl, sD, sDl):
 # whose method is called in the loop body as loop-carried state unless it is a frozen
 # dataclass (read-only), and these hold only trace-time views.
 
+L2_EPS = 1e-6       # gdp_jax.reference.L2_EPS (this module must not import jax)
+
+
+def l2_normalize_rows(r, t, lanes: int, pieces: int, ab, row_scale=None, crd=None):
+    """The in-op L2 norm of the rows a thread holds 8 columns of (``r``: registers, ``t``:
+    their smem tile, both overwritten with the 16-bit normalised values; the first
+    ``pieces`` of them, a ``g2s_copy`` partition: a row spread over ``lanes`` consecutive
+    lanes, which reduce by butterfly shuffles): x / m rsqrt(sum (x / m)^2 + eps / m^2)
+    with m = max |x| where > 1, else 1 - ``gdp_jax.reference.l2_normalize``. Every kernel
+    that normalises rows this way gets the same bits for the same row (the same sums in
+    the same order). ``row_scale`` (an smem vector [rows], with ``crd`` the partition's
+    coordinates): the row's factor 1 / |row| (``gdp_jax.reference.l2_norm_scale``), stored
+    by every lane of the row (the same value)."""
+    F32 = cutlass.Float32
+    for m in range(pieces):
+        mx = F32(0.0)
+        for e in range(8 * m, 8 * m + 8):
+            mx = cute.arch.fmax(mx, cute.math.absf(r[e].to(F32)))
+        for sh in range(lanes.bit_length() - 1):
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
+        # NaN anywhere in the row: |x| comparisons skip it, the sum below does not
+        inv = pick(mx > F32(1.0), F32(1.0) / mx, F32(1.0))
+        ss = F32(0.0)
+        for e in range(8 * m, 8 * m + 8):
+            y = r[e].to(F32) * inv
+            ss = ss + y * y
+        for sh in range(lanes.bit_length() - 1):
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << sh)
+        d = inv * cute.math.rsqrt(ss + F32(L2_EPS) * (inv * inv))
+        for e in range(8 * m, 8 * m + 8):
+            y = (r[e].to(F32) * d).to(ab)
+            r[e] = y
+            t[e] = y
+        if row_scale is not None:
+            row_scale[crd[8 * m][0]] = d        # every lane of the row: the same value
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """One MMA operand of this thread: its register fragment ``frag`` and the ldmatrix copy
