@@ -27,6 +27,8 @@
 #                                               # default fwd+bwd, one long row beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 19  # TOKEN_BACKWARD (read-out rows) and NORM_IN_KERNELS: GPU tests,
 #                                               # fwd+bwd A/B beside tuned FLA at the main shapes, a trace
+#   bash benchmarks/run_gpu_measurements.sh 20  # the in-kernel norm a step over 4 pieces: its GPU tests, forward
+#                                               # and fwd+bwd beside tuned FLA at the main shapes, one long row
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -246,4 +248,17 @@ case "${1:-2}" in
   grep -hE "norm in kernels|token backward" $M/nk_test.log | cut -c1-250
   head -24 $M/lines.log | cut -c1-160
   rows $M/ab.log ;;
+20)
+  # s33: the in-kernel L2 norm's pieces a step at a time (sm90.l2_normalize_rows): the GPU
+  # tests of the kernels that normalise, the forward and fwd+bwd at the main shapes beside
+  # tuned FLA (TOKEN_BACKWARD on by default now; +nk), one long row's forward
+  step 120 norm_test $P tests/test_cutedsl_gpu.py -k "token_major_operands or norm_in_kernels or readout_only_same_bits"
+  step 130 fwd python -m benchmarks.run fwd --impl cutedsl,fla --shapes main --no-check \
+    --deadline 110 --out $M/fwd
+  step 170 ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+nk,fla --shapes main \
+    --no-check --deadline 150 --out $M/ab
+  step 90 long python -m benchmarks.run fwd --impl cutedsl-cpauto,fla --shapes "1,65536,16,2" \
+    --no-check --deadline 70 --out $M/long
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
+  rows $M/fwd.log $M/ab.log $M/long.log ;;
 esac

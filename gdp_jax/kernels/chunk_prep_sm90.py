@@ -449,8 +449,11 @@ class ChunkPrepSm90:
         cute.autovec_copy(tK, rk)
         cute.autovec_copy(tQ, rq)
         if cutlass.const_expr(self.l2norm):
-            l2_normalize_rows(rk, tK, lanes, pieces, ab)
-            l2_normalize_rows(rq, tQ, lanes, q_pieces, ab)
+            # pieces a step at a time (sm90.l2_normalize_rows): on all q rows 4 made this
+            # variant 128 KiB of machine code (the suspected instruction-cache limit)
+            group = 4 if self.readout_rows else 1
+            l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
+            l2_normalize_rows(rq, tQ, lanes, q_pieces, ab, group=group)
         for m in cutlass.range_constexpr(pieces):
             has_q = m < q_pieces
             r, col = crd[8 * m]

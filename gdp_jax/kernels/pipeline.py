@@ -215,11 +215,12 @@ KERNEL_FACTORS = True
 SAVE_OPERANDS = False
 # and the differentiated op's operands and local-gradient kernels reading q, k, v
 # token-major (:func:`token_operands`: XLA's L2-normalised per-token operands, the values
-# the chunk tiles would hold) instead of chunk tiles XLA lays out (three [B, NC, HV, C, K]
-# relayouts, ~0.16 ms each at (8, 4096, 16, 2): benchmarks/results/CURRENT.md, s19-3).
-# Off: the same bits, 12% less peak memory, but no faster (fwd+bwd 9.18 vs 9.06 ms at
-# (8, 4096, 16, 2): the token-major loads cost what the relayouts did; CURRENT.md, s22-1).
-TOKEN_BACKWARD = False
+# the chunk tiles would hold) instead of chunk tiles XLA lays out (four relayouts,
+# 0.13-0.20 ms each at (8, 4096, 16, 2), s33-1's trace). The same bits (GPU test); fwd+bwd
+# 8.92 -> 8.67 ms at (8, 4096, 16, 2), 13.21 -> 12.79 at n = 3, 9.75 -> 9.59 at
+# (2, 16384, 16, 2), 4.90 -> 4.92 at n = 1; peak memory 3.44 -> 2.98 GB (H100, s33-2:
+# benchmarks/results/CURRENT.md). (In s22-1, before the read-out rows, it was no faster.)
+TOKEN_BACKWARD = True
 # and, with TOKEN_BACKWARD and the in-op L2 norm, those kernels reading the raw q, k and
 # normalising them themselves (the token-major operands kernel's norm, ``sm90.
 # l2_normalize_rows``: the same bits in each; the local-gradient kernel applies the norm's

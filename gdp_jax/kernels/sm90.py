@@ -165,7 +165,8 @@ def readout_operands(tiled_mma_o, tidx, ab, K: int, BV: int, sS, sSl, sD, sDl):
 L2_EPS = 1e-6       # gdp_jax.reference.L2_EPS (this module must not import jax)
 
 
-def l2_normalize_rows(r, t, lanes: int, pieces: int, ab, row_scale=None, crd=None):
+def l2_normalize_rows(r, t, lanes: int, pieces: int, ab, row_scale=None, crd=None,
+                      group: int = 4):
     """The in-op L2 norm of the rows a thread holds 8 columns of (``r``: registers, ``t``:
     their smem tile, both overwritten with the 16-bit normalised values; the first
     ``pieces`` of them, a ``g2s_copy`` partition: a row spread over ``lanes`` consecutive
@@ -174,23 +175,40 @@ def l2_normalize_rows(r, t, lanes: int, pieces: int, ab, row_scale=None, crd=Non
     that normalises rows this way gets the same bits for the same row (the same sums in
     the same order). ``row_scale`` (an smem vector [rows], with ``crd`` the partition's
     coordinates): the row's factor 1 / |row| (``gdp_jax.reference.l2_norm_scale``), stored
-    by every lane of the row (the same value)."""
+    by every lane of the row (the same value).
+
+    Each step runs for ``group`` pieces before the next (their shuffles issue back to
+    back): one piece after another, a thread waited out every shuffle's and the rsqrt's
+    latency in turn; all of a thread's pieces at once would hold more registers than the
+    operands kernel has (spills)."""
+    for g0 in range(0, pieces, group):
+        _l2_normalize_pieces(r, t, lanes, range(g0, min(pieces, g0 + group)), ab, row_scale,
+                             crd)
+
+
+def _l2_normalize_pieces(r, t, lanes, ms, ab, row_scale, crd):
+    """:func:`l2_normalize_rows` of the pieces ``ms``, step by step over all of them."""
     F32 = cutlass.Float32
-    for m in range(pieces):
-        mx = F32(0.0)
+    rounds = range(lanes.bit_length() - 1)
+    mx = {m: F32(0.0) for m in ms}
+    for m in ms:
         for e in range(8 * m, 8 * m + 8):
-            mx = cute.arch.fmax(mx, cute.math.absf(r[e].to(F32)))
-        for sh in range(lanes.bit_length() - 1):
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
-        # NaN anywhere in the row: |x| comparisons skip it, the sum below does not
-        inv = pick(mx > F32(1.0), F32(1.0) / mx, F32(1.0))
-        ss = F32(0.0)
+            mx[m] = cute.arch.fmax(mx[m], cute.math.absf(r[e].to(F32)))
+    for sh in rounds:
+        for m in ms:
+            mx[m] = cute.arch.fmax(mx[m], cute.arch.shuffle_sync_bfly(mx[m], offset=1 << sh))
+    # NaN anywhere in the row: |x| comparisons skip it, the sum below does not
+    inv = {m: pick(mx[m] > F32(1.0), F32(1.0) / mx[m], F32(1.0)) for m in ms}
+    ss = {m: F32(0.0) for m in ms}
+    for m in ms:
         for e in range(8 * m, 8 * m + 8):
-            y = r[e].to(F32) * inv
-            ss = ss + y * y
-        for sh in range(lanes.bit_length() - 1):
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << sh)
-        d = inv * cute.math.rsqrt(ss + F32(L2_EPS) * (inv * inv))
+            y = r[e].to(F32) * inv[m]
+            ss[m] = ss[m] + y * y
+    for sh in rounds:
+        for m in ms:
+            ss[m] = ss[m] + cute.arch.shuffle_sync_bfly(ss[m], offset=1 << sh)
+    for m in ms:
+        d = inv[m] * cute.math.rsqrt(ss[m] + F32(L2_EPS) * (inv[m] * inv[m]))
         for e in range(8 * m, 8 * m + 8):
             y = (r[e].to(F32) * d).to(ab)
             r[e] = y
