@@ -349,6 +349,7 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
     s32-4 failed here: the chunk tiles' reverse walk summed over other rows)."""
     from gdp_jax.kernels import pipeline
     from gdp_jax.kernels.local_grad import LocalGradKernel
+    monkeypatch.setattr(pipeline, "NORM_IN_KERNELS", False)      # XLA's norm both ways
     args, cu = _rows_or_pack(7, packed, n, H, HV, K, V, "bfloat16")
     calls = []
     raw = LocalGradKernel.raw_call_tokens
@@ -620,6 +621,8 @@ def test_fused_norm_bwd_matches(monkeypatch, B, n, H, HV, K, V, packed):
     raw = LocalGradKernel.raw_call_tokens
     monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
         lambda *a, **k: calls.append(k.get("rho") is not None) or raw(*a, **k)))
+    # XLA's norm, the kernel's backward on its rho (NORM_IN_KERNELS: its own test)
+    monkeypatch.setattr(pipeline, "NORM_IN_KERNELS", False)
     base, got = grads_off_on(monkeypatch, pipeline, "FUSED_NORM_BWD", args, cu)
     assert calls == [False, True], calls
     # the rest within a few bf16 flips of q, k's normalised rows: XLA may order the

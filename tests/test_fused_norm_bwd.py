@@ -35,6 +35,9 @@ def _fresh_traces():
 
 def _grads(inp, cu, backend, fused, monkeypatch, calls=None):
     monkeypatch.setattr(pipeline, "FUSED_NORM_BWD", fused)
+    # XLA's norm with the kernel's backward on its rho (NORM_IN_KERNELS has its own tests:
+    # test_cutedsl_emulated.py::test_norm_in_kernels)
+    monkeypatch.setattr(pipeline, "NORM_IN_KERNELS", False)
     kw = dict(backend=backend, use_qk_l2norm=True)
     if backend == "reference":
         return loss_and_grads(gdp_jax.gated_delta_product_reference, testing.upcast(

@@ -441,7 +441,7 @@ def test_backward_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV, S):
     """With ``READOUT_ONLY_BWD`` the backward's operands (with X) hold qg, P on the
     read-out rows and the reverse walk takes qg, P, dO on them; the chunk-local backward
     still gets dO on all rows. On the emulated kernels (plain matmuls: zero rows add
-    nothing) every gradient is the same bits as with all rows."""
+    nothing) every gradient is the same bits as with all rows, dg to float32 rounding."""
     from gdp_jax.kernels import emulate
     N = 2 if cu is None else len(cu) - 1
     inp = make_inputs(n, 2 if cu is None else 1, T, n, H, HV, 64, 128, jnp.bfloat16, N=N)
@@ -453,7 +453,9 @@ def test_backward_readout_rows_equal_all_rows(monkeypatch, n, T, cu, H, HV, S):
                                    intra_cp=S)
     half = len(rows) // 2
     assert rows and set(rows[:half]) == {C} and set(rows[half:]) == {grid.READOUT_ROWS}, rows
-    _assert_same_bits_but_dg(out, dg_too=True)
+    # dg to float32 rounding: with TOKEN_BACKWARD (on since s33) the packed GVA case's
+    # sums around the kernels reassociated
+    _assert_same_bits_but_dg(out)
 
 
 def test_emulated_chunk_rows_invert_the_row_pick():

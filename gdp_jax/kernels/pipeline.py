@@ -224,9 +224,13 @@ TOKEN_BACKWARD = True
 # and, with TOKEN_BACKWARD and the in-op L2 norm, those kernels reading the raw q, k and
 # normalising them themselves (the token-major operands kernel's norm, ``sm90.
 # l2_normalize_rows``: the same bits in each; the local-gradient kernel applies the norm's
-# backward with its own factors) instead of XLA's norm passes and normalised copies.
-# Opt-in, NOT yet measured: ``+nk``.
-NORM_IN_KERNELS = False
+# backward with its own factors) instead of XLA's norm passes and normalised copies
+# (:func:`norm_in_kernels` says where). Errors vs float64 unchanged (GPU test); fwd+bwd
+# 8.65 -> 8.57 ms at (8, 4096, 16, 2), 12.75 -> 12.73 at n = 3, 9.54 -> 9.50 at
+# (2, 16384, 16, 2), peak memory 2.98 -> 2.58 GB (H100, s33-3: benchmarks/results/
+# CURRENT.md): the kernels' norm costs about what XLA's passes did (s33-2's trace: the
+# local-gradient kernel 3.78 -> 4.33 ms), but nothing is written for it.
+NORM_IN_KERNELS = True
 
 # and the forward without a backward (and the CP summary pass's) keeping only the read-out
 # rows of qg, P and o where n >= 2 (``grid.READOUT_ROWS`` = 32 rows a chunk instead of C = 64):
@@ -366,14 +370,15 @@ def norm_in_kernels(spec, tokens) -> bool:
     Only with the in-op norm, its backward in the local-gradient kernel
     (:data:`FUSED_NORM_BWD`), not ``batch_invariant`` (whose norm has its own sums), raw
     q, k already in the 16-bit operand dtype (the kernels normalise 16-bit rows; wider
-    inputs are normalised before their rounding, in XLA), and the operands on the read-out
-    rows both ways (n >= 2, :data:`READOUT_ONLY_GRAD`, :data:`READOUT_ONLY_BWD`): on all
-    rows the backward's operands kernel with X and the norm is 134 KiB of machine code,
-    past the suspected 128 KiB instruction-cache limit (docs/KERNELS.md)."""
+    inputs are normalised before their rounding, in XLA), and n >= 2 sub-steps with
+    read-out rows (``grid.readout_every(n) == n``): where every row is read out the
+    backward's operands kernel with X and the norm is 134 KiB of machine code, past the
+    suspected 128 KiB instruction-cache limit (docs/KERNELS.md; with READOUT_ONLY_BWD off
+    it is that kernel, compiled at trace time)."""
     ab = jnp.dtype(spec.ab_dtype)
     return (NORM_IN_KERNELS and TOKEN_BACKWARD and FUSED_NORM_BWD and spec.use_qk_l2norm
             and not spec.batch_invariant and tokens is not None
-            and READOUT_ONLY_GRAD and READOUT_ONLY_BWD and readout_rows_only(spec)
+            and spec.n >= 2 and grid.readout_every(spec.n) == spec.n
             and all(x.dtype == ab for x in tokens.raw[:2]))
 
 
