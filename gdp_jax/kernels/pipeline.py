@@ -28,6 +28,11 @@ Backward:
     with dq, dk, dv written token-major (:class:`gdp_jax.engine.TokenCotangents`); where
     it cannot run, the same written out in XLA
     (:func:`gdp_jax.chunked.local_grads_direct`).
+  In the single-device op (:data:`TOKEN_BACKWARD`) the differentiated op's operands kernels
+  and the local-gradient kernel read q, k, v token-major through a row table, no chunk
+  tiles of them in XLA; with the in-op L2 norm and n >= 2 (:data:`NORM_IN_KERNELS`) they
+  read the raw q, k and normalise them themselves, and the local-gradient kernel applies
+  the norm's backward, so XLA does nothing for the norm.
 CP (cross-device ranks and ``intra_cp``'s segments), per direction, as Megatron's: prepare
 runs the recursion kernel on V + K state columns for the summary alone (no readout,
 checkpoints or dS_end): columns of the state never mix, so from the start [h0' | I] with
@@ -442,8 +447,9 @@ class CuTeDSLEngine(Engine):
         plain forward's operands kernel reads the raw q, k, v (L2 norm in the kernel);
         under differentiation the backward lays out the chunk inputs anyway, and a
         forward sharing them measured faster (benchmarks/results/CURRENT.md, s18-2) -
-        unless the backward reads token-major too (:func:`token_operands`): then both read
-        the normalised per-token operands."""
+        unless the backward reads token-major too (:func:`token_operands`, the default):
+        then both read the per-token operands, raw and normalised in the kernels where
+        :func:`norm_in_kernels` says so."""
         self._check(spec, ch, layout)
         save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
         if save:
