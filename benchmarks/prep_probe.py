@@ -18,7 +18,9 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
 - with ``--local-grad``: the backward's chunk-local gradient kernel (``LocalGradKernel``)
   alone on those factors and random dO, S0, dS_end, with chunk-major float32 results and
   with token-major 16-bit ones (``raw_call_tokens``), and its probe
-  (``chunk_grad_sm90.PROBE_PHASES``) the same way.
+  (``chunk_grad_sm90.PROBE_PHASES``) the same way; then the variants the op's backward
+  runs: q, k, v chunk-major or token-major, the L2 norm's backward on given row norms or
+  the norm itself inside (the default since s33).
 
 Needs a GPU with the CuTe DSL; prints one line per measurement and ``--json`` writes them.
 """
@@ -164,6 +166,22 @@ def main(argv=None):
                 out[f"local grad tokens {tag} split={int(split)} rel diff"] = diff
                 log("  vs the first warp count: max |diff| / max |x| of dq, dk, dv, dg, "
                     "dbeta: " + " ".join(f"{d:.1e}" for d in diff))
+
+        # what the op's backward runs (2 warps along N): reading q, k, v chunk-major or
+        # token-major (TOKEN_BACKWARD), the norm's backward on XLA's rho (FUSED_NORM_BWD)
+        # or with the norm itself inside (NORM_IN_KERNELS, the default since s33). Token
+        # inputs are random (a kernel's time does not depend on their values)
+        tq, tk, tv = (rnd(10 + i, (B, T * m, H, d)) for i, (m, d) in
+                      enumerate(((1, K), (n, K), (n, V))))
+        rho = (jnp.ones((B, T, H), jnp.float32), jnp.ones((B, n * T, H), jnp.float32))
+        tok_lg = (tq, tk) + lg[2:4] + (tv,) + lg[5:]
+        for tag, args_, kw in (("chunk tiles, norm bwd (rho)", lg, dict(rho=rho)),
+                               ("tokens in, norm bwd (rho)", tok_lg,
+                                dict(tokens_in=True, rho=rho)),
+                               ("tokens in, norm inside (l2norm)", tok_lg,
+                                dict(tokens_in=True, l2norm=True))):
+            timed(f"local grad {tag}", lambda *x, kw=kw: LocalGradKernel.raw_call_tokens(
+                *x, n=n, T=T, ab_dtype="bfloat16", **kw), *args_, lrows)
 
         for v in (x for x in a.lg_variants.split(";") if x):
             timed(f"local grad [{v}]", lambda *x, v=v: LocalGradKernel.raw_call(

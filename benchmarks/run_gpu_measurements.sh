@@ -29,6 +29,8 @@
 #                                               # fwd+bwd A/B beside tuned FLA at the main shapes, a trace
 #   bash benchmarks/run_gpu_measurements.sh 20  # the in-kernel norm a step over 4 pieces: its GPU tests, forward
 #                                               # and fwd+bwd beside tuned FLA at the main shapes, one long row
+#   bash benchmarks/run_gpu_measurements.sh 22  # the local-gradient kernel alone (chunk tiles / tokens / norm
+#                                               # inside) and its probe; a trace of the default fwd+bwd
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -261,4 +263,14 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+22)
+  # s33 (prepared for the next session): where the local-gradient kernel's time goes now -
+  # alone, chunk tiles vs token-major reads vs the norm inside, and its phase probe; then a
+  # trace of today's default fwd+bwd at (8, 4096, 16, 2)
+  step 240 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+    --shape 8,4096,16,2 --json $M/lg.json
+  step 80 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --hlo $M/f.hlo.gz
+  [ -f $M/f.hlo.gz ] && python -m benchmarks.hlo_lines $M/trace.log $M/f.hlo.gz > $M/lines.log 2>&1
+  grep -hE "local grad|probe" $M/lg.log | cut -c1-200
+  head -12 $M/lines.log | cut -c1-160 ;;
 esac
