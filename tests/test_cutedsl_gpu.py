@@ -154,6 +154,22 @@ def _rows_or_pack(seed, packed, n, H, HV, K, V, dtype):
     return make(seed, 1, int(cu[-1]), n, H, HV, K, V, jnp.dtype(dtype), N=len(lens)), cu
 
 
+def _local_grad_case(monkeypatch, seed, B, n, H, HV, K, V, packed, seen):
+    """(bf16 inputs, cu_seqlens) of a local-gradient kernel test - B rows of T = 203, or
+    :func:`_rows_or_pack`'s packed row - and a spy on the token-major kernel call that
+    appends ``seen(kwargs)`` to the returned list at each call."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    if packed:
+        args, cu = _rows_or_pack(seed, True, n, H, HV, K, V, "bfloat16")
+    else:
+        args, cu = make(seed, B, 203, n, H, HV, K, V, jnp.bfloat16), None
+    calls = []
+    raw = LocalGradKernel.raw_call_tokens
+    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **k: calls.append(seen(k)) or raw(*a, **k)))
+    return args, cu, calls
+
+
 @pytest.mark.parametrize("dtype,K,V,n,H,HV,l2norm,packed", [
     ("bfloat16", 128, 128, 1, 2, 2, True, False),
     ("bfloat16", 64, 128, 3, 1, 3, False, False),     # GVA, K != V, no in-op norm
@@ -614,16 +630,8 @@ def test_fused_norm_bwd_matches(monkeypatch, B, n, H, HV, K, V, packed):
     rounding of XLA's norm backward and no farther from float64 than it (x 1.25), the
     other results within 1e-3 of it, every gradient within GRAD_TOL of float64."""
     from gdp_jax.kernels import pipeline
-    from gdp_jax.kernels.local_grad import LocalGradKernel
-    dtype = "bfloat16"
-    if packed:
-        args, cu = _rows_or_pack(29, True, n, H, HV, K, V, dtype)
-    else:
-        args, cu = make(29, B, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
-    calls = []
-    raw = LocalGradKernel.raw_call_tokens
-    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **k: calls.append(k.get("rho") is not None) or raw(*a, **k)))
+    args, cu, calls = _local_grad_case(monkeypatch, 29, B, n, H, HV, K, V, packed,
+                                       lambda k: k.get("rho") is not None)
     # XLA's norm, the kernel's backward on its rho (NORM_IN_KERNELS: its own test)
     monkeypatch.setattr(pipeline, "NORM_IN_KERNELS", False)
     base, got = grads_off_on(monkeypatch, pipeline, "FUSED_NORM_BWD", args, cu)
@@ -655,15 +663,8 @@ def test_do_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, packed):
     all-rows copy, so o, the final state and every gradient but dg are the same bits (dg
     to float32 rounding: XLA's sums around the kernels); within GRAD_TOL of float64."""
     from gdp_jax.kernels import pipeline
-    from gdp_jax.kernels.local_grad import LocalGradKernel
-    if packed:
-        args, cu = _rows_or_pack(31, True, n, H, HV, K, V, "bfloat16")
-    else:
-        args, cu = make(31, B, 203, n, H, HV, K, V, jnp.bfloat16), None
-    calls = []
-    raw = LocalGradKernel.raw_call_tokens
-    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **k: calls.append(k.get("do_tokens", False)) or raw(*a, **k)))
+    args, cu, calls = _local_grad_case(monkeypatch, 31, B, n, H, HV, K, V, packed,
+                                       lambda k: k.get("do_tokens", False))
     base, got = grads_off_on(monkeypatch, pipeline, "DO_TOKENS", args, cu)
     assert calls == [False, True], calls
     compare("do tokens vs all-rows dO", got, base, 1e-6)
@@ -680,21 +681,14 @@ def test_do_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, packed):
     (2, 1, 2, 2, 128, 64, False),                          # n = 1: XLA's norm kept
 ])
 def test_norm_in_kernels_matches(monkeypatch, B, n, H, HV, K, V, packed):
-    """``pipeline.NORM_IN_KERNELS`` (opt-in, with TOKEN_BACKWARD): the operands kernels and
-    the local-gradient kernel read the raw q, k and L2-normalise them themselves (the local
-    one applying the norm's backward with its own factors): within a few 16-bit roundings
-    of XLA's norm (its sums run in another order), every result no farther from float64
-    than with XLA's norm (x 1.25), and within GRAD_TOL of float64."""
+    """``pipeline.NORM_IN_KERNELS`` (on since s33, with TOKEN_BACKWARD): the operands
+    kernels and the local-gradient kernel read the raw q, k and L2-normalise them
+    themselves (the local one applying the norm's backward with its own factors): within a
+    few 16-bit roundings of XLA's norm (its sums run in another order), every result no
+    farther from float64 than with XLA's norm (x 1.25), and within GRAD_TOL of float64."""
     from gdp_jax.kernels import pipeline
-    from gdp_jax.kernels.local_grad import LocalGradKernel
-    if packed:
-        args, cu = _rows_or_pack(31, True, n, H, HV, K, V, "bfloat16")
-    else:
-        args, cu = make(31, B, 203, n, H, HV, K, V, jnp.bfloat16), None
-    calls = []
-    raw = LocalGradKernel.raw_call_tokens
-    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **k: calls.append(k.get("l2norm", False)) or raw(*a, **k)))
+    args, cu, calls = _local_grad_case(monkeypatch, 31, B, n, H, HV, K, V, packed,
+                                       lambda k: k.get("l2norm", False))
     monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", True)
     base, got = grads_off_on(monkeypatch, pipeline, "NORM_IN_KERNELS", args, cu)
     assert calls == [False, n >= 2], calls
