@@ -275,24 +275,17 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
     base, count, tok, n_ = (rows[..., j, None] for j in range(4))   # [B, NC, 1]
     i = jnp.arange(C, dtype=jnp.int32)
     valid = i < count
-    if rho is not None:
+    if rho is not None:                             # r [B, L, H] at rows idx [B, NC, C]
+        b = jnp.arange(B)[:, None, None]
+        at_rows = lambda r, idx: jnp.repeat(jnp.moveaxis(
+            r[b, jnp.clip(idx, 0, r.shape[1] - 1)], 3, 2), HV // r.shape[2], axis=2)[..., None]
+        own_rho = (at_rows(rho[0], tok + i // n_), at_rows(rho[1], base + i))
+    if own_rho is not None:
+        # the L2 norm's backward, d_raw = rho (d - y rows(y, d)), y the 16-bit q, k tiles
         acc = dq.dtype
         rd = lambda x: x.astype(ab_dtype).astype(acc)
-        b = jnp.arange(B)[:, None, None]
-
-        def norm_bwd(d, y, r, idx):             # r [B, L, H] at rows idx [B, NC, C]
-            rr = r[b, jnp.clip(idx, 0, r.shape[1] - 1)].astype(acc)     # [B, NC, C, H]
-            rr = jnp.repeat(jnp.moveaxis(rr, 3, 2), HV // r.shape[2], axis=2)[..., None]
-            y = rd(y)
-            return rr * (d - y * _row_dot(y, d))
-
-        dq = norm_bwd(dq, q, rho[0], tok + i // n_)
-        dk = norm_bwd(dk, k, rho[1], base + i)
-    elif own_rho is not None:
-        rd = lambda x: x.astype(ab_dtype).astype(dq.dtype)
-        (rq, rk), (yq, yk) = own_rho, (rd(q), rd(k))
-        dq = rq.astype(dq.dtype) * (dq - yq * _row_dot(yq, dq))
-        dk = rk.astype(dk.dtype) * (dk - yk * _row_dot(yk, dk))
+        norm_bwd = lambda d, y, r: r.astype(acc) * (d - rd(y) * _row_dot(rd(y), d))
+        dq, dk = norm_bwd(dq, q, own_rho[0]), norm_bwd(dk, k, own_rho[1])
 
     def scatter(x, idx, ok, length):               # [B, NC, HV, C, X] -> [B, length, HV, X]
         idx = jnp.where(ok, idx, length).reshape(B, NC * C)       # out of range: dropped

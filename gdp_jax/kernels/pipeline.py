@@ -170,7 +170,7 @@ class BackwardWork:
             if prep is None:
                 operands, _, X = ChunkPrepKernel.call(
                     ch, scale=scale, ab_dtype=ab_dtype, inverse=True,
-                    readout_every=every if READOUT_ONLY_BWD else 1)
+                    readout_every=backward_readout_every(doc))
                 prep = (operands, X)
             (w, kt, qg, p, u, decay), self.X = prep
             do_walk = do
@@ -277,6 +277,13 @@ DO_TOKENS = False
 # instead of reading XLA's float32 product (fwd+bwd 10.20 -> 9.88 ms, peak 3.79 -> 3.26 GB
 # at (8, 4096, 16, 2): benchmarks/results/CURRENT.md, s20-1)
 FUSED_DDO = True
+
+
+def backward_readout_every(doc) -> int:
+    """The readout stride of the backward's operands (qg, P and the reverse walk's dO):
+    ``doc``'s [.., C // every, V] read-out rows where :data:`READOUT_ONLY_BWD`, else 1 (all
+    C rows)."""
+    return grid.every_of(doc.shape[-2]) if READOUT_ONLY_BWD else 1
 
 
 def local_grad_kernel(spec, ch: grid.ChunkInputs) -> bool:
@@ -485,15 +492,14 @@ class CuTeDSLEngine(Engine):
         if isinstance(states, tuple):          # the forward kept its operands
             states, prep = states
         qkv = token_operands(spec, ch, tokens) if work is None else None
+        raw = qkv is not None and norm_in_kernels(spec, tokens)
         if qkv is not None and prep is None:
-            # qg, P on the read-out rows where the reverse walk takes them (as
-            # BackwardWork's own operands kernel call does)
-            every = grid.every_of(doc.shape[-2])
-            compact = READOUT_ONLY_BWD and every > 1 and every == spec.n
+            # qg, P on the read-out rows where the reverse walk takes them (the token row
+            # table holds the call's n: compact only where the readout stride is n)
+            every = backward_readout_every(doc)
             operands, _, X = ChunkPrepKernel.call_tokens(
-                spec, *qkv, ch, layout, inverse=True,
-                normalized=not norm_in_kernels(spec, tokens),
-                readout_rows=compact)
+                spec, *qkv, ch, layout, inverse=True, normalized=not raw,
+                readout_rows=every > 1 and every == spec.n)
             prep = (operands, X)
         work = work if work is not None else BackwardWork(
             ch, doc, spec.scale, spec.ab_dtype, on_kernel=kernel_backward(spec, ch),
@@ -506,7 +512,6 @@ class CuTeDSLEngine(Engine):
                                            dfinal.astype(acc_dtype(spec.ab_dtype)),
                                            ds_dtype=spec.ab_dtype if on_kernel else None,
                                            fuse_ddo=work.fuse_ddo)
-        raw = qkv is not None and norm_in_kernels(spec, tokens)
         dch = local_grads(spec, ch, work, S0, doc, ds_end, layout=layout, qkv=qkv,
                           rho=None if raw else row_norms(spec, tokens), l2norm=raw,
                           do=tokens.do if DO_TOKENS and tokens is not None else None)
