@@ -31,6 +31,7 @@
 #                                               # and fwd+bwd beside tuned FLA at the main shapes, one long row
 #   bash benchmarks/run_gpu_measurements.sh 22  # the local-gradient kernel alone (chunk tiles / tokens / norm
 #                                               # inside) and its probe; a trace of the default fwd+bwd
+#   bash benchmarks/run_gpu_measurements.sh 23  # the GPU tests s33's defaults had not run, then mode 22
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -263,6 +264,11 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+23)
+  # s34: the GPU tests s33's defaults (TOKEN_BACKWARD, NORM_IN_KERNELS) had not run, then mode 22
+  step 170 tests $P tests/test_cutedsl_gpu.py -k "sequence_alone or long_sequence_gradients or backend_resolution_on_sm90 or cp_cutedsl_equals_single_device or intra_cp_split_equals_unsplit or model_grad_inside_shard_map"
+  grep -hE "^(FAILED|ERROR)|passed|failed" $M/tests.log | tail -8 | cut -c1-250
+  ;&  # falls through to mode 22
 22)
   # s33 (prepared for the next session): where the local-gradient kernel's time goes now -
   # alone, chunk tiles vs token-major reads vs the norm inside, and its phase probe; then a
