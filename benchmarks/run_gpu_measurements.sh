@@ -32,6 +32,8 @@
 #   bash benchmarks/run_gpu_measurements.sh 22  # the local-gradient kernel alone (chunk tiles / tokens / norm
 #                                               # inside) and its probe; a trace of the default fwd+bwd
 #   bash benchmarks/run_gpu_measurements.sh 23  # the GPU tests s33's defaults had not run, then mode 22
+#   bash benchmarks/run_gpu_measurements.sh 24  # the local-gradient kernel's load order: tests, phase probes at
+#                                               # 4 CTAs / one wave / full launch, the op beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -264,6 +266,23 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+24)
+  # s34: the local-gradient kernel's loads in the order its phases need them (X first, three
+  # cp.async groups): its GPU tests; then is its first phase (loads) slow because every SM
+  # loads at once (HBM contention) or because one SM keeps too few loads in flight? Its
+  # phase probe with 4 CTAs (no contention), one wave (128 CTAs) and the full launch, each
+  # beside the earlier load order ("twogroups") and a staggered first wave ("stagger");
+  # then the op beside tuned FLA at the main shape
+  step 150 lg_test $P tests/test_cutedsl_gpu.py -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels_matches"
+  grep -hE "^(FAILED|ERROR)|passed|failed" $M/lg_test.log | tail -6 | cut -c1-250
+  for sh in 1,64,2,2 1,256,16,2 8,4096,16,2; do
+    step 90 lg_$sh python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+      --shape $sh --lg-variants "twogroups;stagger" --json $M/lg_$sh.json
+    grep -hE "local grad" $M/lg_$sh.log | grep -E "ms|loads|QG|Delta|latency" | cut -c1-150
+  done
+  step 150 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes "8,4096,16,2;8,4096,16,3" \
+    --deadline 130 --out $M/op
+  rows $M/op.log ;;
 23)
   # s34: the GPU tests s33's defaults (TOKEN_BACKWARD, NORM_IN_KERNELS) had not run, then mode 22
   step 170 tests $P tests/test_cutedsl_gpu.py -k "sequence_alone or long_sequence_gradients or backend_resolution_on_sm90 or cp_cutedsl_equals_single_device or intra_cp_split_equals_unsplit or model_grad_inside_shard_map"
