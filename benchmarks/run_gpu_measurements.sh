@@ -267,22 +267,31 @@ case "${1:-2}" in
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
 24)
-  # s34: the local-gradient kernel's loads in the order its phases need them (X first, three
-  # cp.async groups): its GPU tests; then is its first phase (loads) slow because every SM
-  # loads at once (HBM contention) or because one SM keeps too few loads in flight? Its
-  # phase probe with 4 CTAs (no contention), one wave (128 CTAs) and the full launch, each
-  # beside the earlier load order ("twogroups") and a staggered first wave ("stagger");
-  # then the op beside tuned FLA at the main shape
-  step 150 lg_test $P tests/test_cutedsl_gpu.py -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels_matches"
-  grep -hE "^(FAILED|ERROR)|passed|failed" $M/lg_test.log | tail -6 | cut -c1-250
+  # s34: loads in the order the phases need them - the local-gradient kernel (X first,
+  # three cp.async groups) and the operands kernel (v in a second group, waited for before
+  # phase 4). Their GPU tests (two processes at once); the local-gradient kernel's phase
+  # probe with 4 CTAs (no HBM contention), one wave (128 CTAs) and the full launch, each
+  # beside the earlier load order ("twogroups") and a staggered first wave ("stagger"):
+  # is its first phase slow because every SM loads at once, or because one SM keeps too
+  # few loads in flight? Then the op with both changes and with the s33 kernels
+  # (ab_base/: copied over the new ones; their source hash differs, so they compile at
+  # trace time) beside tuned FLA
+  F=tests/test_cutedsl_gpu.py
+  ( timeout 170 $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels_matches" > $M/t_lg.log 2>&1 ) &
+  ( timeout 170 $P tests/test_chunk_prep_gpu.py $F -k "operands_match_xla or inverse_output or nonfinite_rows or token_major_operands" > $M/t_prep.log 2>&1 ) &
+  wait
+  for f in t_lg t_prep; do grep -hE "^(FAILED|ERROR)|passed|failed" $M/$f.log | tail -5 | cut -c1-250; done
   for sh in 1,64,2,2 1,256,16,2 8,4096,16,2; do
-    step 90 lg_$sh python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+    step 75 lg_$sh python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
       --shape $sh --lg-variants "twogroups;stagger" --json $M/lg_$sh.json
-    grep -hE "local grad" $M/lg_$sh.log | grep -E "ms|loads|QG|Delta|latency" | cut -c1-150
+    grep -hE "local grad" $M/lg_$sh.log | grep -E " ms|loads|QG|Delta|latency" | cut -c1-150
   done
-  step 150 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes "8,4096,16,2;8,4096,16,3" \
-    --deadline 130 --out $M/op
-  rows $M/op.log ;;
+  step 120 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes "8,4096,16,2" \
+    --deadline 100 --out $M/op
+  cp ab_base/chunk_prep_sm90.py ab_base/chunk_grad_sm90.py gdp_jax/kernels/
+  step 100 op_base python -m benchmarks.run fwdbwd --impl cutedsl --no-check --shapes "8,4096,16,2" \
+    --deadline 80 --out $M/op_base
+  rows $M/op.log $M/op_base.log ;;
 23)
   # s34: the GPU tests s33's defaults (TOKEN_BACKWARD, NORM_IN_KERNELS) had not run, then mode 22
   step 170 tests $P tests/test_cutedsl_gpu.py -k "sequence_alone or long_sequence_gradients or backend_resolution_on_sm90 or cp_cutedsl_equals_single_device or intra_cp_split_equals_unsplit or model_grad_inside_shard_map"
