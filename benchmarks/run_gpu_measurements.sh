@@ -34,6 +34,7 @@
 #   bash benchmarks/run_gpu_measurements.sh 23  # the GPU tests s33's defaults had not run, then mode 22
 #   bash benchmarks/run_gpu_measurements.sh 24  # the local-gradient kernel's load order: tests, phase probes at
 #                                               # 4 CTAs / one wave / full launch, the op beside tuned FLA
+#   bash benchmarks/run_gpu_measurements.sh 25  # the local-gradient kernel's L2 prefetch: alone, probed, in the op
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -266,6 +267,24 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+25)
+  # s34: the local-gradient kernel's inputs pulled into L2 by bulk prefetches first
+  # (``l2pf``): alone and probed (beside the s33 load order, "twogroups"), then the op
+  # with it (local_grad.PREFETCH_L2, +l2pf) in one process; then the s33 kernels (ab_base/)
+  # and today's again in turn, each compiled at trace time (s34-2 saw 8.31 vs 8.59 ms)
+  step 80 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+    --shape 8,4096,16,2 --lg-variants "twogroups;l2pf;twogroups,l2pf" --json $M/lg.json
+  grep -hE "local grad" $M/lg.log | grep -E " ms|loads|QG|Delta|latency" | cut -c1-150
+  step 70 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+l2pf --no-check \
+    --shapes "8,4096,16,2" --deadline 60 --out $M/op
+  mkdir -p $M/new && cp gdp_jax/kernels/chunk_prep_sm90.py gdp_jax/kernels/chunk_grad_sm90.py $M/new/
+  cp ab_base/chunk_prep_sm90.py ab_base/chunk_grad_sm90.py gdp_jax/kernels/
+  step 60 op_base python -m benchmarks.run fwdbwd --impl cutedsl --no-check \
+    --shapes "8,4096,16,2" --deadline 50 --out $M/op_base
+  cp $M/new/*.py gdp_jax/kernels/
+  step 60 op_again python -m benchmarks.run fwdbwd --impl cutedsl --no-check \
+    --shapes "8,4096,16,2" --deadline 50 --out $M/op_again
+  rows $M/op.log $M/op_base.log $M/op_again.log ;;
 24)
   # s34: loads in the order the phases need them - the local-gradient kernel (X first,
   # three cp.async groups) and the operands kernel (v in a second group, waited for before

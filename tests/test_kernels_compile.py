@@ -981,6 +981,6 @@ def test_probe_variants_compile():
              S((B, NC, HV, C), f32), S((B,), f32), S((B, NC, HV, C, C), f32),
              S((B, NC, HV, C, V), f32), S((B, NC, HV, K, V), bf), S((B, NC, HV, K, V), bf))
     # and its A/B timing variants: the load order before s34, the staggered first wave
-    for ablate in ("probe", "probe,twogroups", "stagger"):
+    for ablate in ("probe", "probe,twogroups", "stagger", "probe,l2pf"):
         lg = lambda *a, ab=ablate: LocalGradKernel.raw_call(*a, ab_dtype=bf, ablate=ab)
         assert "CuteDSLRT_NvJaxCutlassCall" in _lower(lg, *avals), ablate

@@ -102,8 +102,9 @@ class ChunkGradSm90:
         # right) parks the partial dk, dq in their global outputs between phases instead
         # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
         # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py);
-        # "twogroups", "stagger" (results right): the load order before s34, the first
-        # wave's start staggered (``_stagger``)
+        # "twogroups", "stagger", "l2pf" (results right): the load order before s34, the
+        # first wave's start staggered (``_stagger``), the inputs prefetched into L2
+        # (``_prefetch_l2``)
         self.ablate = set(filter(None, ablate.split(",")))
         # dq, dk, dv written into the op's token-major layout (16-bit, through shared
         # memory in 128-bit row pieces: ``_copy_rows``)
@@ -241,6 +242,12 @@ class ChunkGradSm90:
                           mV[b, c, hv, None, None])
         if cutlass.const_expr(roundtrip):
             gDq, gDk = mDq[b, c, hv, None, None], mDk[b, c, hv, None, None]
+        if cutlass.const_expr("l2pf" in self.ablate):
+            self._prefetch_l2(tidx, [mW, mS0, mDS, mX, mU] + (
+                [] if self.do_tokens else [mDo]) + (
+                [] if self.tokens_in else [mQ, mK, mV]), b, c, hv)
+            if cutlass.const_expr(self.tokens_in):
+                self._prefetch_rows(tidx, mQ, mK, mV, mRows, b, c, hv)
 
         # ---- phase 0: q, k | w, doc, S0 (16-bit dS_end) -> smem (async, two groups) |
         # gates | X (float32 dS_end) -> registers
@@ -610,6 +617,35 @@ class ChunkGradSm90:
         for e in range(cute.size(rD)):
             dlast = dlast + rD[e].to(F32) * rS[e].to(F32)
         _warp_partials(dlast, sred, tidx)
+
+    def _prefetch_l2(self, tidx, tensors, b, c, hv):
+        """(``ablate="l2pf"``, timing only) the CTA's chunk-major input tiles [b, c, hv]
+        pulled into L2 by bulk prefetches (``cp.async.bulk.prefetch.L2``: the TMA unit,
+        not the SM's load path), one tensor a thread, before the loads that read them."""
+        for i, m in enumerate(tensors):
+            t = m[b, c, hv, None, None]
+            self._prefetch_one(tidx, t, 16 * i, cute.size(t) * m.element_type.width // 8)
+
+    @cute.jit
+    def _prefetch_rows(self, tidx, mQ, mK, mV, mRows, b, c, hv):
+        """(``l2pf`` with ``tokens_in``) thread i < C prefetches chunk row i's token rows of
+        k, v (and of q where it is read out) into L2 (as ``_load_rows`` reads them)."""
+        from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
+        hk = hv // (mV.shape[2] // mK.shape[2])
+        count, n = mRows[b, c, 1], mRows[b, c, 3]
+        if tidx < count:
+            row = mRows[b, c, 0] + tidx
+            cp_async_bulk_prefetch(mK[b, row, hk, None].iterator, self.K * self.ab.width // 8)
+            cp_async_bulk_prefetch(mV[b, row, hv, None].iterator, self.V * self.ab.width // 8)
+            if tidx % n == n - 1:
+                cp_async_bulk_prefetch(mQ[b, mRows[b, c, 2] + tidx // n, hk, None].iterator,
+                                       self.K * self.ab.width // 8)
+
+    @cute.jit
+    def _prefetch_one(self, tidx, t, lane: cutlass.Constexpr, size: cutlass.Constexpr):
+        from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
+        if tidx == lane:
+            cp_async_bulk_prefetch(t.iterator, size)
 
     @cute.jit
     def _stagger(self):
