@@ -32,9 +32,9 @@
 #   bash benchmarks/run_gpu_measurements.sh 22  # the local-gradient kernel alone (chunk tiles / tokens / norm
 #                                               # inside) and its probe; a trace of the default fwd+bwd
 #   bash benchmarks/run_gpu_measurements.sh 23  # the GPU tests s33's defaults had not run, then mode 22
-#   bash benchmarks/run_gpu_measurements.sh 24  # the local-gradient kernel's load order: tests, phase probes at
-#                                               # 4 CTAs / one wave / full launch, the op beside tuned FLA
-#   bash benchmarks/run_gpu_measurements.sh 25  # the local-gradient kernel's L2 prefetch: alone, probed, in the op
+#   (modes 24, 25 - s34's load-order, stagger and L2-prefetch A/B - ran on fb199f0 and were
+#    removed with those ablations: benchmarks/results/CURRENT.md, s34)
+#   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 26  # a trace of fwd+bwd on per-shape kernels
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -267,50 +267,14 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
-25)
-  # s34: the local-gradient kernel's inputs pulled into L2 by bulk prefetches first
-  # (``l2pf``): alone and probed (beside the s33 load order, "twogroups"), then the op
-  # with it (local_grad.PREFETCH_L2, +l2pf) in one process; then the s33 kernels (ab_base/)
-  # and today's again in turn, each compiled at trace time (s34-2 saw 8.31 vs 8.59 ms)
-  step 80 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
-    --shape 8,4096,16,2 --lg-variants "twogroups;l2pf;twogroups,l2pf" --json $M/lg.json
-  grep -hE "local grad" $M/lg.log | grep -E " ms|loads|QG|Delta|latency" | cut -c1-150
-  step 70 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+l2pf --no-check \
-    --shapes "8,4096,16,2" --deadline 60 --out $M/op
-  mkdir -p $M/new && cp gdp_jax/kernels/chunk_prep_sm90.py gdp_jax/kernels/chunk_grad_sm90.py $M/new/
-  cp ab_base/chunk_prep_sm90.py ab_base/chunk_grad_sm90.py gdp_jax/kernels/
-  step 60 op_base python -m benchmarks.run fwdbwd --impl cutedsl --no-check \
-    --shapes "8,4096,16,2" --deadline 50 --out $M/op_base
-  cp $M/new/*.py gdp_jax/kernels/
-  step 60 op_again python -m benchmarks.run fwdbwd --impl cutedsl --no-check \
-    --shapes "8,4096,16,2" --deadline 50 --out $M/op_again
-  rows $M/op.log $M/op_base.log $M/op_again.log ;;
-24)
-  # s34: loads in the order the phases need them - the local-gradient kernel (X first,
-  # three cp.async groups) and the operands kernel (v in a second group, waited for before
-  # phase 4). Their GPU tests (two processes at once); the local-gradient kernel's phase
-  # probe with 4 CTAs (no HBM contention), one wave (128 CTAs) and the full launch, each
-  # beside the earlier load order ("twogroups") and a staggered first wave ("stagger"):
-  # is its first phase slow because every SM loads at once, or because one SM keeps too
-  # few loads in flight? Then the op with both changes and with the s33 kernels
-  # (ab_base/: copied over the new ones; their source hash differs, so they compile at
-  # trace time) beside tuned FLA
-  F=tests/test_cutedsl_gpu.py
-  ( timeout 170 $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels_matches" > $M/t_lg.log 2>&1 ) &
-  ( timeout 170 $P tests/test_chunk_prep_gpu.py $F -k "operands_match_xla or inverse_output or nonfinite_rows or token_major_operands" > $M/t_prep.log 2>&1 ) &
-  wait
-  for f in t_lg t_prep; do grep -hE "^(FAILED|ERROR)|passed|failed" $M/$f.log | tail -5 | cut -c1-250; done
-  for sh in 1,64,2,2 1,256,16,2 8,4096,16,2; do
-    step 75 lg_$sh python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
-      --shape $sh --lg-variants "twogroups;stagger" --json $M/lg_$sh.json
-    grep -hE "local grad" $M/lg_$sh.log | grep -E " ms|loads|QG|Delta|latency" | cut -c1-150
-  done
-  step 120 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes "8,4096,16,2" \
-    --deadline 100 --out $M/op
-  cp ab_base/chunk_prep_sm90.py ab_base/chunk_grad_sm90.py gdp_jax/kernels/
-  step 100 op_base python -m benchmarks.run fwdbwd --impl cutedsl --no-check --shapes "8,4096,16,2" \
-    --deadline 80 --out $M/op_base
-  rows $M/op.log $M/op_base.log ;;
+26)
+  # s34: a trace of the default fwd+bwd at (8, 4096, 16, 2) with per-shape kernels (run it
+  # with NO_BUILD=1: no prebuilt objects, so "auto" compiles static ones) - beside mode 22's
+  # trace on prebuilt (shape-generic) ones, which kernels lose what (s34: static 8.29-8.39
+  # ms, generic 8.57-8.59)
+  step 150 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --hlo $M/f.hlo.gz
+  [ -f $M/f.hlo.gz ] && python -m benchmarks.hlo_lines $M/trace.log $M/f.hlo.gz > $M/lines.log 2>&1
+  head -12 $M/lines.log | cut -c1-160 ;;
 23)
   # s34: the GPU tests s33's defaults (TOKEN_BACKWARD, NORM_IN_KERNELS) had not run, then mode 22
   step 170 tests $P tests/test_cutedsl_gpu.py -k "sequence_alone or long_sequence_gradients or backend_resolution_on_sm90 or cp_cutedsl_equals_single_device or intra_cp_split_equals_unsplit or model_grad_inside_shard_map"

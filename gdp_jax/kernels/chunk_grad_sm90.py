@@ -101,10 +101,7 @@ class ChunkGradSm90:
         # "nogates" the gate loops of phase 0, "notail" phase 14; "roundtrip" (results
         # right) parks the partial dk, dq in their global outputs between phases instead
         # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
-        # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py);
-        # "twogroups", "stagger", "l2pf" (results right): the load order before s34, the
-        # first wave's start staggered (``_stagger``), the inputs prefetched into L2
-        # (``_prefetch_l2``)
+        # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py)
         self.ablate = set(filter(None, ablate.split(",")))
         # dq, dk, dv written into the op's token-major layout (16-bit, through shared
         # memory in 128-bit row pieces: ``_copy_rows``)
@@ -242,31 +239,13 @@ class ChunkGradSm90:
                           mV[b, c, hv, None, None])
         if cutlass.const_expr(roundtrip):
             gDq, gDk = mDq[b, c, hv, None, None], mDk[b, c, hv, None, None]
-        if cutlass.const_expr("l2pf" in self.ablate):
-            self._prefetch_l2(tidx, [mW, mS0, mDS, mX, mU] + (
-                [] if self.do_tokens else [mDo]) + (
-                [] if self.tokens_in else [mQ, mK, mV]), b, c, hv)
-            if cutlass.const_expr(self.tokens_in):
-                self._prefetch_rows(tidx, mQ, mK, mV, mRows, b, c, hv)
 
         # ---- phase 0: q, k | w, doc, S0 (16-bit dS_end) -> smem (async, two groups) |
         # gates | X (float32 dS_end) -> registers
         # A 16-bit dS_end goes to smem as it is and lands during phase 1 with the second
         # group; a float32 one (CP) is rounded on its way through registers.
         ds16 = cutlass.const_expr(mDS.element_type == ab)
-        # loads in the order the phases need them, X first (phase 0 waits for it), then
-        # three cp.async groups: q, k (phase 1) | w, S0 and u (phase 2) | doc, dS_end
-        # (phase 3); "twogroups" (A/B timing): the earlier order, X after two groups
-        # q, k | the rest, all waited for at the end of phase 1
-        three = cutlass.const_expr(ds16 and "twogroups" not in self.ablate)
-        if cutlass.const_expr("stagger" in self.ablate):
-            self._stagger()
         cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
-        thr_mma = tiled_mma.get_slice(tidx)
-        crd_x = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
-        acc_x = make_acc(thr_mma, (C, C))
-        if cutlass.const_expr(three):
-            acc_x.store(c_tile(thr_mma, mX[b, c, hv, None, None], (C, C), (0, 0)).load())
         if cutlass.const_expr(self.tokens_in):
             hk = hv // (mV.shape[2] // mK.shape[2])          # the key head (GVA)
             self._load_rows(cpK, sQ, mQ, mRows, b, c, hk, K, True)
@@ -276,17 +255,11 @@ class ChunkGradSm90:
             cpK.load(gK, (C, K), cpK.dest(sK))
         cute.arch.cp_async_commit_group()
         cpK.load(gW, (C, K), cpK.dest(sW))
-        if cutlass.const_expr(three):
-            cpV.load(mS0[b, c, hv, None, None], (K, V), cpV.dest(sS0))  # [K, V] rows of V
-            cute.arch.cp_async_commit_group()
-            # u (float32) to registers: phase 2 reads it
-            u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()
         if cutlass.const_expr(self.do_tokens):
             self._load_rows(cpV, sDo, mDo, mRows, b, c, hv, V, True)
         else:
             cpV.load(gDo, (C, V), cpV.dest(sDo))
-        if cutlass.const_expr(not three):
-            cpV.load(mS0[b, c, hv, None, None], (K, V), cpV.dest(sS0))
+        cpV.load(mS0[b, c, hv, None, None], (K, V), cpV.dest(sS0))     # [K, V] rows of V
         if cutlass.const_expr(ds16):
             cpV.load(mDS[b, c, hv, None, None], (K, V), cpV.dest(sDS))
         cute.arch.cp_async_commit_group()
@@ -295,8 +268,10 @@ class ChunkGradSm90:
             sg[tidx] = mG[b, c, hv, tidx].to(F32)
             sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
         # X (and a float32 dS_end) into registers now: their loads fly during the gate sums
-        if cutlass.const_expr(not three):
-            acc_x.store(c_tile(thr_mma, mX[b, c, hv, None, None], (C, C), (0, 0)).load())
+        thr_mma = tiled_mma.get_slice(tidx)
+        crd_x = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
+        acc_x = make_acc(thr_mma, (C, C))
+        acc_x.store(c_tile(thr_mma, mX[b, c, hv, None, None], (C, C), (0, 0)).load())
         if cutlass.const_expr(not ds16):
             acc_s = make_acc(thr_mma, (K, V))
             acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V),
@@ -326,7 +301,7 @@ class ChunkGradSm90:
         tXc = thr_mma.partition_C(sX)
         for e in cutlass.range_constexpr(cute.size(acc_x)):
             tXc[e] = acc_x[e]
-        cute.arch.cp_async_wait_group(2 if three else (1 if ds16 else 0))
+        cute.arch.cp_async_wait_group(1 if ds16 else 0)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.l2norm):
             # the raw q, k rows -> normalised in place (this thread's cp.async pieces),
@@ -348,8 +323,7 @@ class ChunkGradSm90:
 
         # ---- phase 1: QG = tril(Q K^T Gam) (float32, unscaled); u flies to registers
         # (phase 2 reads it)
-        if cutlass.const_expr(not three):
-            u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()
+        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()
         cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
         cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)   # B from [N, K] tiles
@@ -365,11 +339,17 @@ class ChunkGradSm90:
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_x[e]
             tQGc[e] = pick(j <= i, acc_cc[e] * tGc[e], F32(0.0))
-        if cutlass.const_expr(three):
-            cute.arch.cp_async_wait_group(1)   # w, S0 (doc, dS_end still fly)
-        elif cutlass.const_expr(ds16):
+        if cutlass.const_expr(ds16):
             cute.arch.cp_async_wait_group(0)   # w, doc, S0, dS_end: their own copies
-            self._ds_dot(cpV, sDS, sS0, sred, tidx)
+            # sum(dS_end S0) over this thread's copy elements (the same in both tiles)
+            dS16, S016 = cpV.dest(sDS), cpV.dest(sS0)
+            rD, rS = cute.make_fragment_like(dS16), cute.make_fragment_like(S016)
+            cute.autovec_copy(dS16, rD)
+            cute.autovec_copy(S016, rS)
+            dlast = F32(0.0)
+            for e in cutlass.range_constexpr(cute.size(rD)):
+                dlast = dlast + rD[e].to(F32) * rS[e].to(F32)
+            _warp_partials(dlast, sred, tidx)
         cute.arch.sync_threads()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
@@ -382,10 +362,6 @@ class ChunkGradSm90:
         mma_(tiled_mma, K // MMA_K, acc_v, A_(sW), Bt(sS0, K, V))
         toV = acc_to_smem(tiled_mma, tidx, acc_v, ab)
         toV.store((u - acc_v.load()).to(ab), toV.dest(sDelta))
-        if cutlass.const_expr(three):
-            cute.arch.cp_async_wait_group(0)   # doc, dS_end
-            self._ds_dot(cpV, sDS, sS0, sred, tidx)
-            cute.arch.sync_threads()
 
         # ---- phase 3: ddelta = diag(et) K dS_end + scale QG^T doc -> smem (16-bit)
         acc_v.fill(0.0)
@@ -605,61 +581,6 @@ class ChunkGradSm90:
             if tidx == 0:
                 for m in cutlass.range_constexpr(len(marks) - 1):
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
-
-    def _ds_dot(self, cp, sDS, sS0, sred, tidx):
-        """sum(dS_end S0) over this thread's copy elements of the two 16-bit [K, V] tiles
-        (its own cp.async pieces: landed after its wait) -> sred[warp]."""
-        dS16, S016 = cp.dest(sDS), cp.dest(sS0)
-        rD, rS = cute.make_fragment_like(dS16), cute.make_fragment_like(S016)
-        cute.autovec_copy(dS16, rD)
-        cute.autovec_copy(S016, rS)
-        dlast = F32(0.0)
-        for e in range(cute.size(rD)):
-            dlast = dlast + rD[e].to(F32) * rS[e].to(F32)
-        _warp_partials(dlast, sred, tidx)
-
-    def _prefetch_l2(self, tidx, tensors, b, c, hv):
-        """(``ablate="l2pf"``, timing only) the CTA's chunk-major input tiles [b, c, hv]
-        pulled into L2 by bulk prefetches (``cp.async.bulk.prefetch.L2``: the TMA unit,
-        not the SM's load path), one tensor a thread, before the loads that read them."""
-        for i, m in enumerate(tensors):
-            t = m[b, c, hv, None, None]
-            self._prefetch_one(tidx, t, 16 * i, cute.size(t) * m.element_type.width // 8)
-
-    @cute.jit
-    def _prefetch_rows(self, tidx, mQ, mK, mV, mRows, b, c, hv):
-        """(``l2pf`` with ``tokens_in``) thread i < C prefetches chunk row i's token rows of
-        k, v (and of q where it is read out) into L2 (as ``_load_rows`` reads them)."""
-        from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
-        hk = hv // (mV.shape[2] // mK.shape[2])
-        count, n = mRows[b, c, 1], mRows[b, c, 3]
-        if tidx < count:
-            row = mRows[b, c, 0] + tidx
-            cp_async_bulk_prefetch(mK[b, row, hk, None].iterator, self.K * self.ab.width // 8)
-            cp_async_bulk_prefetch(mV[b, row, hv, None].iterator, self.V * self.ab.width // 8)
-            if tidx % n == n - 1:
-                cp_async_bulk_prefetch(mQ[b, mRows[b, c, 2] + tidx // n, hk, None].iterator,
-                                       self.K * self.ab.width // 8)
-
-    @cute.jit
-    def _prefetch_one(self, tidx, t, lane: cutlass.Constexpr, size: cutlass.Constexpr):
-        from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
-        if tidx == lane:
-            cp_async_bulk_prefetch(t.iterator, size)
-
-    @cute.jit
-    def _stagger(self):
-        """(``ablate="stagger"``, timing only) the first wave's CTAs start 400 SM cycles
-        apart by their launch index (132 SMs), so that one-CTA-an-SM waves do not load in
-        lock step."""
-        bx, by, bz = cute.arch.block_idx()
-        gx, gy, _ = cute.arch.grid_dim()
-        lin = bx + gx * (by + gy * bz)
-        if lin < 132:
-            t0 = cute.arch.clock()
-            wait = lin * 400
-            while cute.arch.clock() - t0 < wait:
-                pass
 
     def _normalize_tile(self, cp, s, row_scale):
         """The rows of a 16-bit [C, K] smem tile L2-normalised in place, this thread's

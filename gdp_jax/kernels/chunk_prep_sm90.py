@@ -27,14 +27,12 @@ k [B, n T, H, K], v [B, n T, HV, V] instead (chunk row i = step base + i of the 
 reduce by butterfly shuffles) and writes the 16-bit normalised rows back to smem.
 
 Phases, separated by CTA barriers:
-  0. cp.async of the q, k, v tiles (128-bit, swizzled smem; k, q in one group, v in a
-     second that phases 1-3 run beside), overlapped with the gates:
+  0. cp.async of the q, k, v tiles (128-bit, swizzled smem), overlapped with the gates:
      thread i < C sums its row's segment sums from the diagonal down (the XLA
      ``segment_sums`` order: never a difference of cumsums, safe for strong gates) into
      Gam (float32 smem); threads C.. sum G_last - G_i the same way.
-  1. each thread, on its cp.async elements: row flags of k (a non-finite row is zeroed in
-     smem, so it cannot reach other rows through the MMAs; v's the same before phase 4),
-     Kt and qg to global.
+  1. each thread, on its cp.async elements: row flags of k and v (a non-finite row is
+     zeroed in smem, so it cannot reach other rows through the MMAs), Kt and qg to global.
   2. K K^T and Q K^T on warp MMAs; epilogue A (in place of Gam, float32) and P (stored).
   3. X = (I + A)^-1 in 32 x 32 blocks: the two diagonal blocks by forward substitution
      (warps 0, 1: a thread per column), then X21 = -X22 (A21 X11) with every thread.
@@ -215,7 +213,6 @@ class ChunkPrepSm90:
                     bottom[e] = F32(0.0).to(self.ab)
             else:
                 cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
-            cute.arch.cp_async_commit_group()
             cpV.load(mV[b, c, hv, None, None], (C, V), tV)
         cute.arch.cp_async_commit_group()
         scale = mScale[b]
@@ -244,7 +241,7 @@ class ChunkPrepSm90:
             for jj in cutlass.range(C - 1 - i, unroll=1):
                 t = t + sg[C - 1 - jj]
             send[i] = cute.math.exp(t, fastmath=True)
-        cute.arch.cp_async_wait_group(1)          # k, q (v: before phase 4)
+        cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -254,6 +251,7 @@ class ChunkPrepSm90:
         n = mRows[b, c, 3] if cutlass.const_expr(self.readout_rows) else None
         self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
                               mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ, n)
+        self._rows_of_v(cpV, tV, fV)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -343,11 +341,7 @@ class ChunkPrepSm90:
                 idx = e * NUM_THREADS + tidx
                 gX[idx // C, idx % C] = sX[idx // C, idx % C]
 
-        # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta));
-        # first v's row flags, on this thread's cp.async elements (landed now)
-        cute.arch.cp_async_wait_group(0)
-        self._rows_of_v(cpV, tV, fV)
-        cute.arch.sync_threads()
+        # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
         tXs = thr_mma.partition_A(sX)
         crd_x = thr_mma.partition_A(cute.make_identity_tensor((C, C)))
         w_bad = self._product(thr_mma, tiled_mma, cBt, tXs, crd_x, sK, K, sb, sgam, True,
@@ -427,7 +421,6 @@ class ChunkPrepSm90:
                 else:
                     for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                         tQ[e] = zero
-        cute.arch.cp_async_commit_group()      # k, q: phase 1 waits for them, v lands later
         crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
         for m in cutlass.range_constexpr(cute.size(tV) // 8):
             r, col = crd[8 * m]

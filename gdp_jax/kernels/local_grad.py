@@ -38,11 +38,6 @@ WARPS_N = 2
 # (8, 4096, 16, 2), s20-2, with every gradient still closer to float64 than FLA's:
 # benchmarks/results/CURRENT.md). The prebuilt variants are this setting's.
 SPLIT = False
-# the token-major variants' CTAs pulling their inputs into L2 first by bulk prefetches
-# (``chunk_grad_sm90`` ``ablate="l2pf"``): the kernel's loads at one CTA an SM run at
-# ~13 bytes a cycle even without contention (s34-2's probe with 4 CTAs), a limit of the
-# SM's load path that L2 latency shortens. Opt-in (``+l2pf``) until measured in the op.
-PREFETCH_L2 = False
 
 
 class LocalGradKernel:
@@ -233,8 +228,7 @@ class LocalGradKernel:
             warps_n=int(WARPS_N if warps_n is None else warps_n),
             **({"tokens_in": True} if tokens_in else {}),
             **({"do_tokens": True} if do_tokens else {}),
-            **({"l2norm": True} if l2norm else {}),
-            **({"ablate": "l2pf"} if PREFETCH_L2 else {}))
+            **({"l2norm": True} if l2norm else {}))
 
     @classmethod
     def variants(cls):
@@ -382,10 +376,9 @@ def _launcher_tokens():
                dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
-               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
-               ablate: cutlass.Constexpr = ""):
+               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False):
         # (no row norms: ``scale`` fills their slots, unread)
-        mod.get_kernel(K, V, ab_name, split, ablate, warps_n=warps_n, tokens=True,
+        mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, do_tokens=do_tokens)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, scale, scale,
             dq, dk, dv, dg, dbeta)
@@ -406,8 +399,8 @@ def _launcher_tokens_norm():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
                tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
-               l2norm: cutlass.Constexpr = False, ablate: cutlass.Constexpr = ""):
-        mod.get_kernel(K, V, ab_name, split, ablate, warps_n=warps_n, tokens=True,
+               l2norm: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, norm_bwd=True,
                        do_tokens=do_tokens, l2norm=l2norm)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,

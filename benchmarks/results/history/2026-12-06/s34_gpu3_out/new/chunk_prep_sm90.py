@@ -1,0 +1,651 @@
+"""CuTe DSL kernel: the forward's per-chunk operands, every chunk in parallel.
+
+One CTA (4 warps) per (chunk, value head, batch row) reads the chunk inputs q, k [C, K],
+v [C, V] (16-bit), g, beta [C] (float32) and the row's readout scale, and writes what the
+forward chunk kernel reads (``gdp_jax.kernels.chunk_fwd_sm90``), already made causal-safe,
+and with ``inverse`` also X (float32) for the backward (``gdp_jax.kernels.chunk_grad_sm90``):
+
+    seg_ij = g_{j+1} + ... + g_i (j <= i), Gam = exp(seg), G_i = g_0 + ... + g_i, gam = exp(G)
+    A  = tril(beta K K^T * Gam, -1),   X = (I + A)^-1
+    w  = X diag(beta gam) K,  u = X diag(beta) V,  Kt = exp(G_last - G) K
+    qg = scale gam q,  P = scale tril(Q K^T * Gam),  decay = exp(G_last)
+
+with the non-finite row rules of ``gdp_jax.kernels.pipeline.causal_operands`` (a row whose
+w or u is not finite enters as zeros with a NaN Kt row, output rows from the first such row
+on are flagged ``bad``; a non-finite readout row (qg, P) enters as zeros and is flagged;
+the values of qg and P in flagged rows are not part of the contract).
+
+Precision: q, k, v are exact 16-bit MMA operands, so K K^T and Q K^T are single MMAs with
+float32 accumulation; X is float32 and enters w and u with its column scales folded in,
+split hi + lo (x = hi + lo to ~2^-16 relative): w and u carry no 16-bit rounding of X or
+of beta, gam (X's entries reach ~1e2 when beta ~ 2).
+
+With ``tokens`` q, k, v come from the op's token-major tensors q [B, T, H, K],
+k [B, n T, H, K], v [B, n T, HV, V] instead (chunk row i = step base + i of the row table
+``mRows``, q on the read-out rows i = n - 1 mod n, the key head hv // (HV / H)), and with
+``l2norm`` phase 1 first L2-normalises the q, k rows in registers (the lanes holding a row
+reduce by butterfly shuffles) and writes the 16-bit normalised rows back to smem.
+
+Phases, separated by CTA barriers:
+  0. cp.async of the q, k, v tiles (128-bit, swizzled smem; k, q in one group, v in a
+     second that phases 1-3 run beside), overlapped with the gates:
+     thread i < C sums its row's segment sums from the diagonal down (the XLA
+     ``segment_sums`` order: never a difference of cumsums, safe for strong gates) into
+     Gam (float32 smem); threads C.. sum G_last - G_i the same way.
+  1. each thread, on its cp.async elements: row flags of k (a non-finite row is zeroed in
+     smem, so it cannot reach other rows through the MMAs; v's the same before phase 4),
+     Kt and qg to global.
+  2. K K^T and Q K^T on warp MMAs; epilogue A (in place of Gam, float32) and P (stored).
+  3. X = (I + A)^-1 in 32 x 32 blocks: the two diagonal blocks by forward substitution
+     (warps 0, 1: a thread per column), then X21 = -X22 (A21 X11) with every thread.
+  4. w = (X diag(beta gam))_hi+lo K, u = (X diag(beta))_hi+lo V on warp MMAs, the A
+     operands built in registers from X; row flags; stores; row rules.
+
+Row flags (is a row finite?) come without branches: each lane sums x * 0 over its
+elements of the row (0, or NaN if one is inf or NaN) and the lanes holding the row (a
+half warp or less in phase 1, a quad of an MMA accumulator) combine theirs by one warp
+ballot; every lane then stores the same flag. The row rules (prefix ORs over the rows)
+are ballots too.
+
+This module imports cutlass; import it only through ``gdp_jax.kernels.chunk_prep`` (lazily).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.memory
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand, ab_type,
+                                  c_tile, g2s, l2_normalize_rows,
+                                  g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
+                                  operand, smem_layout, smem_tile, transpose_view, warp_mma)
+from gdp_jax.kernels.sm90 import pick as _pick
+
+F32 = cutlass.Float32
+I32 = cutlass.Int32
+INF = float("inf")
+HB = C // 2         # the inverse's block size
+# CTAs an SM runs at once: the ~70 KB of shared memory allow 3 and the registers are
+# capped to fit them (unbounded, the assembler took ~190 a thread: 2 CTAs); the kernel's
+# phases are latency-bound, so more CTAs in flight hide more of it
+CTAS_PER_SM = 3
+
+
+def _finite(x):
+    """x is neither inf nor NaN (a comparison: NaN < inf is false)."""
+    return cute.math.absf(x) < F32(INF)
+
+
+def _nonfinite(z, lanes: int):
+    """Int32 1 if a row holds an inf or NaN, else 0. ``z``: this lane's sum of x * 0 over
+    its elements of the row (0, or NaN if one is not finite), over the row's ``lanes``
+    lanes (aligned groups of a power of two <= 16) by one warp ballot; every lane of the
+    group gets the answer, so all of them may store it. All 32 lanes must call it."""
+    good = cute.arch.vote_ballot_sync(z == F32(0.0))
+    group = I32((1 << lanes) - 1) << (cute.arch.lane_idx() & I32(32 - lanes))
+    return I32(cutlass.select_((good & group) == group, I32(0), I32(1)))
+
+
+def _t_row(sA, sT, col, i, j):
+    """T[i, j] = A21[i, :] X11[:, j] (``col``: X11[:, j] in registers; two partial sums)."""
+    acc0, acc1 = F32(0.0), F32(0.0)
+    for l in range(0, HB, 2):
+        acc0 = acc0 + sA[HB + i, l] * col[l]
+    for l in range(1, HB, 2):
+        acc1 = acc1 + sA[HB + i, l] * col[l]
+    sT[i, j] = acc0 + acc1
+
+
+def _x21_row(sX, col, i, j):
+    """X21[i, j] = -X22[i, :] T[:, j] (``col``: T[:, j]; X22 lower: m <= i only)."""
+    acc0, acc1 = F32(0.0), F32(0.0)
+    for m in range(0, HB, 2):
+        acc0 = acc0 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
+    for m in range(1, HB, 2):
+        acc1 = acc1 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
+    sX[HB + i, j] = acc0 + acc1
+
+
+class ChunkPrepSm90:
+    """Static configuration: head dims K, V and the 16-bit operand dtype."""
+
+    def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
+                 tokens: bool = False, l2norm: bool = False, readout_rows: bool = False):
+        assert K in (64, 128) and V in (64, 128)
+        self.K, self.V, self.ab = K, V, ab_dtype
+        self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
+        # measurement only: thread 0 writes the SM clock cycles of each phase into bad[..,
+        # :PROBE_SLOTS] (benchmarks/prep_probe.py); the kernel's results are otherwise unchanged
+        self.probe = probe
+        # q, k, v read straight from the op's token-major tensors (``tokens``: no relayout
+        # to chunks in XLA; ``mRows`` says where each chunk's rows start), L2-normalised
+        # in the kernel with ``l2norm``
+        self.tokens = tokens
+        self.l2norm = l2norm
+        assert tokens or not l2norm
+        # q's smem tile, qg and P on the read-out rows only: tile row m holds chunk row
+        # n m + n - 1 (n >= 2 from the row table), m < C // n; the rows after are zeros
+        # (qg, P are [READOUT_ROWS, *]; q's tile rows from READOUT_ROWS on are zeros too).
+        # Chunk-major (not ``tokens``): q arrives compact, [B, NC, HV, READOUT_ROWS, K]
+        self.readout_rows = readout_rows
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, stream, mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU,
+                 mDecay, mBad, mX):
+        K, V, ab = self.K, self.V, self.ab
+        sK_layout = smem_layout(C, K)
+        sV_layout = smem_layout(C, V)
+        pad = cute.make_layout((C, C), stride=(C + 1, 1))        # float32, no conflicts
+        sT_layout = cute.make_layout((HB, HB), stride=(HB + 1, 1))
+
+        # q's tile is dead after Q K^T: X (float32) reuses it (~70 KB in all at K = V =
+        # 128: three CTAs an SM)
+        qx_elems = max(cute.cosize(sK_layout), 2 * C * (C + 1))
+
+        @cute.struct
+        class Storage:
+            sK: smem_tile(ab, sK_layout)
+            sQ: cute.struct.Align[cute.struct.MemRange[ab, qx_elems], 1024]   # q, then X
+            sV: smem_tile(ab, sV_layout)
+            sA: cute.struct.Align[cute.struct.MemRange[F32, C * (C + 1)], 128]  # Gam, A
+            sT: cute.struct.Align[cute.struct.MemRange[F32, HB * (HB + 1)], 128]
+            sg: cute.struct.MemRange[F32, C]        # g
+            sb: cute.struct.MemRange[F32, C]        # beta
+            sgam: cute.struct.MemRange[F32, C]      # exp(G)
+            send: cute.struct.MemRange[F32, C]      # exp(G_last - G)
+            # row flags (1 = set; written once per row, by the lanes holding the row)
+            fK: cute.struct.MemRange[I32, C]        # k row not finite (zeroed)
+            fV: cute.struct.MemRange[I32, C]        # v row not finite (zeroed)
+            fA: cute.struct.MemRange[I32, C]        # A row not finite
+            fP: cute.struct.MemRange[I32, C]        # P row (16-bit) not finite
+            fQ: cute.struct.MemRange[I32, C]        # qg row (16-bit) not finite
+            fWU: cute.struct.MemRange[I32, C]       # w (16-bit) or u row not finite
+            ok: cute.struct.MemRange[I32, C]        # state row enters (causal_operands)
+
+        B, NC, HV = mG.shape[0], mG.shape[1], mG.shape[2]
+        self.kernel(mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
+                    mX,
+                    sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
+                    warp_mma(ab), Storage).launch(grid=(NC, HV, B),
+                                                  block=[NUM_THREADS, 1, 1], stream=stream,
+                                                  min_blocks_per_mp=CTAS_PER_SM,
+                                                  preferred_smem_carveout=100)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
+               mX,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               pad: cute.Layout, sT_layout: cute.Layout, copy_K: cute.TiledCopy,
+               copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
+        K, V, ab = self.K, self.V, self.ab
+        tidx, _, _ = cute.arch.thread_idx()
+        c, hv, b = cute.arch.block_idx()
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(Storage)
+        sK = st.sK.get_tensor(sK_layout)
+        sQ = st.sQ.get_tensor(sK_layout)
+        sV = st.sV.get_tensor(sV_layout)
+        sA = st.sA.get_tensor(pad)               # Gam, then A in place
+        sX = st.sQ.get_tensor(pad, dtype=F32)   # from phase 3 on
+        sT = st.sT.get_tensor(sT_layout)
+        vec = lambda f: f.get_tensor(cute.make_layout(C))
+        sg, sb, sgam, send = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.send)
+        fK, fV, fA, fP, fQ = vec(st.fK), vec(st.fV), vec(st.fA), vec(st.fP), vec(st.fQ)
+        fWU, ok = vec(st.fWU), vec(st.ok)
+
+        marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
+
+        # ---- phase 0: q, k, v -> smem (async) | gates
+        cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
+        tK, tQ, tV = cpK.dest(sK), cpK.dest(sQ), cpV.dest(sV)
+        if cutlass.const_expr(self.tokens):
+            self._load_token_rows(cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv)
+        else:
+            cpK.load(mK[b, c, hv, None, None], (C, K), tK)
+            if cutlass.const_expr(self.readout_rows):
+                # compact q: its READOUT_ROWS rows to the tile's first ones, zeros after
+                top = cute.local_tile(sQ, (READOUT_ROWS, K), (0, 0))
+                cpK.load(mQ[b, c, hv, None, None], (READOUT_ROWS, K), cpK.dest(top))
+                bottom = cpK.dest(cute.local_tile(sQ, (READOUT_ROWS, K), (1, 0)))
+                for e in cutlass.range_constexpr(cute.size(bottom)):
+                    bottom[e] = F32(0.0).to(self.ab)
+            else:
+                cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
+            cute.arch.cp_async_commit_group()
+            cpV.load(mV[b, c, hv, None, None], (C, V), tV)
+        cute.arch.cp_async_commit_group()
+        scale = mScale[b]
+        if tidx < C:
+            sg[tidx] = mG[b, c, hv, tidx].to(F32)
+            sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
+            if cutlass.const_expr(self.readout_rows):
+                fP[tidx] = I32(0)                 # rows not read out: no flags
+                fQ[tidx] = I32(0)
+        cute.arch.sync_threads()
+        # exp as ex2.approx (2^-22 relative; below ~1e-38 it flushes to 0): a short
+        # dependency chain in these serial loops
+        if tidx < C:
+            i = tidx
+            s = F32(0.0)                          # seg_ij, j from i down to 0
+            for jj in cutlass.range(i + 1, unroll=1):
+                j = i - jj
+                sA[i, j] = cute.math.exp(s, fastmath=True)
+                s = s + sg[j]
+            sgam[i] = cute.math.exp(s, fastmath=True)            # s = G_i
+            if i == C - 1:
+                mDecay[b, c, hv] = cute.math.exp(s, fastmath=True)
+        else:
+            i = tidx - C
+            t = F32(0.0)                          # G_last - G_i = g_{i+1} + ... + g_{C-1}
+            for jj in cutlass.range(C - 1 - i, unroll=1):
+                t = t + sg[C - 1 - jj]
+            send[i] = cute.math.exp(t, fastmath=True)
+        cute.arch.cp_async_wait_group(1)          # k, q (v: before phase 4)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
+
+        # ---- phase 1: on this thread's cp.async elements (8 consecutive columns of a row
+        # per pass, a row held by K/8 or V/8 consecutive lanes): flags, zeroed rows, Kt, qg
+        n = mRows[b, c, 3] if cutlass.const_expr(self.readout_rows) else None
+        self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
+                              mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ, n)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
+
+        # ---- phase 2: K K^T, Q K^T -> A (smem, in place of Gam), P
+        thr_mma = tiled_mma.get_slice(tidx)
+        cA, _, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
+        cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)   # B from [N, K] tiles
+        acc_kk = make_acc(thr_mma, (C, C))
+        acc_qk = make_acc(thr_mma, (C, C))
+        acc_kk.fill(0.0)
+        acc_qk.fill(0.0)
+        mma_split_b(tiled_mma, K // MMA_K,
+                    [(acc_kk, operand(thr_mma, cA, sK, True)),
+                     (acc_qk, operand(thr_mma, cA, sQ, True))],
+                    operand(thr_mma, cB, sK, False), None, False)
+        # an accumulator row lives in one quad of lanes: this thread's rows r0 and r0 + 8
+        crd = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
+        r0, _ = crd[0]
+        r1 = r0 + 8
+        # P's row of accumulator row r: chunk row r, or with readout_rows n r + n - 1 (read
+        # out where < C; q was zero past them, and Gam is read in bounds)
+        pr0, pr1, gr0, gr1 = r0, r1, r0, r1
+        if cutlass.const_expr(self.readout_rows):
+            pr0, pr1 = n * r0 + n - 1, n * r1 + n - 1
+            gr0, gr1 = cutlass.min(pr0, C - 1), cutlass.min(pr1, C - 1)
+        za0, za1, zp0, zp1 = F32(0.0), F32(0.0), F32(0.0), F32(0.0)
+        for e in cutlass.range_constexpr(cute.size(acc_kk)):
+            i, j = crd[e]
+            in0 = i == r0
+            gm = sA[i, j]
+            a = _pick(j < i, (sb[i] * acc_kk[e]) * gm, F32(0.0))
+            if cutlass.const_expr(self.readout_rows):
+                pi = I32(cutlass.select_(in0, pr0, pr1))
+                gp = sA[cutlass.select_(in0, gr0, gr1), j]
+                p = _pick((j <= pi) & (pi < C), (acc_qk[e] * gp) * scale, F32(0.0))
+                acc_kk[e] = a          # A enters sA after every thread read Gam (below)
+            else:
+                sA[i, j] = a
+                p = _pick(j <= i, (acc_qk[e] * gm) * scale, F32(0.0))
+            acc_qk[e] = p
+            za = a * F32(0.0)
+            zp = p.to(ab).to(F32) * F32(0.0)
+            za0, za1 = za0 + _pick(in0, za, F32(0.0)), za1 + _pick(in0, F32(0.0), za)
+            zp0, zp1 = zp0 + _pick(in0, zp, F32(0.0)), zp1 + _pick(in0, F32(0.0), zp)
+        fA[r0], fA[r1] = _nonfinite(za0, 4), _nonfinite(za1, 4)
+        bp0, bp1 = _nonfinite(zp0, 4), _nonfinite(zp1, 4)
+        if cutlass.const_expr(self.readout_rows):
+            cute.arch.sync_threads()
+            for e in cutlass.range_constexpr(cute.size(acc_kk)):
+                i, j = crd[e]
+                sA[i, j] = acc_kk[e]
+            if pr0 < C:
+                fP[pr0] = bp0
+            if pr1 < C:
+                fP[pr1] = bp1
+        else:
+            fP[r0], fP[r1] = bp0, bp1
+        cute.arch.sync_threads()
+        rok0, rok1 = (fP[gr0] | fQ[gr0]) == 0, (fP[gr1] | fQ[gr1]) == 0
+        for e in cutlass.range_constexpr(cute.size(acc_qk)):
+            i, _ = crd[e]
+            keep = cutlass.Boolean(cutlass.select_(i == r0, rok0, rok1))
+            acc_qk[e] = _pick(keep, acc_qk[e], F32(0.0))
+        if cutlass.const_expr(self.readout_rows):
+            # accumulator rows 0 .. READOUT_ROWS - 1 (warps 0, 1) are P's rows; a [C, C]
+            # view of P's [READOUT_ROWS, C] rows, stored by those warps only
+            gP = cute.make_tensor(mP[b, c, hv, None, None].iterator,
+                                  cute.make_layout((C, C), stride=(C, 1)))
+            if tidx < 32 * (READOUT_ROWS // 16):       # 16 rows a warp
+                c_tile(thr_mma, gP, (C, C), (0, 0)).store(acc_qk.load().to(ab))
+        else:
+            c_tile(thr_mma, mP[b, c, hv, None, None], (C, C), (0, 0)).store(
+                acc_qk.load().to(ab))
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
+
+        # ---- phase 3: X = (I + A)^-1
+        self._inverse(tidx, sA, sX, sT)
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
+        if cutlass.const_expr(self.inverse):
+            # consecutive threads, consecutive columns: coalesced float32 stores
+            gX = mX[b, c, hv, None, None]
+            for e in cutlass.range_constexpr(C * C // NUM_THREADS):
+                idx = e * NUM_THREADS + tidx
+                gX[idx // C, idx % C] = sX[idx // C, idx % C]
+
+        # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta));
+        # first v's row flags, on this thread's cp.async elements (landed now)
+        cute.arch.cp_async_wait_group(0)
+        self._rows_of_v(cpV, tV, fV)
+        cute.arch.sync_threads()
+        tXs = thr_mma.partition_A(sX)
+        crd_x = thr_mma.partition_A(cute.make_identity_tensor((C, C)))
+        w_bad = self._product(thr_mma, tiled_mma, cBt, tXs, crd_x, sK, K, sb, sgam, True,
+                             mW[b, c, hv, None, None], r0)
+        u_bad = self._product(thr_mma, tiled_mma, cBt, tXs, crd_x, sV, V, sb, sgam, False,
+                             mU[b, c, hv, None, None], r0)
+        if tidx % 4 == 0:                         # one lane of the quad holding the rows
+            fWU[r0] = w_bad[0] | u_bad[0]
+            fWU[r1] = w_bad[1] | u_bad[1]
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
+
+        # ---- row rules: ok_i = no non-finite A / k / v / beta gam / beta row at or before
+        # i, finite w, u; bad_i = some row <= i does not enter, or the readout row is not
+        # finite. Prefix ORs over the rows by warp ballots: warp 0, lane l holds rows l
+        # and l + 32.
+        if tidx < 32:
+            self._row_rules(tidx, sb, sgam, fA, fK, fV, fWU, fP, fQ, ok,
+                            mBad[b, c, hv, None])
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self.probe):
+            marks.append(cute.arch.clock())
+
+        # rows that do not enter (rare: non-finite inputs): w, u rows zeroed, Kt rows NaN
+        if (ok[r0] == 0) | (ok[r1] == 0):
+            self._zero_rows(thr_mma, mW[b, c, hv, None, None], (C, K), ok, r0)
+            self._zero_rows(thr_mma, mU[b, c, hv, None, None], (C, V), ok, r0)
+        if tidx < C:
+            if ok[tidx] == 0:
+                for col in cutlass.range(K, unroll=1):
+                    mKt[b, c, hv, tidx, col] = F32(float("nan")).to(ab)
+        if cutlass.const_expr(self.probe):
+            cute.arch.sync_threads()
+            marks.append(cute.arch.clock())
+            if tidx == 0:
+                for s in cutlass.range_constexpr(len(marks) - 1):
+                    mBad[b, c, hv, s] = marks[s + 1] - marks[s]
+
+    # ------------------------------------------------------------ device-side pieces
+    @cute.jit
+    def _load_token_rows(self, cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv):
+        """Phase 0's cp.async of q, k, v from the token-major tensors q [B, T, H, K],
+        k [B, L, H, K], v [B, L, HV, V] (L = n T interleaved steps): chunk row i is step
+        base + i for i < count (else zeros); q sits on rows i = n - 1 (mod n), token
+        tok + i // n. mRows[b, c] = (base, count, tok, n). Key head: hv // (HV / H)."""
+        ab = self.ab
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), ab,
+            num_bits_per_copy=128)
+        hk = hv // (mV.shape[2] // mK.shape[2])
+        base, count = mRows[b, c, 0], mRows[b, c, 1]
+        tok, n = mRows[b, c, 2], mRows[b, c, 3]
+        zero = F32(0.0).to(ab)
+        crd = cpK.thr.partition_D(cute.make_identity_tensor((C, self.K)))
+        for m in cutlass.range_constexpr(cute.size(tK) // 8):
+            r, col = crd[8 * m]
+            if r < count:
+                cute.copy(atom, cute.local_tile(mK[b, base + r, hk, None], (8,), (col // 8,)),
+                          tK[None, m, 0])
+            else:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tK[e] = zero
+            if cutlass.const_expr(self.readout_rows):
+                # tile row r: the token of chunk row n r + n - 1 (read out), rows >=
+                # READOUT_ROWS zero
+                if (r < READOUT_ROWS) & (n * r + n - 1 < count):
+                    cute.copy(atom, cute.local_tile(mQ[b, tok + r, hk, None], (8,),
+                                                    (col // 8,)), tQ[None, m, 0])
+                else:
+                    for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                        tQ[e] = zero
+            else:
+                if (r < count) & (r % n == n - 1):
+                    cute.copy(atom, cute.local_tile(mQ[b, tok + r // n, hk, None], (8,),
+                                                    (col // 8,)), tQ[None, m, 0])
+                else:
+                    for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                        tQ[e] = zero
+        cute.arch.cp_async_commit_group()      # k, q: phase 1 waits for them, v lands later
+        crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
+        for m in cutlass.range_constexpr(cute.size(tV) // 8):
+            r, col = crd[8 * m]
+            if r < count:
+                cute.copy(atom, cute.local_tile(mV[b, base + r, hv, None], (8,), (col // 8,)),
+                          tV[None, m, 0])
+            else:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tV[e] = zero
+
+    @cute.jit
+    def _rows_of_k_and_q(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ, n):
+        """Phase 1 for k and q: fK (the row is zeroed in smem if set), Kt = exp(G_last -
+        G) k and qg = scale gam q to global, fQ (qg's 16-bit row not finite). With
+        ``readout_rows`` q's tile row r is chunk row n r + n - 1 (gam's and fQ's index;
+        fQ only where < C), and only the pieces of q's rows < READOUT_ROWS (the first
+        ones of the partition) are normalised and give qg (row r of gQg [READOUT_ROWS,
+        K]); ``n`` is read only then."""
+        K, ab = self.K, self.ab
+        lanes = K // 8
+        crd = cpK.thr.partition_D(cute.make_identity_tensor((C, K)))
+        pieces = cute.size(tK) // 8
+        q_pieces = pieces * READOUT_ROWS // C if self.readout_rows else pieces
+        rk = cute.make_fragment_like(tK)
+        rq = cute.make_fragment_like(tQ)
+        cute.autovec_copy(tK, rk)
+        cute.autovec_copy(tQ, rq)
+        if cutlass.const_expr(self.l2norm):
+            # pieces a step at a time (sm90.l2_normalize_rows): on all q rows 4 made this
+            # variant 128 KiB of machine code (the suspected instruction-cache limit)
+            group = 4 if self.readout_rows else 1
+            l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
+            l2_normalize_rows(rq, tQ, lanes, q_pieces, ab, group=group)
+        for m in cutlass.range_constexpr(pieces):
+            has_q = m < q_pieces
+            r, col = crd[8 * m]
+            rg = r                                    # q's chunk row (gam's, fQ's index)
+            if cutlass.const_expr(self.readout_rows):
+                rg = cutlass.min(n * r + n - 1, C - 1)
+            en = send[r]
+            if cutlass.const_expr(has_q):
+                sc = scale * sgam[rg]
+            kt = cute.make_rmem_tensor((8,), F32)
+            qg = cute.make_rmem_tensor((8,), F32)
+            zk, zq = F32(0.0), F32(0.0)
+            for e in cutlass.range_constexpr(8):
+                x = rk[8 * m + e].to(F32)
+                zk = zk + x * F32(0.0)
+                kt[e] = en * x
+                if cutlass.const_expr(has_q):
+                    y = sc * rq[8 * m + e].to(F32)
+                    qg[e] = y
+                    zq = zq + y.to(ab).to(F32) * F32(0.0)
+            bad_k = _nonfinite(zk, lanes)
+            if cutlass.const_expr(has_q):
+                bad_q = _nonfinite(zq, lanes)
+            fK[r] = bad_k
+            if cutlass.const_expr(has_q):
+                if cutlass.const_expr(self.readout_rows):
+                    if n * r + n - 1 < C:
+                        fQ[rg] = bad_q
+                else:
+                    fQ[r] = bad_q
+                for e in cutlass.range_constexpr(8):
+                    qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
+            # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
+            # objects' row strides are run-time values)
+            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
+            if cutlass.const_expr(has_q):
+                cute.local_tile(gQg[r, None], (8,), (col // 8,)).store(qg.load().to(ab))
+            if bad_k != 0:                      # rare: keep it out of the MMAs
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tK[e] = F32(0.0).to(ab)
+
+    @cute.jit
+    def _row_rules(self, lane, sb, sgam, fA, fK, fV, fWU, fP, fQ, ok, gBad):
+        """The row rules of rows ``lane`` and ``lane + 32`` (one warp): prefix ORs of
+        per-row flags, each a ballot and a mask of the lanes at or below this one."""
+        upto = ~(I32(-2) << lane)                 # bits 0..lane
+        for_rows = lambda f: (f(lane), f(lane + 32))
+
+        def nan_row(l):                           # a non-finite A / k / v / beta gam / beta
+            rhs = I32(cutlass.select_(_finite(sb[l] * sgam[l]) & _finite(sb[l]),
+                                      I32(0), I32(1)))
+            return (fA[l] | fK[l] | fV[l] | rhs) != 0
+
+        def prefix(flags):                        # (OR over rows <= lane, <= lane + 32)
+            m0 = cute.arch.vote_ballot_sync(flags[0])
+            m1 = cute.arch.vote_ballot_sync(flags[1])
+            return (m0 & upto) != 0, (m0 != 0) | ((m1 & upto) != 0)
+
+        nan = prefix(for_rows(nan_row))
+        enters = (~(nan[0] | (fWU[lane] != 0)), ~(nan[1] | (fWU[lane + 32] != 0)))
+        anybad = prefix((~enters[0], ~enters[1]))
+        for h in cutlass.range_constexpr(2):
+            i = lane + 32 * h
+            ok[i] = I32(cutlass.select_(enters[h], I32(1), I32(0)))
+            gBad[i] = I32(cutlass.select_(anybad[h], I32(1), I32(0))) | fP[i] | fQ[i]
+
+    @cute.jit
+    def _rows_of_v(self, cpV, tV, fV):
+        """Phase 1 for v: fV (the row is zeroed in smem if set)."""
+        lanes = self.V // 8
+        crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
+        rv = cute.make_fragment_like(tV)
+        cute.autovec_copy(tV, rv)
+        for m in cutlass.range_constexpr(cute.size(tV) // 8):
+            r, _ = crd[8 * m]
+            z = F32(0.0)
+            for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                z = z + rv[e].to(F32) * F32(0.0)
+            bad_v = _nonfinite(z, lanes)
+            fV[r] = bad_v
+            if bad_v != 0:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tV[e] = F32(0.0).to(self.ab)
+
+    @cute.jit
+    def _inverse(self, tidx, sA, sX, sT):
+        """X = (I + A)^-1 (float32, strictly lower A) in HB x HB blocks: X11, X22 by
+        forward substitution (one thread per column: warp 0 the first block, warp 1 the
+        second; X12 = 0), T = A21 X11, X21 = -X22 T. A row that is not finite makes its
+        own X row and the later ones non-finite, never an earlier one (X22's sum runs
+        over m <= i only)."""
+        if tidx < C:
+            ob = (tidx // HB) * HB                # block offset
+            jc = tidx % HB                        # this thread's column of the block
+            x = cute.make_rmem_tensor((HB,), F32)
+            for i in cutlass.range_constexpr(HB):
+                # two partial sums: half the dependent FMA chain
+                acc0 = _pick(jc == i, F32(1.0), F32(0.0))
+                acc1 = F32(0.0)
+                for l in cutlass.range_constexpr(0, i, 2):
+                    acc0 = acc0 - sA[ob + i, ob + l] * x[l]
+                for l in cutlass.range_constexpr(1, i, 2):
+                    acc1 = acc1 - sA[ob + i, ob + l] * x[l]
+                x[i] = acc0 + acc1
+            for i in cutlass.range_constexpr(HB):
+                sX[ob + i, ob + jc] = x[i]
+            if ob == 0:
+                for i in cutlass.range_constexpr(HB):
+                    sX[i, HB + jc] = F32(0.0)
+        cute.arch.sync_threads()
+        # every thread: column j, rows w, w + 4, ... of the HB x HB off-diagonal block
+        j = tidx % HB
+        w0 = tidx // HB
+        col = cute.make_rmem_tensor((HB,), F32)
+        for l in cutlass.range_constexpr(HB):
+            col[l] = sX[l, j]                     # X11[:, j]
+        for s in cutlass.range_constexpr(HB // 4):
+            _t_row(sA, sT, col, w0 + 4 * s, j)
+        cute.arch.sync_threads()
+        for m in cutlass.range_constexpr(HB):
+            col[m] = sT[m, j]                     # T[:, j]
+        for s in cutlass.range_constexpr(HB // 4):
+            _x21_row(sX, col, w0 + 4 * s, j)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _product(self, thr_mma, tiled_mma, cBt, tXs, crd_x, sR, N: cutlass.Constexpr,
+                 sb, sgam, with_gam: cutlass.Constexpr, gOut, r0):
+        """out = (X diag(s))_hi+lo R (s = beta gam or beta; a column with a non-finite s
+        enters as zeros) on warp MMAs with float32 accumulation, stored to ``gOut``
+        (16-bit w, float32 u); returns the non-finite flags of this thread's rows r0,
+        r0 + 8 (as stored), reduced over their quads."""
+        ab = self.ab
+        xh = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
+        xl = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
+        for e in cutlass.range_constexpr(cute.size(xh)):
+            _, r = crd_x[e]
+            s = sb[r] * sgam[r] if with_gam else sb[r]
+            y = _pick(_finite(s), tXs[e] * s, F32(0.0))
+            hi = y.to(ab)
+            xh[e] = hi
+            xl[e] = (y - hi.to(F32)).to(ab)
+        acc = make_acc(thr_mma, (C, N))
+        acc.fill(0.0)
+        R = operand(thr_mma, cBt, transpose_view(sR, C, N), False)     # R^T: [N, C]
+        mma_split_b(tiled_mma, C // MMA_K, [(acc, RegOperand(xh)), (acc, RegOperand(xl))],
+                    R, None, False)
+        crd = thr_mma.partition_C(cute.make_identity_tensor((C, N)))
+        z0, z1 = F32(0.0), F32(0.0)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, _ = crd[e]
+            y = acc[e].to(ab).to(F32) if with_gam else acc[e]
+            z = y * F32(0.0)
+            z0, z1 = z0 + _pick(i == r0, z, F32(0.0)), z1 + _pick(i == r0, F32(0.0), z)
+        out = c_tile(thr_mma, gOut, (C, N), (0, 0))
+        if cutlass.const_expr(with_gam):
+            out.store(acc.load().to(ab))
+        else:
+            out.store(acc.load())
+        return _nonfinite(z0, 4), _nonfinite(z1, 4)
+
+    @cute.jit
+    def _zero_rows(self, thr_mma, gOut, shape: cutlass.Constexpr, ok, r0):
+        """Zero this thread's elements of the rows of ``gOut`` that do not enter."""
+        out = c_tile(thr_mma, gOut, shape, (0, 0))
+        crd = thr_mma.partition_C(cute.make_identity_tensor(shape))
+        for e in cutlass.range_constexpr(cute.size(out)):
+            i, _ = crd[e]
+            if ok[i] == 0:
+                out[e] = F32(0.0).to(out.element_type)
+
+
+_KERNELS = {}
+
+
+# the phases the probe times, in order (each ends at a CTA barrier)
+PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
+                "w, u", "row rules", "rare rows")
+
+
+def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
+               probe: bool = False, tokens: bool = False,
+               l2norm: bool = False, readout_rows: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows)
+    if key not in _KERNELS:
+        _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
+                                      l2norm, readout_rows)
+    return _KERNELS[key]
