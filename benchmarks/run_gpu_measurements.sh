@@ -35,6 +35,7 @@
 #   (modes 24, 25 - s34's load-order, stagger and L2-prefetch A/B - ran on fb199f0 and were
 #    removed with those ablations: benchmarks/results/CURRENT.md, s34)
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 26  # a trace of fwd+bwd on per-shape kernels
+#   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 27  # one SM's load rate: cp.async vs bulk copies; mode 26
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -267,6 +268,17 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+27)
+  # s34 (prepared, NOT run: no device time left): how fast one SM fills its shared memory -
+  # cp.async by every thread (the kernels' loads today) vs bulk copies by one thread (the
+  # TMA unit) - at one 192 KB CTA an SM (the local-gradient kernel) and three 64 KB ones
+  # (the operands kernel), 4 / one wave / many waves of CTAs; then mode 26's trace (run
+  # this mode with NO_BUILD=1 for it). If bulk copies fill an SM several times faster,
+  # the kernels' first phases (a quarter of the local-gradient kernel) are the lever.
+  step 90 rate192 python -m benchmarks.load_rate --kb 192 --ctas 4,132,16896
+  step 90 rate64 python -m benchmarks.load_rate --kb 64 --ctas 12,396,16896
+  cat $M/rate192.log $M/rate64.log | grep -E "ctas=|Error|rror" | cut -c1-160
+  ;&  # falls through to mode 26
 26)
   # s34: a trace of the default fwd+bwd at (8, 4096, 16, 2) with per-shape kernels (run it
   # with NO_BUILD=1: no prebuilt objects, so "auto" compiles static ones) - beside mode 22's

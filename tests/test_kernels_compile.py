@@ -981,3 +981,16 @@ def test_probe_variants_compile():
              S((B, NC, HV, C, V), f32), S((B, NC, HV, K, V), bf), S((B, NC, HV, K, V), bf))
     lg = lambda *a: LocalGradKernel.raw_call(*a, ab_dtype=bf, ablate="probe")
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(lg, *avals)
+
+
+def test_load_rate_kernels_compile():
+    """benchmarks/load_rate.py's two copy kernels (every thread's cp.async, one thread's
+    bulk copies with an mbarrier) lower to a custom call for sm_90a."""
+    import functools
+    from benchmarks.load_rate import copy_cycles
+    src = S((4, 64 * 512), jnp.bfloat16)
+    for mode in ("cpasync", "bulk"):
+        f = functools.partial(copy_cycles, mode=mode, piece_kb=16)
+        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, src), mode
+    with pytest.raises(ValueError, match="mode"):
+        copy_cycles(jnp.zeros((4, 8 * 256), jnp.bfloat16), mode="ldg")
