@@ -132,7 +132,17 @@ def environment(argv, fla_version: str = "not requested") -> dict:
             "device": f"{len(jax.devices())} x {getattr(d, 'device_kind', d.platform)}",
             "jax": jax.__version__, "jaxlib": _dist_version("jaxlib"),
             "cutlass_dsl": _dist_version("nvidia-cutlass-dsl"), "fla": fla_version,
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "kernels": kernel_compile_mode()}
+
+
+def kernel_compile_mode() -> str:
+    """How this run's cutedsl kernels are compiled: "generic (prebuilt)" objects for every
+    shape or "static" per-shape ones (``gdp_jax.kernels.binding.kernel_shapes``). They
+    differ in speed (s34: fwd+bwd 8.57-8.59 vs 8.29-8.39 ms at (8, 4096, 16, 2) on one
+    H100), so a comparison across runs must hold this fixed."""
+    from gdp_jax.kernels import binding
+    mode = binding.kernel_shapes()
+    return "generic (prebuilt)" if mode == "generic" else mode
 
 
 def short_error(e: BaseException) -> str:

@@ -51,7 +51,8 @@ class Run:
                 f"Command: `{e['command']}`", "",
                 f"Device: {e['device']}; commit {e['commit']} (gdp_jax sources "
                 f"{e['gdp_jax_sources']}); jax {e['jax']}, jaxlib {e['jaxlib']}, CuTe DSL "
-                f"{e['cutlass_dsl']}; FLA: {e['fla']}; Python {e['python']}.", "", what, ""]
+                f"{e['cutlass_dsl']}; FLA: {e['fla']}; Python {e['python']}; cutedsl kernels "
+                f"{e.get('kernels', '?')}.", "", what, ""]
 
     def footer(self) -> list:
         return [""] + (["Notes:"] + [f"- {n}" for n in self.notes] if self.notes else [])

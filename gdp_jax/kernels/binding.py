@@ -87,10 +87,11 @@ def device_source_hash() -> str:
 def kernel_shapes() -> str:
     """How kernels are compiled (``GDP_JAX_KERNEL_SHAPES``): "generic", one object per
     variant for every (B, T) (leading dims read at run time), prebuilt ones used when
-    present; "static", one compile per shape with every extent baked in; "auto"
-    (default): generic when prebuilt kernels are present (``python ffi/build.py``), else
-    static - the path every GPU test and benchmark so far ran on (the generic objects'
-    steady-state speed is measured by ``benchmarks/cold_start.py``)."""
+    present; "static", one compile per shape with every extent baked in (5-9 KB less
+    machine code a kernel; the op's fwd+bwd ~3.5% faster than on generic objects at
+    (8, 4096, 16, 2), H100, s34); "auto" (default): generic when prebuilt kernels are
+    present (``python ffi/build.py``), else static. Benchmarks record which
+    (``benchmarks.measure.kernel_compile_mode``)."""
     mode = os.environ.get("GDP_JAX_KERNEL_SHAPES", "auto")
     if mode not in ("auto", "generic", "static"):
         raise ValueError(f"GDP_JAX_KERNEL_SHAPES={mode!r}; expected 'auto', 'generic' or "
