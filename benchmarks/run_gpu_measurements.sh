@@ -36,6 +36,7 @@
 #    removed with those ablations: benchmarks/results/CURRENT.md, s34)
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 26  # a trace of fwd+bwd on per-shape kernels
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 27  # one SM's load rate: cp.async vs bulk copies; mode 26
+#   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 28  # 32-bit strides in the generic kernels (OFFSETS32)
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -268,6 +269,25 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+28)
+  # s34 (prepared, NOT run): sm90.OFFSETS32 - the shape-generic (prebuilt) local-gradient
+  # and operands kernels with 32-bit strides (CPU compile: 6-7 KB less code each, most of
+  # the gap to the per-shape objects, which were ~3.5% faster in s34). The op on prebuilt
+  # objects without it (the script's build), then rebuilt with it: the kernels' GPU tests
+  # on the prebuilt objects and the op again beside tuned FLA. Turn it on if the tests pass
+  # and the time drops.
+  step 90 op_off python -m benchmarks.run fwdbwd --impl cutedsl --no-check \
+    --shapes "8,4096,16,2" --deadline 70 --out $M/op_off
+  sed -i "s/^OFFSETS32 = False/OFFSETS32 = True/" gdp_jax/kernels/sm90.py
+  step 100 build_on python ffi/build.py --jobs 15 --only bfloat16
+  F=tests/test_cutedsl_gpu.py
+  ( timeout 170 $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels_matches or gradients_match" > $M/t_lg.log 2>&1 ) &
+  ( timeout 170 $P tests/test_chunk_prep_gpu.py $F -k "operands_match_xla or inverse_output or nonfinite_rows or token_major_operands or forward_matches" > $M/t_prep.log 2>&1 ) &
+  wait
+  for f in t_lg t_prep; do grep -hE "^(FAILED|ERROR)|passed|failed" $M/$f.log | tail -5 | cut -c1-250; done
+  step 150 op_on python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "8,4096,16,2;8,4096,16,3" --deadline 130 --out $M/op_on
+  rows $M/op_off.log $M/op_on.log ;;
 27)
   # s34 (prepared, NOT run: no device time left): how fast one SM fills its shared memory -
   # cp.async by every thread (the kernels' loads today) vs bulk copies by one thread (the

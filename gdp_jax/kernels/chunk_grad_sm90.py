@@ -71,7 +71,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, acc_to_smem,
                                   c_tile, g2s, g2s_copy, l2_normalize_rows,
-                                  ldmatrix_copies, make_acc,
+                                  ldmatrix_copies, make_acc, offsets32,
                                   mma_split_b, operand, pick, smem_layout, smem_tile,
                                   transpose_view, warp_mma)
 
@@ -175,6 +175,10 @@ class ChunkGradSm90:
             shk: cute.struct.MemRange[F32, C]          # rho of the k rows (l2norm)
             sred: cute.struct.MemRange[F32, NT // 32]
 
+        (mQ, mK, mW, mDo, mV, mG, mBeta, mX, mU, mS0, mDS, mRows, mRhoQ, mRhoK, mDq, mDk,
+         mDv, mDg, mDbeta) = (offsets32(t) for t in (
+             mQ, mK, mW, mDo, mV, mG, mBeta, mX, mU, mS0, mDS, mRows, mRhoQ, mRhoK, mDq, mDk,
+             mDv, mDg, mDbeta))
         B, NC, HV = mW.shape[0], mW.shape[1], mW.shape[2]
         self.kernel(mQ, mK, mW, mDo, mV, mG, mBeta, mScale, mX, mU, mS0, mDS, mRows, mRhoQ,
                     mRhoK, mDq, mDk, mDv, mDg, mDbeta, sKl, sVl, sSl, pad, g2s_copy(ab, K, NT),

@@ -57,7 +57,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand, ab_type,
                                   c_tile, g2s, l2_normalize_rows,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
-                                  operand, smem_layout, smem_tile, transpose_view, warp_mma)
+                                  offsets32, operand, smem_layout, smem_tile, transpose_view,
+                                  warp_mma)
 from gdp_jax.kernels.sm90 import pick as _pick
 
 F32 = cutlass.Float32
@@ -162,6 +163,9 @@ class ChunkPrepSm90:
             fWU: cute.struct.MemRange[I32, C]       # w (16-bit) or u row not finite
             ok: cute.struct.MemRange[I32, C]        # state row enters (causal_operands)
 
+        (mQ, mK, mV, mG, mBeta, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad, mX) = (
+            offsets32(t) for t in (mQ, mK, mV, mG, mBeta, mRows, mW, mKt, mQg, mP, mU,
+                                   mDecay, mBad, mX))
         B, NC, HV = mG.shape[0], mG.shape[1], mG.shape[2]
         self.kernel(mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
                     mX,

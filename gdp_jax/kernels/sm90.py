@@ -114,6 +114,30 @@ def transpose_view(t, rows: int, cols: int):
     return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))
 
 
+# The local-gradient and operands kernels' gmem tensors with 32-bit strides in the
+# shape-generic objects (``offsets32``). Prepared in s34, NOT yet run on a GPU: off until a
+# GPU run (its tests on prebuilt kernels, the op's time) shows it right and faster. Its
+# value is part of every compile key (it is in this file's source hash).
+OFFSETS32 = False
+
+
+def offsets32(t):
+    """With :data:`OFFSETS32`, the compact row-major gmem tensor ``t`` with strides built
+    from its extents (else ``t`` as it is): where
+    the extents are dynamic (the shape-generic objects) the strides are 32-bit products of
+    them, so the kernel's offsets are 32-bit arithmetic instead of 64-bit multiply-adds of
+    64-bit stride parameters (as the per-shape objects' constant strides already are;
+    every kernel keeps its tensors below 2^31 elements, ``binding.MAX_ELEMS``). Static
+    extents give the same static strides. Host side (a kernel's ``__call__``)."""
+    if not OFFSETS32:
+        return t
+    strides, acc = [], 1
+    for e in reversed(t.shape):
+        strides.append(acc)
+        acc = acc * e
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=tuple(reversed(strides))))
+
+
 def make_acc(thr_mma, shape):
     """This thread's float32 accumulator fragment of an MMA result tile of ``shape``
     [M, N] (registers, uninitialised)."""
