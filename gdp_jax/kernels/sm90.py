@@ -123,19 +123,20 @@ OFFSETS32 = False
 
 def offsets32(t):
     """With :data:`OFFSETS32`, the compact row-major gmem tensor ``t`` with strides built
-    from its extents (else ``t`` as it is): where
-    the extents are dynamic (the shape-generic objects) the strides are 32-bit products of
-    them, so the kernel's offsets are 32-bit arithmetic instead of 64-bit multiply-adds of
-    64-bit stride parameters (as the per-shape objects' constant strides already are;
-    every kernel keeps its tensors below 2^31 elements, ``binding.MAX_ELEMS``). Static
-    extents give the same static strides. Host side (a kernel's ``__call__``)."""
+    from its extents (else ``t`` as it is): where the extents are dynamic (the
+    shape-generic objects) the strides are 32-bit products of them, so the kernel's
+    offsets are 32-bit arithmetic instead of 64-bit multiply-adds of 64-bit stride
+    parameters (as the per-shape objects' constant strides already are; every kernel
+    keeps its tensors below 2^31 elements, ``binding.MAX_ELEMS``). Static extents give the
+    same static strides. Host side (a kernel's ``__call__``)."""
     if not OFFSETS32:
         return t
     strides, acc = [], 1
     for e in reversed(t.shape):
         strides.append(acc)
         acc = acc * e
-    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=tuple(reversed(strides))))
+    layout = cute.make_layout(t.shape, stride=tuple(reversed(strides)))
+    return cute.make_tensor(t.iterator, layout)
 
 
 def make_acc(thr_mma, shape):
