@@ -136,13 +136,16 @@ def environment(argv, fla_version: str = "not requested") -> dict:
 
 
 def kernel_compile_mode() -> str:
-    """How this run's cutedsl kernels are compiled: "generic (prebuilt)" objects for every
-    shape or "static" per-shape ones (``gdp_jax.kernels.binding.kernel_shapes``). They
+    """How this run's cutedsl kernels are compiled (``gdp_jax.kernels.binding.
+    kernel_shapes``): "generic (prebuilt)" objects for every shape ("generic" when none are
+    prebuilt and the shape-generic mode was asked for) or "static" per-shape ones. They
     differ in speed (s34: fwd+bwd 8.57-8.59 vs 8.29-8.39 ms at (8, 4096, 16, 2) on one
     H100), so a comparison across runs must hold this fixed."""
-    from gdp_jax.kernels import binding
+    from gdp_jax.kernels import aot, binding
     mode = binding.kernel_shapes()
-    return "generic (prebuilt)" if mode == "generic" else mode
+    if mode == "generic" and aot.store(binding.device_source_hash()).entries:
+        return "generic (prebuilt)"
+    return mode
 
 
 def short_error(e: BaseException) -> str:
