@@ -37,6 +37,7 @@
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 26  # a trace of fwd+bwd on per-shape kernels
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 27  # one SM's load rate: cp.async vs bulk copies; mode 26
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 28  # 32-bit strides in the generic kernels (OFFSETS32)
+#   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 29  # u in bfloat16 (chunk_prep.U16): fwd+bwd, fwd A/B beside FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -269,6 +270,19 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+29)
+  # s35: u in bfloat16 (chunk_prep.U16) A/B in separate processes on the same prebuilt
+  # objects (OFFSETS32 on): fwd+bwd at two main shapes, the forward at the main shapes and
+  # one long row, beside tuned FLA; the check column is each op's error vs float64
+  step 100 ab_f32 python -m benchmarks.run fwdbwd --impl cutedsl --set kernels.chunk_prep.U16=False \
+    --shapes "8,4096,16,2;8,4096,16,3" --deadline 80 --out $M/ab_f32
+  step 150 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "8,4096,16,2;8,4096,16,3" --deadline 130 --out $M/ab_u16
+  step 90 fwd_f32 python -m benchmarks.run fwd --impl cutedsl --set kernels.chunk_prep.U16=False \
+    --shapes "8,4096,16,1;8,4096,16,2;8,4096,16,3;2,16384,16,2;1,131072,8,2" --deadline 75 --out $M/fwd_f32
+  step 150 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla \
+    --shapes "8,4096,16,1;8,4096,16,2;8,4096,16,3;2,16384,16,2;1,131072,8,2" --deadline 130 --out $M/fwd_u16
+  rows $M/ab_f32.log $M/ab_u16.log $M/fwd_f32.log $M/fwd_u16.log ;;
 28)
   # s34 (prepared, NOT run): sm90.OFFSETS32 - the shape-generic (prebuilt) local-gradient
   # and operands kernels with 32-bit strides (CPU compile: 6-7 KB less code each, most of

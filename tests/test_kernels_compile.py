@@ -18,7 +18,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (the 
                                        "its wheels exist for Linux x86-64 only)")
 
 from gdp_jax import _checks, grid, ops  # noqa: E402
-from gdp_jax.kernels import wy_inverse  # noqa: E402
+from gdp_jax.kernels import chunk_prep, wy_inverse  # noqa: E402
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel  # noqa: E402
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel  # noqa: E402
 from gdp_jax.kernels.pipeline import CUTEDSL, CuTeDSLEngine  # noqa: E402
@@ -419,7 +419,9 @@ def test_chunk_prep_kernel_compiles(dtype, K, V, inverse):
     for x in (w, kt, qg):
         assert (x.shape, x.dtype) == ((B, NC, HV, C, K), jnp.dtype(dtype))
     assert (p.shape, p.dtype) == ((B, NC, HV, C, C), jnp.dtype(dtype))
-    assert (u.shape, u.dtype) == ((B, NC, HV, C, V), jnp.float32)
+    # u: bfloat16 with bfloat16 operands (chunk_prep.U16), float32 with float16 ones
+    u_dt = jnp.bfloat16 if chunk_prep.U16 and dtype == jnp.bfloat16 else jnp.float32
+    assert (u.shape, u.dtype) == ((B, NC, HV, C, V), jnp.dtype(u_dt))
     assert (decay.shape, bad.shape, bad.dtype) == ((B, NC, HV), (B, NC, HV, C), jnp.bool_)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, ch)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from gdp_jax.grid import CHUNK as C
 from gdp_jax.grid import READOUT_ROWS
 from gdp_jax.kernels import binding
+from gdp_jax.kernels.chunk_prep import u_dtype
 from gdp_jax.spec import Unsupported, checkpoint_dtype
 
 
@@ -182,9 +183,10 @@ class ChunkForwardKernel:
         w, kt: [B, NC, HV, C, K]; qg: [B, NC, HV, R, K], p: [B, NC, HV, R, C] (16-bit, one
         dtype) with R = C, or R = ``READOUT_ROWS`` (32) rows holding the read-out rows
         n - 1, 2n - 1, .. of each chunk (n >= 2; padding after them): o then has those
-        rows, with the same bits as the matching rows of R = C; u:
-        [B, NC, HV, C, Vu] float32, the first Vu <= V state columns' (the rest take u = 0:
-        the CP pass's response columns; Vu a multiple of BV); decay: [B, NC, HV] float32;
+        rows, with the same bits as the matching rows of R = C; u: [B, NC, HV, C, Vu] in
+        float32 or the 16-bit dtype (``chunk_prep.u_dtype``), the first Vu <= V state
+        columns' (the rest take u = 0: the CP pass's response columns; Vu a multiple of
+        BV); decay: [B, NC, HV] float32;
         reset, seq, last: [B, NC] int32; h0: [N, HV, K, V] float32 (V: the state columns
         walked). Final rows of sequences without a last chunk are left unwritten.
         ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
@@ -287,7 +289,8 @@ def _avals(dtype, K, V, u_cols=None, rows=C):
     f32, i32 = jnp.float32, jnp.int32
     return ((S((1, 1, 1, C, K), dtype),) * 2 + (S((1, 1, 1, rows, K), dtype),
             S((1, 1, 1, rows, C), dtype),
-            S((1, 1, 1, C, u_cols or V), f32), S((1, 1, 1), f32)) + (S((1, 1), i32),) * 3
+            S((1, 1, 1, C, u_cols or V), u_dtype(dtype)), S((1, 1, 1), f32))
+            + (S((1, 1), i32),) * 3
             + (S((1, 1, K, V), f32),))
 
 

@@ -14,10 +14,10 @@ tensor-core MMA). Per chunk c (operands precomputed by XLA, see ``gdp_jax.kernel
                                                      in the states tensor's dtype)
 
 Operands enter the MMAs in the 16-bit input dtype (bf16 or fp16) with float32
-accumulation; u is read in float32. With ``split`` (the default for bfloat16), the two
-recurrent operands S and Delta are split into hi + lo 16-bit parts (x = hi + lo up to
-2^-16 relative) and every product with them is done twice, which removes their bf16
-rounding from the recursion: with plain bf16 operands (FLA's choice) the error of o is
+accumulation; u is read in its dtype (16-bit or float32) and subtracted in float32.
+With ``split`` (the default for bfloat16), the two recurrent operands S and Delta are
+split into hi + lo 16-bit parts (x = hi + lo up to 2^-16 relative) and every product with
+them is done twice, which removes their bf16 rounding from the recursion: with plain bf16 operands (FLA's choice) the error of o is
 ~1.4x larger on ungated sequences with beta near 2, for ~20-25% less kernel time
 (benchmarks/results/history/2026-11-29/NOTES.md). The value axis of the state is independent per
 column, so V is split into tiles of BV columns over the grid's x dimension (more CTAs at
@@ -378,7 +378,8 @@ class ChunkFwdSm90:
             gP.load(mP[b, c, hv, None, None], (self.rows, C), slot["tP"])
         cute.arch.cp_async_commit_group()
         load_chunk_scalars(slot["scalars"], mSeq, mReset, mLast, mDecay, b, c, hv)
-        slot["u"].store(c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV), (0, u_vt)).load())
+        slot["u"].store(c_tile(thr_mma, mU[b, c, hv, None, None], (C, BV),
+                               (0, u_vt)).load().to(cutlass.Float32))
 
 
 def _storage(ab, sK_layout, sS_layout, sD_layout, sP_layout, sQ_layout, pairs=1):

@@ -4,8 +4,9 @@ One CTA (8 warps; 4 with warps_n = 1) per (chunk, value head, batch row) compute
 :func:`gdp_jax.chunked.local_grads_direct` does for one chunk - the cotangents dq, dk [C, K],
 dv [C, V], dg, dbeta [C] of the chunk inputs - from
 
-    q, k, w [C, K], doc [C, V], S0 [K, V] (16-bit), u [C, V], X [C, C], g, beta [C]
-    (float32), dS_end [K, V] (float32 or 16-bit), the row's readout scale,
+    q, k, w [C, K], doc [C, V], S0 [K, V] (16-bit), u [C, V] (16-bit or float32),
+    X [C, C], g, beta [C] (float32), dS_end [K, V] (float32 or 16-bit), the row's readout
+    scale,
 
 with X = (I + A)^-1, w = X diag(beta gam) k, u = X diag(beta) v (the forward's WY
 factors, from the operands kernel: ``gdp_jax.kernels.pipeline.BackwardWork``); v itself enters
@@ -327,7 +328,7 @@ class ChunkGradSm90:
 
         # ---- phase 1: QG = tril(Q K^T Gam) (float32, unscaled); u flies to registers
         # (phase 2 reads it)
-        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load()
+        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load().to(F32)
         cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
         cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)   # B from [N, K] tiles

@@ -35,6 +35,24 @@ from gdp_jax.spec import Unsupported
 # an A/B switch).
 TOKEN_LAYOUT = True
 
+# u = X diag(beta) v, the [C, V] operand of the forward walk and of the local-gradient
+# kernel, in bfloat16 when the operands are (as FLA keeps it) instead of float32: 16 KB
+# less to write and to read back a chunk at V = 128, in the forward and again in the
+# backward. float16 operands keep a float32 u: |u| may pass float16's 65504 where the
+# inputs fit (X reaches ~1e2 at beta ~ 2). (False: float32 always, an A/B switch; the
+# kernels take either.)
+U16 = True
+
+
+def u_dtype(ab_dtype):
+    """The dtype of the operand u for operands in ``ab_dtype``: bfloat16 for bfloat16
+    with :data:`U16`, else the accumulation dtype (float32; float64 in the emulated CPU
+    tests)."""
+    ab = jnp.dtype(ab_dtype)
+    if U16 and ab == jnp.dtype(jnp.bfloat16):
+        return ab
+    return jnp.promote_types(jnp.float32, ab)
+
 
 def as_read(ch, ab_dtype, dtype=None):
     """``ch`` (:class:`gdp_jax.grid.ChunkInputs`) as the kernel reads it: q, k, v rounded
@@ -104,8 +122,8 @@ class ChunkPrepKernel:
                  probe: bool = False, readout_rows: bool = False):
         """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V] (cast to ``ab_dtype``), g, beta
         [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
-        w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V],
-        decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
+        w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V]
+        (:func:`u_dtype`), decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
         row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
         placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM clock cycles
         of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags.
@@ -303,7 +321,7 @@ def _outputs(B, NC, HV, K, V, ab, inverse: bool, rows: int = C):
     r = (B, NC, HV, C)
     rr = (B, NC, HV, rows)
     return (binding.out(r + (K,), ab), binding.out(r + (K,), ab), binding.out(rr + (K,), ab),
-            binding.out(rr + (C,), ab), binding.out(r + (V,), jnp.float32),
+            binding.out(rr + (C,), ab), binding.out(r + (V,), u_dtype(ab)),
             binding.out((B, NC, HV), jnp.float32), binding.out(r, jnp.int32),
             binding.out(r + (C,) if inverse else (1,), jnp.float32))
 

@@ -588,9 +588,10 @@ class ChunkPrepSm90:
                  sb, sgam, with_gam: cutlass.Constexpr, gOut, r0):
         """out = (X diag(s))_hi+lo R (s = beta gam or beta; a column with a non-finite s
         enters as zeros) on warp MMAs with float32 accumulation, stored to ``gOut``
-        (16-bit w, float32 u); returns the non-finite flags of this thread's rows r0,
-        r0 + 8 (as stored), reduced over their quads."""
+        (w 16-bit, u in ``gOut``'s dtype: 16-bit or float32); returns the non-finite flags
+        of this thread's rows r0, r0 + 8 (as stored), reduced over their quads."""
         ab = self.ab
+        narrow = cutlass.const_expr(with_gam or gOut.element_type != F32)
         xh = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
         xl = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
         for e in cutlass.range_constexpr(cute.size(xh)):
@@ -609,11 +610,11 @@ class ChunkPrepSm90:
         z0, z1 = F32(0.0), F32(0.0)
         for e in cutlass.range_constexpr(cute.size(acc)):
             i, _ = crd[e]
-            y = acc[e].to(ab).to(F32) if with_gam else acc[e]
+            y = acc[e].to(ab).to(F32) if narrow else acc[e]
             z = y * F32(0.0)
             z0, z1 = z0 + _pick(i == r0, z, F32(0.0)), z1 + _pick(i == r0, F32(0.0), z)
         out = c_tile(thr_mma, gOut, (C, N), (0, 0))
-        if cutlass.const_expr(with_gam):
+        if cutlass.const_expr(narrow):
             out.store(acc.load().to(ab))
         else:
             out.store(acc.load())

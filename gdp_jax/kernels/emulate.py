@@ -19,7 +19,7 @@ from jax import lax
 from gdp_jax import _vma, chunked
 from gdp_jax.engine import zero_columns
 from gdp_jax.grid import READOUT_ROWS, ChunkInputs
-from gdp_jax.kernels.chunk_prep import as_read
+from gdp_jax.kernels.chunk_prep import as_read, u_dtype
 
 
 def _scatter_rows(n_rows, rows, values, keep):
@@ -42,7 +42,7 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
                       states_dtype=None, readout=True, stages=1, pairs=1):
     del BV, split, stages, pairs
     B, NC, HV, C, K = w.shape
-    acc = u.dtype
+    acc = decay.dtype                                  # u may be 16-bit (chunk_prep.U16)
     u = zero_columns(u, h0.shape[-1] - u.shape[-1])    # u = 0 in the state columns past u's
     f = lambda x: x.astype(acc)
 
@@ -112,8 +112,8 @@ def inverse_kernel_call(A):
 def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=False,
                     readout_rows=False):
     """The operands kernel's contract (``ChunkPrepKernel.raw_call``; ``scale`` [B], one
-    per row): the forward kernel's operands, cast (16-bit; u, decay in the accumulator
-    dtype) and made causal-safe, the int32 ``bad`` rows - as
+    per row): the forward kernel's operands, cast (16-bit; u in ``chunk_prep.u_dtype``,
+    decay in the accumulator dtype) and made causal-safe, the int32 ``bad`` rows - as
     ``pipeline.causal_operands(pipeline.forward_operands(..))`` on the chunk inputs with
     q, k, v rounded to ``ab_dtype`` (tests/test_cutedsl_emulated.py holds the two equal) -
     and X = (I + A)^-1 with ``inverse`` (a [1] placeholder without; in chunks with a
@@ -132,7 +132,7 @@ def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=Fal
     it, X = chunked.wy_factors(ch, inverse=inverse_kernel_call_batched)
     s = scale.astype(acc).reshape((-1,) + (1,) * (q.ndim - 1))
     cast = lambda x: x.astype(ab_dtype)
-    w, kt, u = cast(it.w), cast(it.Kt), it.u.astype(acc)
+    w, kt, u = cast(it.w), cast(it.Kt), it.u.astype(u_dtype(ab_dtype))
     qg = cast(s * it.gam[..., None] * q)
     p = cast(s * chunked.causal_scores(q, k, it.Gam))
     rows = lambda x: jnp.all(jnp.isfinite(x), axis=-1)

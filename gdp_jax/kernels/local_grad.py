@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from gdp_jax.grid import CHUNK as C
 from gdp_jax.kernels import binding
+from gdp_jax.kernels.chunk_prep import u_dtype
 from gdp_jax.spec import Unsupported
 
 # dq, dk, dv straight into the op's token-major layout where the kernel can
@@ -247,7 +248,8 @@ class LocalGradKernel:
                     args = lambda ds: (S(C, K, dt=ab), S(C, K, dt=ab), S(C, K, dt=ab),
                                        S(C, V, dt=ab), S(C, V, dt=ab), S(C), S(C),
                                        jax.ShapeDtypeStruct((1,), jnp.float32),
-                                       S(C, C), S(C, V), S(K, V, dt=ab), S(K, V, dt=ds))
+                                       S(C, C), S(C, V, dt=u_dtype(ab)), S(K, V, dt=ab),
+                                       S(K, V, dt=ds))
                     for ds in (ab, jnp.dtype(jnp.float32)):    # dS_end: 1 GPU, CP
                         out.append(aot.Variant(
                             f"gdp_chunk_grad_sm90 {name} K={K} V={V} dS_end {ds.name}", fn,
@@ -336,12 +338,13 @@ def _check_token_inputs(q, k, v, B, n, T, HV, K, V, ab):
 
 
 def _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab):
-    """The kernel's inputs in its dtypes: q, k, w, doc, v, S0 in ``ab``, ds_end in ``ab``
-    if it is in it, the rest float32."""
+    """The kernel's inputs in its dtypes: q, k, w, doc, v, S0 in ``ab``, u and ds_end in
+    ``ab`` if they are in it, the rest float32."""
     f32 = lambda x: x.astype(jnp.float32)
     to_ab = lambda x: x.astype(ab)
     return (to_ab(q), to_ab(k), to_ab(w), to_ab(doc), to_ab(v), f32(g), f32(beta), f32(scale),
-            f32(X), f32(u), to_ab(S0), ds_end if ds_end.dtype == ab else f32(ds_end))
+            f32(X), u if u.dtype == ab else f32(u), to_ab(S0),
+            ds_end if ds_end.dtype == ab else f32(ds_end))
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,7 +54,7 @@ from gdp_jax import _vma, chunked, grid, heads
 from gdp_jax.engine import (Engine, RawTokenCotangents, TokenCotangents, identity_columns,
                             mm_exact, where_has_tokens)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows
+from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows, u_dtype
 from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
 from gdp_jax.kernels import wy_inverse
@@ -77,12 +77,15 @@ def readout_matrix(ch: grid.ChunkInputs, it: chunked.Intra, scale: float):
 
 
 def forward_operands(ch: grid.ChunkInputs, scale: float, ab_dtype):
-    """(w, kt, qg, p, u, decay) of the forward kernel: 16-bit, u and decay float32."""
+    """(w, kt, qg, p, u, decay) of the forward kernel: 16-bit, u in
+    :func:`gdp_jax.kernels.chunk_prep.u_dtype`, decay float32 (as the operands kernel gives
+    them)."""
     it = intra_chunk(ch)
     acc = acc_dtype(ab_dtype)
     p = readout_matrix(ch, it, scale).astype(ab_dtype)
     qg = (scale * it.gam[..., None] * ch.q).astype(ab_dtype)
-    return (it.w.astype(ab_dtype), it.Kt.astype(ab_dtype), qg, p, it.u.astype(acc),
+    return (it.w.astype(ab_dtype), it.Kt.astype(ab_dtype), qg, p,
+            it.u.astype(u_dtype(ab_dtype)),
             jnp.exp(it.G_last).astype(acc))
 
 
@@ -184,7 +187,8 @@ class BackwardWork:
                 jnp.swapaxes(rows(p).astype(acc), -1, -2) @ doc.astype(acc))
             # the chunk-state recompute (states_from_checkpoints) reads w, u, Kt, G_last
             G_last = chunked.prefix_sum(ch.g, axis=-1)[..., -1]
-            self.it = chunked.Intra(G_last, None, None, w.astype(acc), u, kt.astype(acc))
+            self.it = chunked.Intra(G_last, None, None, w.astype(acc), u.astype(acc),
+                                    kt.astype(acc))
             self.w, self.u, self.do = w, u, do
             self.operands = (kt, w, qg, ddo, do_walk, decay)
             return
