@@ -48,7 +48,8 @@ export PYTHONPATH=$PWD:$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNB
 tar -C "$TRITON_CACHE_DIR" -xJf benchmarks/fla-autotune-h200-extra.tar.xz
 M=$OUT/m; mkdir -p $M
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-left() { echo $(( 580 - ($(date +%s) - T0) )); }
+# TOTAL: the seconds this call may take (a device call with less budget left gets less)
+left() { echo $(( ${TOTAL:-580} - ($(date +%s) - T0) )); }
 step() { local t=$1 name=$2; shift 2; local l; l=$(left); [ "$l" -lt 20 ] && { el "skip $name"; return; }
          [ "$t" -gt "$l" ] && t=$l; el "$name ($t s)"; timeout "$t" "$@" > $M/$name.log 2>&1; el "$name rc=$?"; }
 rows() { grep -hE '^\| [0-9(]' "$@" | cut -c1-200; }
@@ -272,17 +273,26 @@ case "${1:-2}" in
   rows $M/fwd.log $M/ab.log $M/long.log ;;
 29)
   # s35: u in bfloat16 (chunk_prep.U16) A/B in separate processes on the same prebuilt
-  # objects (OFFSETS32 on): fwd+bwd at two main shapes, the forward at the main shapes and
-  # one long row, beside tuned FLA; the check column is each op's error vs float64
-  step 100 ab_f32 python -m benchmarks.run fwdbwd --impl cutedsl --set kernels.chunk_prep.U16=False \
-    --shapes "8,4096,16,2;8,4096,16,3" --deadline 80 --out $M/ab_f32
-  step 150 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
-    --shapes "8,4096,16,2;8,4096,16,3" --deadline 130 --out $M/ab_u16
-  step 90 fwd_f32 python -m benchmarks.run fwd --impl cutedsl --set kernels.chunk_prep.U16=False \
-    --shapes "8,4096,16,1;8,4096,16,2;8,4096,16,3;2,16384,16,2;1,131072,8,2" --deadline 75 --out $M/fwd_f32
-  step 150 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla \
-    --shapes "8,4096,16,1;8,4096,16,2;8,4096,16,3;2,16384,16,2;1,131072,8,2" --deadline 130 --out $M/fwd_u16
-  rows $M/ab_f32.log $M/ab_u16.log $M/fwd_f32.log $M/fwd_u16.log ;;
+  # objects (OFFSETS32 on; U16=False compiles its generic variants in the process):
+  # fwd+bwd at (8, 4096, 16, 2) beside tuned FLA (the check column: each op's error vs
+  # float64), the GPU tests that read or write u, then the forward of n = 3 and one long
+  # row beside FLA in the time left (TOTAL)
+  step 110 ab_f32 python -m benchmarks.run fwdbwd --impl cutedsl --set kernels.chunk_prep.U16=False \
+    --shapes "8,4096,16,2" --deadline 60 --out $M/ab_f32
+  step 90 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+    --shapes "8,4096,16,2" --deadline 70 --out $M/ab_u16
+  rows $M/ab_f32.log $M/ab_u16.log
+  F=tests/test_cutedsl_gpu.py
+  t=$(( $(left) - 100 )); [ $t -lt 120 ] && t=120; el "tests ($t s)"
+  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job t_grad $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels or gradients_match"
+  job t_fwd $P $F -k "forward_matches or token_major_operands or packed_matches or long_sequence"
+  job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  wait
+  for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+  step 90 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla \
+    --shapes "8,4096,16,3;1,131072,8,2" --deadline 60 --out $M/fwd_u16
+  rows $M/fwd_u16.log ;;
 28)
   # s34 (prepared, NOT run): sm90.OFFSETS32 - the shape-generic (prebuilt) local-gradient
   # and operands kernels with 32-bit strides (CPU compile: 6-7 KB less code each, most of

@@ -580,9 +580,11 @@ def test_cp_rank_kernel_passes(packed, prebuilt):
 
     txt = _lower(fwd, *avals, pre)
     out = chunk_kernels(txt)
-    # u enters on its V columns (the kernel takes the response columns' u as 0)
+    # u enters on its V columns (the kernel takes the response columns' u as 0), in
+    # bfloat16 (chunk_prep.U16) or float32
+    u_t = "bf16" if chunk_prep.U16 else "f32"
     args = [line.rsplit("->", 1)[0] for line in recursions(txt)]
-    assert all(f"x64x{V}xf32>" in a and f"x64x{V + K}xf32>" not in a for a in args), args
+    assert all(f"x64x{V}x{u_t}>" in a and f"x64x{V + K}x{u_t}>" not in a for a in args), args
     final_wide = f"x{HV}x{K}x{V + K}xf32>"
     summary = [o for o in out if final_wide in o]
     plain = [o for o in out if final_wide not in o]
