@@ -37,7 +37,8 @@
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 26  # a trace of fwd+bwd on per-shape kernels
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 27  # one SM's load rate: cp.async vs bulk copies; mode 26
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 28  # 32-bit strides in the generic kernels (OFFSETS32)
-#   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 29  # u in bfloat16 (chunk_prep.U16): fwd+bwd, fwd A/B beside FLA
+#   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 29  # u in bfloat16 (chunk_prep.U16): A/B beside FLA, its GPU tests
+#   TOTAL=200 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 30  # mode 29 cut to ~200 s
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -271,26 +272,40 @@ case "${1:-2}" in
     --no-check --deadline 70 --out $M/long
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/norm_test.log | tail -12 | cut -c1-200
   rows $M/fwd.log $M/ab.log $M/long.log ;;
+30)
+  # s35-3 ran this (U16 then on by default; now off, so set here): U16 beside tuned FLA
+  # with the check, then the tests that read or write u in the time left (52 s: cut)
+  step 90 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
+    --shapes "8,4096,16,2" --deadline 70 --out $M/ab_u16
+  rows $M/ab_u16.log
+  F=tests/test_cutedsl_gpu.py
+  t=$(( $(left) - 5 )); el "tests ($t s)"
+  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job t_grad $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels or gradients_match"
+  job t_fwd $P $F -k "forward_matches or token_major_operands or packed_matches or long_sequence"
+  job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  wait
+  for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
 29)
-  # s35: u in bfloat16 (chunk_prep.U16) A/B in separate processes on the same prebuilt
-  # objects (OFFSETS32 on; U16=False compiles its generic variants in the process):
+  # s35 (prepared; mode 30 ran a cut of it): u in bfloat16 (chunk_prep.U16, off) A/B in
+  # separate processes (U16=True compiles its generic variants in the process):
   # fwd+bwd at (8, 4096, 16, 2) beside tuned FLA (the check column: each op's error vs
   # float64), the GPU tests that read or write u, then the forward of n = 3 and one long
   # row beside FLA in the time left (TOTAL)
   step 110 ab_f32 python -m benchmarks.run fwdbwd --impl cutedsl --set kernels.chunk_prep.U16=False \
     --shapes "8,4096,16,2" --deadline 60 --out $M/ab_f32
-  step 90 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla \
+  step 90 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,2" --deadline 70 --out $M/ab_u16
   rows $M/ab_f32.log $M/ab_u16.log
   F=tests/test_cutedsl_gpu.py
-  t=$(( $(left) - 100 )); [ $t -lt 120 ] && t=120; el "tests ($t s)"
+  t=$(( $(left) - ${TAIL:-100} )); [ $t -lt 60 ] && t=60; el "tests ($t s)"
   job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
   job t_grad $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels or gradients_match"
   job t_fwd $P $F -k "forward_matches or token_major_operands or packed_matches or long_sequence"
   job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
   wait
   for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
-  step 90 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla \
+  step 90 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,3;1,131072,8,2" --deadline 60 --out $M/fwd_u16
   rows $M/fwd_u16.log ;;
 28)
