@@ -39,10 +39,11 @@ TOKEN_LAYOUT = True
 # kernel, in bfloat16 when the operands are (as FLA keeps it) instead of float32: 16 KB
 # less to write and to read back a chunk at V = 128, in the forward and again in the
 # backward. Off: measured no faster (the kernels are latency-bound), less precise (the
-# op's check 0.0046 -> 0.0047, o 4.1e-3 -> 4.4e-3, dq 4.0e-3 -> 4.4e-3), 10% less peak
-# memory (2.58 -> 2.31 GB) at (8, 4096, 16, 2) (H100, s35-3: benchmarks/results/
-# CURRENT.md). float16 operands keep a float32 u either way: |u| may pass float16's 65504
-# where the inputs fit (X reaches ~1e2 at beta ~ 2). The kernels take either dtype.
+# op's check 0.0046 -> 0.0047, o 4.1e-3 -> 4.4e-3, dq 4.0e-3 -> 4.4e-3; dg ~3x worse with
+# strong gates in an emulated CPU test), 10% less peak memory (2.58 -> 2.31 GB) at
+# (8, 4096, 16, 2) (H100, s35-3: benchmarks/results/CURRENT.md). float16 operands keep a
+# float32 u either way: |u| may pass float16's 65504 where the inputs fit (X reaches ~1e2
+# at beta ~ 2). The kernels take either dtype.
 U16 = False
 
 
