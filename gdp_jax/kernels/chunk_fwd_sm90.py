@@ -17,9 +17,9 @@ Operands enter the MMAs in the 16-bit input dtype (bf16 or fp16) with float32
 accumulation; u is read in its dtype (16-bit or float32) and subtracted in float32.
 With ``split`` (the default for bfloat16), the two recurrent operands S and Delta are
 split into hi + lo 16-bit parts (x = hi + lo up to 2^-16 relative) and every product with
-them is done twice, which removes their bf16 rounding from the recursion: with plain bf16 operands (FLA's choice) the error of o is
-~1.4x larger on ungated sequences with beta near 2, for ~20-25% less kernel time
-(benchmarks/results/history/2026-11-29/NOTES.md). The value axis of the state is independent per
+them is done twice, which removes their bf16 rounding from the recursion: with plain bf16
+operands (FLA's choice) the error of o is ~1.4x larger on ungated sequences with beta near
+2, for ~20-25% less kernel time (benchmarks/results/history/2026-11-29/NOTES.md). The value axis of the state is independent per
 column, so V is split into tiles of BV columns over the grid's x dimension (more CTAs at
 small batch*heads).
 

@@ -126,8 +126,8 @@ class ChunkPrepKernel:
         """q, k [B, NC, HV, C, K], v [B, NC, HV, C, V] (cast to ``ab_dtype``), g, beta
         [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
         w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V]
-        (:func:`u_dtype`), decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero: set the output
-        row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
+        (:func:`u_dtype`), decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero:
+        set the output row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
         placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM clock cycles
         of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags.
         ``readout_rows`` (no ``probe``): q [B, NC, HV, READOUT_ROWS, K] holds
