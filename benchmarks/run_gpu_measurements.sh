@@ -59,6 +59,16 @@ n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 # BUILD_ONLY=bfloat16: prebuild only the variants naming it (the rest compile when traced)
 # NO_BUILD=1: no prebuild (each variant compiles when first traced: a few seconds each)
 [ "$n" -lt 200 ] && [ -z "$NO_BUILD" ] && step 150 build python ffi/build.py --jobs 15 ${BUILD_ONLY:+--only $BUILD_ONLY}
+# modes 29, 30: the GPU tests that read or write u, three pytest processes at once for $1 s
+u_tests() {
+  local t=$1 F=tests/test_cutedsl_gpu.py; el "tests ($t s)"
+  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job t_grad $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels or gradients_match"
+  job t_fwd $P $F -k "forward_matches or token_major_operands or packed_matches or long_sequence"
+  job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  wait
+  for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+}
 case "${1:-2}" in
 2)
   step 420 op python -m benchmarks.run fwdbwd --impl cutedsl,fla --shapes main --deadline 360 --out $M/op
@@ -278,14 +288,7 @@ case "${1:-2}" in
   step 90 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,2" --deadline 70 --out $M/ab_u16
   rows $M/ab_u16.log
-  F=tests/test_cutedsl_gpu.py
-  t=$(( $(left) - 5 )); el "tests ($t s)"
-  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
-  job t_grad $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels or gradients_match"
-  job t_fwd $P $F -k "forward_matches or token_major_operands or packed_matches or long_sequence"
-  job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
-  wait
-  for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
+  u_tests $(( $(left) - 5 )) ;;
 29)
   # s35 (prepared; mode 30 ran a cut of it): u in bfloat16 (chunk_prep.U16, off) A/B in
   # separate processes (U16=True compiles its generic variants in the process):
@@ -297,14 +300,7 @@ case "${1:-2}" in
   step 90 ab_u16 python -m benchmarks.run fwdbwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,2" --deadline 70 --out $M/ab_u16
   rows $M/ab_f32.log $M/ab_u16.log
-  F=tests/test_cutedsl_gpu.py
-  t=$(( $(left) - ${TAIL:-100} )); [ $t -lt 60 ] && t=60; el "tests ($t s)"
-  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
-  job t_grad $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels or gradients_match"
-  job t_fwd $P $F -k "forward_matches or token_major_operands or packed_matches or long_sequence"
-  job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
-  wait
-  for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+  t=$(( $(left) - ${TAIL:-100} )); [ $t -lt 60 ] && t=60; u_tests $t
   step 90 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,3;1,131072,8,2" --deadline 60 --out $M/fwd_u16
   rows $M/fwd_u16.log ;;
