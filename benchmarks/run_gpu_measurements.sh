@@ -39,6 +39,7 @@
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 28  # 32-bit strides in the generic kernels (OFFSETS32)
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 29  # u in bfloat16 (chunk_prep.U16): A/B beside FLA, its GPU tests
 #   TOTAL=200 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 30  # mode 29 cut to ~200 s
+#   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 31  # SAVE_OPERANDS (token path): GPU test, fwd+bwd A/B beside FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -304,6 +305,16 @@ case "${1:-2}" in
   step 90 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,3;1,131072,8,2" --deadline 60 --out $M/fwd_u16
   rows $M/fwd_u16.log ;;
+31)
+  # s36: SAVE_OPERANDS on the token-major path (the differentiated forward's operands
+  # kernel writes X too, the backward reuses every operand: one operands pass fewer, ~90 KB
+  # more kept a (chunk, head)): its GPU test, then fwd+bwd beside the default and tuned FLA
+  # (time, peak, kept) at three shapes
+  step 150 t_save $P tests/test_cutedsl_gpu.py -k "save_operands_same_bits"
+  grep -hE "^(FAILED|ERROR)|passed|failed|save operands" $M/t_save.log | tail -8 | cut -c1-250
+  step 330 save python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+save,fla \
+    --shapes "8,4096,16,2;8,4096,16,3;2,16384,16,2" --deadline 300 --out $M/save
+  rows $M/save.log ;;
 28)
   # s34 (prepared, NOT run): sm90.OFFSETS32 - the shape-generic (prebuilt) local-gradient
   # and operands kernels with 32-bit strides (CPU compile: 6-7 KB less code each, most of

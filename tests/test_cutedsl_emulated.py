@@ -496,13 +496,17 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
 def test_saved_operands_give_the_recomputed_gradients(monkeypatch):
     """``SAVE_OPERANDS``: the differentiated forward runs the operands kernel once, with X,
     and the backward reuses its outputs (no second pass); outputs and gradients equal
-    those of the recomputing backward bitwise (the same kernel on the same inputs)."""
+    those of the recomputing backward bitwise (the same kernel on the same inputs: the
+    token-major one, raw q, k normalised inside, qg and P on the read-out rows)."""
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     calls = []
-    raw = emulate.chunk_prep_call
-    monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
-        lambda *a, **kw: calls.append(kw.get("inverse", False)) or raw(*a, **kw)))
+    for name, raw in (("raw_call", emulate.chunk_prep_call),
+                      ("raw_call_tokens", emulate.chunk_prep_tokens_call)):
+        monkeypatch.setattr(ChunkPrepKernel, name, staticmethod(
+            lambda *a, _raw=raw, _name=name, **kw: calls.append(
+                (_name, kw.get("inverse", False), kw.get("readout_rows", False),
+                 kw.get("l2norm", False))) or _raw(*a, **kw)))
     inp = make_inputs(8, 2, 200, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     loss = lambda *x: OP(*x[:5], initial_state=x[5], output_final_state=True,
                          use_qk_l2norm=True, backend="cutedsl")
@@ -515,10 +519,12 @@ def test_saved_operands_give_the_recomputed_gradients(monkeypatch):
             return (o, s), pull((jnp.ones_like(o), jnp.ones_like(s)))
         return jax.jit(f)(*inp[:5], inp.initial_state)
     (o, s), want = vg()
+    assert sorted(calls) == [("raw_call_tokens", False, True, True),
+                             ("raw_call_tokens", True, True, True)]
     calls.clear()
     monkeypatch.setattr(pipeline, "SAVE_OPERANDS", True)
     (o2, s2), got = vg()
-    assert calls == [True]
+    assert calls == [("raw_call_tokens", True, True, True)]
     for a, b in zip((o, s) + tuple(want), (o2, s2) + tuple(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -591,6 +591,37 @@ def test_readout_only_grad_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, pack
 
 
 @pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False),           # token-major, norm inside
+    (2, 3, 1, 3, 64, 128, "bfloat16", True),               # GVA, K != V, packed
+    (2, 1, 2, 2, 128, 64, "float16", False),               # n = 1: every row read out
+])
+def test_save_operands_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
+    """``pipeline.SAVE_OPERANDS`` (opt-in: the differentiated forward runs the operands
+    kernel with X once and the backward reuses its outputs): one operands pass instead of
+    two, and o, the final state and every gradient but dg the same bits as the
+    recomputing backward (dg to float32 rounding: XLA's sums around the kernels)."""
+    from gdp_jax.kernels import pipeline
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    if packed:
+        args, cu = _rows_or_pack(33, True, n, H, HV, K, V, dtype)
+    else:
+        args, cu = make(33, B, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
+    calls = []
+    for name in ("raw_call", "raw_call_tokens"):
+        raw = getattr(ChunkPrepKernel, name)
+        monkeypatch.setattr(ChunkPrepKernel, name, staticmethod(
+            lambda *a, _raw=raw, **k: calls.append(k.get("inverse", False)) or _raw(*a, **k)))
+    base, got = grads_off_on(monkeypatch, pipeline, "SAVE_OPERANDS", args, cu)
+    assert sorted(calls) == [False, True, True], calls      # recompute: 2 passes, save: 1
+    compare("save operands vs recompute", got, base, 1e-6)
+    i = NAMES.index("dg")
+    drop = lambda r: tuple(None if j == i else x for j, x in enumerate(r))
+    assert_same_bits(drop(got), drop(base))
+    compare(f"save operands B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} vs ref",
+            got, grads("reference", args, cu=cu), GRAD_TOL)
+
+
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
     (8, 2, 16, 16, 128, 128, "bfloat16", False),           # value tiles of 64
     (2, 3, 1, 3, 64, 128, "bfloat16", True),               # 16, GVA, packed
     (2, 4, 2, 2, 128, 64, "float16", False),

@@ -121,6 +121,23 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
 
 
+def saved_operands(spec, ch: grid.ChunkInputs, layout: grid.ChunkLayout, tokens=None):
+    """((w, kt, qg, p, u, decay), bad, X): the differentiated forward's operands with the
+    WY inverse X, for the forward walk and then kept for the backward
+    (:data:`SAVE_OPERANDS`; the caller checked :func:`kernel_backward`). One pass of the
+    operands kernel with X, on the rows the recomputing forward and backward use: token-major
+    inputs where :func:`token_operands` gives them (normalised in the kernel where
+    :func:`norm_in_kernels`), qg, p on the read-out rows under :data:`READOUT_ONLY_GRAD`."""
+    compact = READOUT_ONLY_GRAD and readout_rows_only(spec)
+    read = token_operands(spec, ch, tokens)
+    if read is not None:
+        return ChunkPrepKernel.call_tokens(spec, *read, ch, layout, inverse=True,
+                                           normalized=not norm_in_kernels(spec, tokens),
+                                           readout_rows=compact)
+    return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype, inverse=True,
+                                readout_every=spec.n if compact else 1)
+
+
 def readout_rows_only(spec) -> bool:
     """Do the plain forward's operands and walk keep only the read-out rows of qg, P and
     o (:data:`READOUT_ONLY`; n >= 2 sub-steps a token with C // (C // n) = n,
@@ -464,8 +481,7 @@ class CuTeDSLEngine(Engine):
         self._check(spec, ch, layout)
         save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
         if save:
-            operands, bad, X = ChunkPrepKernel.call(ch, scale=spec.scale,
-                                                    ab_dtype=spec.ab_dtype, inverse=True)
+            operands, bad, X = saved_operands(spec, ch, layout, tokens)
         elif work is not None:
             operands, bad = work
         else:
