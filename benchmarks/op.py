@@ -99,8 +99,8 @@ def run(args, run_, impls):
                       + "; ".join(s.label() for s in shapes[si:]))
             break
         base = {"bench": mode, "shape": shape.label(), **vars_(shape),
-                "roofline_ms": roofline.roofline_ms(shape, mode),
-                "roofline_fwd_ms": roofline.roofline_ms(shape, "fwd")}
+                "roofline_ms": roofline.roofline_ms(shape, mode, run_.env["device"]),
+                "roofline_fwd_ms": roofline.roofline_ms(shape, "fwd", run_.env["device"])}
         try:
             x = registry.make_inputs(shape, args.seed)
             ref = None if args.no_check else reference(x, min(args.check_heads, shape.H),
@@ -138,8 +138,9 @@ def vars_(shape):
 def table_md(run_, mode, baseline) -> str:
     what = ("bf16, use_qk_l2norm, gates on; medians in ms after warm-up. 'time / "
             f"{baseline}' = this row's time over {baseline}'s at the same shape. '% roofline' = "
-            "roofline time / time, roofline = max(model FLOPs / 790 TFLOP/s, minimum bytes / "
-            "4.8 TB/s) (benchmarks/roofline.py). Check = max relative RMS error of o"
+            "roofline time / time, roofline = max(model FLOPs / peak, minimum bytes / "
+            f"bandwidth) at {roofline.ceilings_text(run_.env['device'])} (benchmarks/"
+            "roofline.py). Check = max relative RMS error of o"
             + (" and the five gradients" if mode == "fwdbwd" else "")
             + f" vs float64 (xla backend) on row 0, the first heads; tolerance {TOL}.")
     if mode == "fwdbwd":

@@ -8,13 +8,31 @@ Minimum HBM bytes per token per head (bf16 tensors, float32 g), a fully fused ke
   forward   inputs I = 2(K + nK + nV + n) + 4, plus the output 2V
   fwd+bwd   the forward, then inputs + dO read and dq, dk, dv, dbeta, dg written: 3I + 4V
 Decoding step: one read and one write of the float32 state [B, HV, K, V].
-The roofline time is max(FLOPs / PEAK_FLOPS, bytes / PEAK_BYTES_PER_S).
+The roofline time is max(FLOPs / peak FLOP/s, bytes / peak bytes/s) of the device the run
+measures on (:func:`ceilings`): the H200's by default, the H100's when the device says so.
 """
 from __future__ import annotations
 
 C = 64
 PEAK_FLOPS = 790e12            # dense bf16 matmul measured on the lent H200 (8192^3, torch)
 PEAK_BYTES_PER_S = 4.8e12      # H200 HBM3e nominal (a device-to-device copy measured 4.3)
+# the H100 SXM (80 GB HBM3): the same GH100 SMs and clocks as the H200 (its matmul peak
+# taken as the H200's measured one), HBM3 at 3.35 TB/s nominal
+H100_BYTES_PER_S = 3.35e12
+
+
+def ceilings(device_kind: str = "") -> tuple:
+    """(peak FLOP/s, peak HBM bytes/s, name) for a jax ``device_kind`` ("NVIDIA H100 80GB
+    HBM3", "NVIDIA H200", ..; anything else: the H200's, the machine the tables are for)."""
+    if "H100" in device_kind.upper():
+        return PEAK_FLOPS, H100_BYTES_PER_S, "H100"
+    return PEAK_FLOPS, PEAK_BYTES_PER_S, "H200"
+
+
+def ceilings_text(device_kind: str = "") -> str:
+    """'790 TFLOP/s, 4.8 TB/s (H200)': what a table's roofline fractions are of."""
+    f, b, name = ceilings(device_kind)
+    return f"{f / 1e12:.0f} TFLOP/s, {b / 1e12:.3g} TB/s ({name})"
 
 
 def _flops_fwd_token(n, K, V):
@@ -44,8 +62,9 @@ def min_bytes(shape, mode: str) -> float:
     return shape.B * shape.T * shape.H * per
 
 
-def roofline_ms(shape, mode: str) -> float:
-    return 1e3 * max(flops(shape, mode) / PEAK_FLOPS, min_bytes(shape, mode) / PEAK_BYTES_PER_S)
+def roofline_ms(shape, mode: str, device_kind: str = "") -> float:
+    peak_f, peak_b, _ = ceilings(device_kind)
+    return 1e3 * max(flops(shape, mode) / peak_f, min_bytes(shape, mode) / peak_b)
 
 
 def step_state_bytes(shape) -> float:
@@ -53,5 +72,5 @@ def step_state_bytes(shape) -> float:
     return 2 * shape.B * shape.HV * shape.K * shape.V * 4
 
 
-def step_bound_us(shape) -> float:
-    return 1e6 * step_state_bytes(shape) / PEAK_BYTES_PER_S
+def step_bound_us(shape, device_kind: str = "") -> float:
+    return 1e6 * step_state_bytes(shape) / ceilings(device_kind)[1]

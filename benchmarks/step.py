@@ -56,7 +56,8 @@ def run(args, run_, impls):
         for im in order:
             row = {"bench": "step", "shape": f"B={shape.B}, H=HV={shape.H}, n={shape.n}",
                    "B": shape.B, "H": shape.H, "n": shape.n, "K": shape.K, "V": shape.V,
-                   "impl": im.name, "family": im.family, "bound_us": roofline.step_bound_us(shape)}
+                   "impl": im.name, "family": im.family,
+                   "bound_us": roofline.step_bound_us(shape, run_.env["device"])}
             try:
                 one(im, x, ref, args, row)
             except Exception as e:
@@ -69,10 +70,16 @@ def run(args, run_, impls):
     print(run_.write(table), flush=True)
 
 
+def _bandwidth(run_) -> str:
+    _, b, name = roofline.ceilings(run_.env["device"])
+    return f"{b / 1e12:.3g} TB/s ({name})"
+
+
 def table_md(run_, baseline) -> str:
     what = ("One token, bf16 inputs, float32 state donated, use_qk_l2norm; medians in us per "
             f"step. 'time / {baseline}' = this row over {baseline}. Bound = one read + one "
-            "write of the state at 4.8 TB/s. Check = relative RMS of o and the new state vs "
+            f"write of the state at {_bandwidth(run_)}. Check = relative RMS of o and the new "
+            "state vs "
             f"the float64 recurrence (tolerances {TOL_O}, {TOL_S}).")
     lines = run_.header("Decoding step benchmark", what)
     lines += [f"| shape | impl | us per step | time / {baseline} | % of bound | bound us | "

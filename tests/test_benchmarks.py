@@ -341,3 +341,21 @@ def test_rounding_model_tiny():
     for o, s in errs.values():
         assert 1e-4 < o < 1e-2 and 1e-5 < s < 1e-2, errs
     assert errs["xwalk-split"][0] < 1.1 * errs["today"][0], errs
+
+
+def test_roofline_ceilings_follow_the_device():
+    """'% roofline' is of the measuring device's ceilings: an H100 row is not held to the
+    H200's HBM bandwidth (s35's H100 tables were, before this)."""
+    from benchmarks import registry, roofline
+    shape = registry.shapes("op", "8,4096,16,2")[0]
+    h100, h200 = "1 x NVIDIA H100 80GB HBM3", "1 x NVIDIA H200"
+    assert roofline.ceilings(h100)[1:] == (3.35e12, "H100")
+    assert roofline.ceilings(h200)[1:] == (4.8e12, "H200")
+    assert roofline.ceilings("cpu")[2] == "H200"
+    f, b = roofline.flops(shape, "fwd"), roofline.min_bytes(shape, "fwd")
+    for kind, bw in ((h100, 3.35e12), (h200, 4.8e12)):
+        want = 1e3 * max(f / roofline.PEAK_FLOPS, b / bw)
+        assert roofline.roofline_ms(shape, "fwd", kind) == pytest.approx(want)
+    assert roofline.roofline_ms(shape, "fwd", h100) > roofline.roofline_ms(shape, "fwd", h200)
+    assert "3.35 TB/s (H100)" in roofline.ceilings_text(h100)
+    assert roofline.step_bound_us(shape, h100) > roofline.step_bound_us(shape, h200)
