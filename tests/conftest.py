@@ -41,14 +41,22 @@ def _release_compiled_programs():
     gc.collect()
 
 
+# The kernel variants the suite's build compiles (``ffi/build.py --only``): the bfloat16
+# half by default - the whole build was ~17 of CI's 42 minutes (2026-12-06, 445 variants);
+# the float16 kernels are the same code on another dtype, compiled by test_kernels_compile's
+# float16 cases and built in full on the GPU machine (benchmarks/run_gpu_measurements.sh).
+# GDP_JAX_TEST_BUILD_ALL=1 builds every variant.
+BUILD_ONLY = () if os.environ.get("GDP_JAX_TEST_BUILD_ALL") else ("bfloat16",)
+
+
 @pytest.fixture(scope="session")
 def every_kernel_variant(tmp_path_factory):
-    """``python ffi/build.py --jobs 2`` (every kernel variant, for sm_90a) run ONCE per test
-    session, shared by the pytest-xdist workers: the first test that asks for it builds
-    (171 s on 2 cores in CI, 2026-12-04: the largest single cost of the suite; 833 s on
-    a slow day, 2026-12-06, for 349 variants), the others wait for it on a file lock and
-    read the same directory. ``(out_dir, result)``; ``result`` has the
-    build's returncode, stdout and stderr (each user asserts on them)."""
+    """``python ffi/build.py --jobs 2`` (the variants :data:`BUILD_ONLY` names, for sm_90a)
+    run ONCE per test session, shared by the pytest-xdist workers: the first test that asks
+    for it builds (the largest single cost of the suite: 171-996 s on 2 cores for every
+    variant, 2026-12-04/06), the others wait for it on a file lock and read the same
+    directory. ``(out_dir, result)``; ``result`` has the build's returncode, stdout,
+    stderr (each user asserts on them) and ``only`` (the ``--only`` texts)."""
     import fcntl
     import json
     import pathlib
@@ -66,14 +74,16 @@ def every_kernel_variant(tmp_path_factory):
             env = dict(os.environ, GDP_JAX_KERNEL_SHAPES="generic",
                        PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
             cmd = [sys.executable, str(repo / "ffi" / "build.py"), "--out", str(out),
-                   "--jobs", "2"]
+                   "--jobs", "2"] + [f"--only={t}" for t in BUILD_ONLY]
             try:
                 # generous: a timeout fails every test that needs the build, and CI
                 # machines vary (s31 saw 833 s where s30 saw 264 s)
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                    timeout=2400)
-                res = dict(returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)
+                res = dict(returncode=r.returncode, stdout=r.stdout, stderr=r.stderr,
+                           only=BUILD_ONLY)
             except subprocess.TimeoutExpired as e:     # recorded: the other worker waits once
-                res = dict(returncode=None, stdout=str(e.stdout), stderr=f"timed out: {e}")
+                res = dict(returncode=None, stdout=str(e.stdout), stderr=f"timed out: {e}",
+                           only=BUILD_ONLY)
             done.write_text(json.dumps(res))
     return out, json.loads(done.read_text())

@@ -529,6 +529,38 @@ def test_saved_operands_give_the_recomputed_gradients(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_save_operands_follows_the_environment(monkeypatch):
+    """``GDP_JAX_SAVE_OPERANDS`` turns the saved operands on for a user ("1"), off ("0" or
+    unset), is read when the op is traced, loses to a set ``SAVE_OPERANDS``, and a bad
+    value names the variable."""
+    from gdp_jax.kernels import pipeline
+    monkeypatch.setattr(pipeline, "SAVE_OPERANDS", None)
+    monkeypatch.delenv("GDP_JAX_SAVE_OPERANDS", raising=False)
+    assert pipeline.save_operands() is False
+    monkeypatch.setenv("GDP_JAX_SAVE_OPERANDS", "1")
+    assert pipeline.save_operands() is True
+    monkeypatch.setenv("GDP_JAX_SAVE_OPERANDS", "0")
+    assert pipeline.save_operands() is False
+    monkeypatch.setenv("GDP_JAX_SAVE_OPERANDS", "yes")
+    with pytest.raises(ValueError, match="GDP_JAX_SAVE_OPERANDS='yes'; expected '0' or '1'"):
+        pipeline.save_operands()
+    monkeypatch.setattr(pipeline, "SAVE_OPERANDS", False)
+    assert pipeline.save_operands() is False
+    # read at trace time: the op's forward keeps (operands, X) beside its checkpoints
+    monkeypatch.setattr(pipeline, "SAVE_OPERANDS", None)
+    monkeypatch.setenv("GDP_JAX_SAVE_OPERANDS", "1")
+    inp = make_inputs(9, 1, 70, 2, 1, 1, 64, 64, jnp.bfloat16)
+    loss = lambda *x: OP(*x, use_qk_l2norm=True, backend="cutedsl")[0].astype(
+        jnp.float32).sum()
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    calls = []
+    raw = ChunkPrepKernel.raw_call_tokens
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: calls.append(kw.get("inverse", False)) or raw(*a, **kw)))
+    jax.jit(jax.grad(loss)).trace(*inp[:5])
+    assert calls == [True]
+
+
 def test_differentiated_forward_shares_its_operands_with_an_xla_backward(monkeypatch):
     """Where the backward's factors are XLA's (here: ``KERNEL_FACTORS = False``) the
     differentiated forward builds its operands in XLA, not on the (opaque) operands

@@ -45,6 +45,7 @@ and adding the response in XLA, and faster: nothing per chunk in float32 through
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import jax
@@ -124,7 +125,7 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
 def saved_operands(spec, ch: grid.ChunkInputs, layout: grid.ChunkLayout, tokens=None):
     """((w, kt, qg, p, u, decay), bad, X): the differentiated forward's operands with the
     WY inverse X, for the forward walk and then kept for the backward
-    (:data:`SAVE_OPERANDS`; the caller checked :func:`kernel_backward`). One pass of the
+    (:func:`save_operands`; the caller checked :func:`kernel_backward`). One pass of the
     operands kernel with X, on the rows the recomputing forward and backward use: token-major
     inputs where :func:`token_operands` gives them (normalised in the kernel where
     :func:`norm_in_kernels`), qg, p on the read-out rows under :data:`READOUT_ONLY_GRAD`."""
@@ -186,7 +187,7 @@ class BackwardWork:
         do = cast(grid.from_readout_rows(doc, every))
         self.fuse_ddo = bool(on_kernel and FUSED_DDO)
         if on_kernel:
-            # ``prep``: the forward's (operands, X) when it kept them (SAVE_OPERANDS)
+            # ``prep``: the forward's (operands, X) when it kept them (save_operands)
             if prep is None:
                 operands, _, X = ChunkPrepKernel.call(
                     ch, scale=scale, ab_dtype=ab_dtype, inverse=True,
@@ -236,9 +237,27 @@ class BackwardWork:
 # factors with the differentiated forward's operands).
 LOCAL_GRAD_KERNEL = True
 KERNEL_FACTORS = True
-# and the differentiated forward keeping its operands and X for the backward (one operands
-# kernel pass fewer, ~100 KB more kept per chunk at K = V = 128) instead of recomputing them
-SAVE_OPERANDS = False
+# and the differentiated forward keeping its operands and X for the backward instead of
+# recomputing them (:func:`save_operands`): None = as GDP_JAX_SAVE_OPERANDS says
+SAVE_OPERANDS = None
+SAVE_OPERANDS_ENV = "GDP_JAX_SAVE_OPERANDS"
+
+
+def save_operands() -> bool:
+    """Does the differentiated forward keep its operands and the WY inverse X for the
+    backward (one operands-kernel pass fewer; ~95 KB more kept a (chunk, value head) at
+    K = V = 128, n >= 2)? :data:`SAVE_OPERANDS` if set, else the environment variable
+    ``GDP_JAX_SAVE_OPERANDS`` ("1" on; "0" or unset off), read when the op is traced.
+    Measured (H100, s36-2, benchmarks/results/CURRENT.md): fwd+bwd 8.48 -> 7.34 ms at
+    (8, 4096, 16, 2) and 12.59 -> 10.84 at n = 3, the same bits; kept memory 0.54 -> 2.08 GB
+    (FLA keeps 0.55), peak 2.58 -> 2.51. Off by default: a model keeps that for every layer
+    until its backward."""
+    if SAVE_OPERANDS is not None:
+        return bool(SAVE_OPERANDS)
+    v = os.environ.get(SAVE_OPERANDS_ENV, "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"{SAVE_OPERANDS_ENV}={v!r}; expected '0' or '1'")
+    return v == "1"
 # and the differentiated op's operands and local-gradient kernels reading q, k, v
 # token-major (:func:`token_operands`: XLA's L2-normalised per-token operands, the values
 # the chunk tiles would hold) instead of chunk tiles XLA lays out (four relayouts,
@@ -470,7 +489,7 @@ class CuTeDSLEngine(Engine):
 
     def forward(self, spec, ch, layout, h0, keep_states=False, work=None, tokens=None):
         """-> (o rows, final states, residuals): the residuals are the chunk-state
-        checkpoints, with ``SAVE_OPERANDS`` (and a kernel backward) a pair
+        checkpoints, with :func:`save_operands` (and a kernel backward) a pair
         (checkpoints, (operands, X)). ``tokens`` (:class:`gdp_jax.engine.OpTokens`): the
         plain forward's operands kernel reads the raw q, k, v (L2 norm in the kernel);
         under differentiation the backward lays out the chunk inputs anyway, and a
@@ -479,7 +498,7 @@ class CuTeDSLEngine(Engine):
         then both read the per-token operands, raw and normalised in the kernels where
         :func:`norm_in_kernels` says so."""
         self._check(spec, ch, layout)
-        save = keep_states and work is None and SAVE_OPERANDS and kernel_backward(spec, ch)
+        save = keep_states and work is None and save_operands() and kernel_backward(spec, ch)
         if save:
             operands, bad, X = saved_operands(spec, ch, layout, tokens)
         elif work is not None:
