@@ -40,6 +40,7 @@
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 29  # u in bfloat16 (chunk_prep.U16): A/B beside FLA, its GPU tests
 #   TOTAL=200 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 30  # mode 29 cut to ~200 s
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 31  # SAVE_OPERANDS (token path): GPU test, fwd+bwd A/B beside FLA
+#   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 32  # kept operands in a 4-layer stack (+/- jax.checkpoint); a trace
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -305,6 +306,14 @@ case "${1:-2}" in
   step 90 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,3;1,131072,8,2" --deadline 60 --out $M/fwd_u16
   rows $M/fwd_u16.log ;;
+32)
+  # s36: what keeping the operands does in a model - a 4-layer stack under jax.grad,
+  # recomputed / kept x plain / jax.checkpoint per layer (time, XLA temp, same bits);
+  # then a trace of one fwd+bwd with them kept
+  step 240 layers python -m benchmarks.layers --shape 8,4096,16,2 --layers 4 --reps 7
+  step 90 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl \
+    --set kernels.pipeline.SAVE_OPERANDS=True
+  tail -8 $M/layers.log; head -12 $M/trace.log | cut -c1-160 ;;
 31)
   # s36: SAVE_OPERANDS on the token-major path (the differentiated forward's operands
   # kernel writes X too, the backward reuses every operand: one operands pass fewer, ~90 KB

@@ -359,3 +359,17 @@ def test_roofline_ceilings_follow_the_device():
     assert roofline.roofline_ms(shape, "fwd", h100) > roofline.roofline_ms(shape, "fwd", h200)
     assert "3.35 TB/s (H100)" in roofline.ceilings_text(h100)
     assert roofline.step_bound_us(shape, h100) > roofline.step_bound_us(shape, h200)
+
+
+def test_layers_tiny(capsys):
+    """benchmarks.layers: four configurations of a 2-layer stack, finite gradients, and the
+    xla backend (which never keeps operands) the same bits whether the switch is on or not."""
+    from benchmarks import layers
+    layers.main(["--shape", "1,70,1,2", "--layers", "2", "--impl", "xla", "--reps", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{")]
+    assert [(r["save_operands"], r["remat"]) for r in rows] == [
+        (False, False), (False, True), (True, False), (True, True)]
+    assert all(r["finite"] and r["same_bits"] for r in rows)
+    with pytest.raises(SystemExit):
+        layers.main(["--shape", "1,70,1,2", "--layers", "0"])
