@@ -471,6 +471,7 @@ def test_differentiated_call_runs_the_operands_kernel_both_ways(monkeypatch):
     from gdp_jax.kernels import emulate, pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", False)
+    monkeypatch.setattr(pipeline, "SAVE_OPERANDS", False)      # whatever the environment says
     calls = []
     raw = emulate.chunk_prep_call
     monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
