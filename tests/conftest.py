@@ -5,6 +5,9 @@ import os
 # 8 simulated devices block pool threads while the other devices wait for one: deadlock
 # (seen here). PJRT_NPROC sets the pool size.
 os.environ.setdefault("PJRT_NPROC", "32")
+# The suite runs the defaults whatever the user's environment says: tests that count kernel
+# calls assume the recomputing backward (their saved-operands cases set the switch).
+os.environ.pop("GDP_JAX_SAVE_OPERANDS", None)
 # The suite is dominated by XLA compiles of small programs: LLVM at -O0 and XLA's elemental
 # fusion emitter compile them faster (tests/_compile_flags.py says what each changes). Set
 # either flag yourself to test XLA's default CPU code generation.
