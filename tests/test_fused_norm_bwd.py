@@ -116,7 +116,8 @@ def test_do_tokens_same_bits(monkeypatch, n, T, cu, H, HV, K, V):
                                      key=3, backend="cutedsl", use_qk_l2norm=True)
     assert seen == [(False, 5), (True, 4)], seen
     (o1, s1, l1, g1), (o0, s0, l0, g0) = out[True], out[False]
-    for name, a, b in [("o", o1, o0), ("final", s1, s0)] + [(k, g1[k], g0[k]) for k in g0]:
+    pairs = [("o", o1, o0), ("final", s1, s0), ("loss", l1, l0)]
+    for name, a, b in pairs + [(k, g1[k], g0[k]) for k in g0]:
         if name == "g":     # summed in XLA around the kernels: another graph may reassociate
             assert testing.rel_max(a, b) < 1e-6
         else:
