@@ -258,6 +258,8 @@ def save_operands() -> bool:
     if v not in ("0", "1"):
         raise ValueError(f"{SAVE_OPERANDS_ENV}={v!r}; expected '0' or '1'")
     return v == "1"
+
+
 # and the differentiated op's operands and local-gradient kernels reading q, k, v
 # token-major (:func:`token_operands`: XLA's L2-normalised per-token operands, the values
 # the chunk tiles would hold) instead of chunk tiles XLA lays out (four relayouts,
