@@ -10,7 +10,8 @@ q = x, k = x * a_l, v = x * b_l (the n sub-steps scaled apart), its own gates an
 operands kept) x (plain, jax.checkpoint per layer): the median ms of the jitted gradient
 (w.r.t. x and every layer's a, b, g, beta), XLA's temporary bytes of that program (what
 the layers keep for the backward is in there), and whether the gradients equal those of
-the recomputing configuration with the same checkpointing bit for bit. One JSON line per configuration, then a markdown table.
+the recomputing configuration with the same checkpointing bit for bit. One JSON line per
+configuration, then a markdown table.
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def main(argv=None):
                                   for x in leaves))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{a.layers} layers at (B, T, H, n) = {a.shape}, {a.impl}, jax.grad of the stack:\n")
+    print(f"\n{a.layers} layers at (B, T, H, n) = {a.shape}, {a.impl}, "
+          "jax.grad of the stack:\n")
     print("| operands | jax.checkpoint | ms | XLA temp GB | same bits as recomputed |")
     print("|---|---|---|---|---|")
     for r in rows:

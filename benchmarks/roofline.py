@@ -29,10 +29,15 @@ def ceilings(device_kind: str = "") -> tuple:
     return PEAK_FLOPS, PEAK_BYTES_PER_S, "H200"
 
 
+def bandwidth_text(device_kind: str = "") -> str:
+    """'4.8 TB/s (H200)': the HBM ceiling a table's bounds are of."""
+    _, b, name = ceilings(device_kind)
+    return f"{b / 1e12:.3g} TB/s ({name})"
+
+
 def ceilings_text(device_kind: str = "") -> str:
     """'790 TFLOP/s, 4.8 TB/s (H200)': what a table's roofline fractions are of."""
-    f, b, name = ceilings(device_kind)
-    return f"{f / 1e12:.0f} TFLOP/s, {b / 1e12:.3g} TB/s ({name})"
+    return f"{ceilings(device_kind)[0] / 1e12:.0f} TFLOP/s, {bandwidth_text(device_kind)}"
 
 
 def _flops_fwd_token(n, K, V):

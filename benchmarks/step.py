@@ -70,17 +70,12 @@ def run(args, run_, impls):
     print(run_.write(table), flush=True)
 
 
-def _bandwidth(run_) -> str:
-    _, b, name = roofline.ceilings(run_.env["device"])
-    return f"{b / 1e12:.3g} TB/s ({name})"
-
-
 def table_md(run_, baseline) -> str:
     what = ("One token, bf16 inputs, float32 state donated, use_qk_l2norm; medians in us per "
             f"step. 'time / {baseline}' = this row over {baseline}. Bound = one read + one "
-            f"write of the state at {_bandwidth(run_)}. Check = relative RMS of o and the new "
-            "state vs "
-            f"the float64 recurrence (tolerances {TOL_O}, {TOL_S}).")
+            f"write of the state at {roofline.bandwidth_text(run_.env['device'])}. Check = "
+            "relative RMS of o and the new state vs the float64 recurrence "
+            f"(tolerances {TOL_O}, {TOL_S}).")
     lines = run_.header("Decoding step benchmark", what)
     lines += [f"| shape | impl | us per step | time / {baseline} | % of bound | bound us | "
               "check (o, state) | note |", "|---|---|---|---|---|---|---|---|"]

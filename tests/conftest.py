@@ -83,10 +83,8 @@ def every_kernel_variant(tmp_path_factory):
                 # machines vary (s31 saw 833 s where s30 saw 264 s)
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                    timeout=2400)
-                res = dict(returncode=r.returncode, stdout=r.stdout, stderr=r.stderr,
-                           only=BUILD_ONLY)
+                res = dict(returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)
             except subprocess.TimeoutExpired as e:     # recorded: the other worker waits once
-                res = dict(returncode=None, stdout=str(e.stdout), stderr=f"timed out: {e}",
-                           only=BUILD_ONLY)
-            done.write_text(json.dumps(res))
+                res = dict(returncode=None, stdout=str(e.stdout), stderr=f"timed out: {e}")
+            done.write_text(json.dumps(dict(res, only=BUILD_ONLY)))
     return out, json.loads(done.read_text())

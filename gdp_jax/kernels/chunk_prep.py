@@ -127,9 +127,10 @@ class ChunkPrepKernel:
         [B, NC, HV, C], scale [B] (float32: the readout scale of each row) ->
         w, kt, qg [B, NC, HV, C, K], p [B, NC, HV, C, C] (``ab_dtype``), u [B, NC, HV, C, V]
         (:func:`u_dtype`), decay [B, NC, HV] (float32), bad [B, NC, HV, C] (int32, nonzero:
-        set the output row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a [1] float32
-        placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM clock cycles
-        of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of row flags.
+        set the output row to NaN), X [B, NC, HV, C, C] float32 with ``inverse`` (else a
+        [1] float32 placeholder). ``probe`` (measurement only): bad[..., :7] holds the SM
+        clock cycles of the kernel's phases (``chunk_prep_sm90.PROBE_PHASES``) instead of
+        row flags.
         ``readout_rows`` (no ``probe``): q [B, NC, HV, READOUT_ROWS, K] holds
         the chunk's read-out rows n - 1, 2n - 1, .. (then zeros), rows [B, NC, 4] int32
         their n at [.., 3] (the rest unread); qg, p as :meth:`raw_call_tokens` gives them
