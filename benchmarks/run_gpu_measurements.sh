@@ -41,6 +41,8 @@
 #   TOTAL=200 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 30  # mode 29 cut to ~200 s
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 31  # SAVE_OPERANDS (token path): GPU test, fwd+bwd A/B beside FLA
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 32  # kept operands in a 4-layer stack (+/- jax.checkpoint); a trace
+#   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 33  # one product's SM cycles: mma.sync vs wgmma (SS, RS)
+#   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 34  # modes 33 and 32 in one call
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -70,6 +72,23 @@ u_tests() {
   job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
   wait
   for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+}
+# s37: what warpgroup MMA buys the local-gradient kernel's products (benchmarks/mma_rate.py):
+# [64, Kd] x [Kd, N] on one CTA of 8 warps an SM, mma.sync + ldmatrix vs wgmma SS / RS
+mma_probe() {
+  step 90 mma64 python -m benchmarks.mma_rate --kd 64 --n 128 --reps 1,4,8 --ctas 132
+  step 90 mma128 python -m benchmarks.mma_rate --kd 128 --n 128 --reps 1,4 --ctas 132
+  step 60 mma_full python -m benchmarks.mma_rate --kd 64 --n 128 --reps 4 --ctas 16896
+  grep -hE "cycles|Error|error:" $M/mma64.log $M/mma128.log $M/mma_full.log | cut -c1-200
+}
+layers_and_trace() {
+  # s36: what keeping the operands does in a model - a 4-layer stack under jax.grad,
+  # recomputed / kept x plain / jax.checkpoint per layer (time, XLA temp, same bits);
+  # then a trace of one fwd+bwd with them kept
+  step 240 layers python -m benchmarks.layers --shape 8,4096,16,2 --layers 4 --reps 7
+  step 90 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl \
+    --set kernels.pipeline.SAVE_OPERANDS=True
+  tail -8 $M/layers.log; head -12 $M/trace.log | cut -c1-160
 }
 case "${1:-2}" in
 2)
@@ -306,14 +325,14 @@ case "${1:-2}" in
   step 90 fwd_u16 python -m benchmarks.run fwd --impl cutedsl,fla --set kernels.chunk_prep.U16=True \
     --shapes "8,4096,16,3;1,131072,8,2" --deadline 60 --out $M/fwd_u16
   rows $M/fwd_u16.log ;;
+33)
+  mma_probe ;;
+34)
+  # s37: modes 33 and 32 in one call
+  mma_probe
+  layers_and_trace ;;
 32)
-  # s36: what keeping the operands does in a model - a 4-layer stack under jax.grad,
-  # recomputed / kept x plain / jax.checkpoint per layer (time, XLA temp, same bits);
-  # then a trace of one fwd+bwd with them kept
-  step 240 layers python -m benchmarks.layers --shape 8,4096,16,2 --layers 4 --reps 7
-  step 90 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl \
-    --set kernels.pipeline.SAVE_OPERANDS=True
-  tail -8 $M/layers.log; head -12 $M/trace.log | cut -c1-160 ;;
+  layers_and_trace ;;
 31)
   # s36: SAVE_OPERANDS on the token-major path (the differentiated forward's operands
   # kernel writes X too, the backward reuses every operand: one operands pass fewer, ~90 KB
