@@ -63,15 +63,16 @@ def kernel_grads(ch, S0, doc, ds_end, scale, variant=""):
 
 
 def variant_kwargs(variant: str) -> dict:
-    """The ``LocalGradKernel.call`` options of a variant name: "nosplit", "warps4" and
-    ``ablate`` parts, comma-combined."""
+    """The ``LocalGradKernel.call`` options of a variant name: "nosplit", "warps4",
+    "gmma" (warpgroup MMAs) and ``ablate`` parts, comma-combined."""
     parts = [x for x in variant.split(",") if x]
     return dict(split="nosplit" not in parts, warps_n=1 if "warps4" in parts else 2,
-                ablate=",".join(x for x in parts if x not in ("nosplit", "warps4")))
+                gmma="gmma" in parts,
+                ablate=",".join(x for x in parts if x not in ("nosplit", "warps4", "gmma")))
 
 
 # variants whose results are right (the others are timing ablations)
-EXACT_VARIANTS = ("nosplit", "warps4", "roundtrip")
+EXACT_VARIANTS = ("nosplit", "warps4", "roundtrip", "gmma")
 
 
 def precision(cases, scale=0.088, variants=()):
@@ -113,11 +114,11 @@ def kernel_time(B, NC, HV, K=128, V=128, scale=0.088, variants=()):
     ch, S0, doc, ds_end = chunk_inputs(jax.random.PRNGKey(1), B, NC, HV, K, V)
     it, X = jax.jit(chunked.wy_factors)(ch)
     S0b, docb = S0.astype(jnp.bfloat16), doc.astype(jnp.bfloat16)
-    kern = lambda split=True, ablate="", warps_n=2: jax.jit(
+    kern = lambda split=True, ablate="", warps_n=2, gmma=False: jax.jit(
         lambda ch, it, X, S0, doc, ds: LocalGradKernel.call(
             ch.q, ch.k, ch.v, ch.g, ch.beta, it.w.astype(jnp.bfloat16), it.u, X, S0, doc, ds,
             scale=scale, ab_dtype=jnp.bfloat16, split=split, ablate=ablate,
-            warps_n=warps_n))
+            warps_n=warps_n, gmma=gmma))
     fx = jax.jit(lambda ch, it, X, S0, doc, ds: tuple(chunked.local_grads_direct(
         ch, it, X, S0, doc, ds, scale)))
     sync = lambda r: jax.block_until_ready(r)
@@ -139,8 +140,8 @@ def main(argv=None):
     p.add_argument("--skip-precision", action="store_true")
     p.add_argument("--variants", default="",
                    help="kernel variants to time besides the default, ';'-separated: "
-                        "nosplit, warps4, roundtrip (results right), nomma, nogates, "
-                        "notail (comma-combined)")
+                        "nosplit, warps4, roundtrip, gmma (results right), nomma, "
+                        "nogates, notail (comma-combined)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     B, T, H, n = (int(x) for x in a.shape.split(","))

@@ -61,7 +61,8 @@ def main(argv=None):
                    help="local-gradient kernel: warps along N to time (comma list)")
     p.add_argument("--lg-variants", default="",
                    help="local-gradient kernel: more chunk-major variants to time and probe "
-                        "(';' list of ablate strings whose results are right, e.g. roundtrip)")
+                        "(';' list of ablate strings whose results are right, e.g. roundtrip; "
+                        "'gmma' in one: warpgroup MMAs)")
     a = p.parse_args(argv)
 
     import jax
@@ -184,10 +185,15 @@ def main(argv=None):
                 *x, n=n, T=T, ab_dtype="bfloat16", **kw), *args_, lrows)
 
         for v in (x for x in a.lg_variants.split(";") if x):
-            timed(f"local grad [{v}]", lambda *x, v=v: LocalGradKernel.raw_call(
-                *x, ab_dtype="bfloat16", ablate=v), *lg)
-            res = timed(f"local grad probe [{v}]", lambda *x, v=v: LocalGradKernel.raw_call(
-                *x, ab_dtype="bfloat16", ablate="probe," + v), *lg)
+            # "gmma" in a variant: the kernel's products as warpgroup MMAs; the rest ablate
+            gm = "gmma" in v.split(",")
+            abl = ",".join(x for x in v.split(",") if x != "gmma")
+            timed(f"local grad [{v}]", lambda *x, abl=abl, gm=gm: LocalGradKernel.raw_call(
+                *x, ab_dtype="bfloat16", ablate=abl, gmma=gm), *lg)
+            res = timed(f"local grad probe [{v}]",
+                        lambda *x, abl=abl, gm=gm: LocalGradKernel.raw_call(
+                            *x, ab_dtype="bfloat16", ablate=",".join(("probe", abl)).strip(","),
+                            gmma=gm), *lg)
             report(f"local grad probe [{v}]", res[4], LG_PHASES)
 
     w, kt, qg, pm, u, decay = ops[:6]

@@ -283,7 +283,8 @@ class OursStep:
 # or all rows; ``+rob``: the backward's reverse walk's; ``+pair``: walk CTAs of two value
 # tiles; ``+nb`` / ``+xlanb``: the L2 norm's backward in the local-gradient kernel or in XLA;
 # ``+dotok``: that kernel reading dO token-major; ``+tb``: the backward's kernels reading
-# q, k, v token-major; ``+nk``: with +tb, those kernels normalising the raw q, k themselves)
+# q, k, v token-major; ``+nk``: with +tb, those kernels normalising the raw q, k themselves;
+# ``+gmma``: the local-gradient kernel's products as warpgroup MMAs)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -295,6 +296,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "xlanb": ("kernels.pipeline", "FUSED_NORM_BWD", False),
             "rob": ("kernels.pipeline", "READOUT_ONLY_BWD", True),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
+            "gmma": ("kernels.local_grad", "GMMA", True),
             "ro": ("kernels.pipeline", "READOUT_ONLY", True),
             "allrows": ("kernels.pipeline", "READOUT_ONLY", False),
             "flat": ("kernels.chunk_forward", "PIPELINE", False),
@@ -343,7 +345,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +gmma switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -42,7 +42,8 @@
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 31  # SAVE_OPERANDS (token path): GPU test, fwd+bwd A/B beside FLA
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 32  # kept operands in a 4-layer stack (+/- jax.checkpoint); a trace
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 33  # one product's SM cycles: mma.sync vs wgmma (SS, RS)
-#   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 34  # modes 33 and 32 in one call
+#   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 34  # mma_rate, local_grad.GMMA (tests, A/B), mode 32
+#   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 35  # local_grad.GMMA only
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -80,6 +81,16 @@ mma_probe() {
   step 90 mma128 python -m benchmarks.mma_rate --kd 128 --n 128 --reps 1,4 --ctas 132
   step 60 mma_full python -m benchmarks.mma_rate --kd 64 --n 128 --reps 4 --ctas 16896
   grep -hE "cycles|Error|error:" $M/mma64.log $M/mma128.log $M/mma_full.log | cut -c1-200
+}
+gmma_ab() {
+  step 170 t_gmma $P tests/test_cutedsl_gpu.py -k "gmma_gradients_match or local_grad_kernel_matches_float64"
+  grep -hE "^(FAILED|ERROR)|passed|failed|vs float64|vs warp|Error" $M/t_gmma.log | tail -30 | cut -c1-250
+  step 130 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+    --shape 8,4096,16,2 --lg-variants "gmma" --json $M/lg.json
+  grep -hE "local grad|probe" $M/lg.log | cut -c1-200
+  step 170 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmma,fla \
+    --shapes "8,4096,16,2" --deadline 150 --out $M/gm
+  rows $M/gm.log
 }
 layers_and_trace() {
   # s36: what keeping the operands does in a model - a 4-layer stack under jax.grad,
@@ -328,9 +339,15 @@ case "${1:-2}" in
 33)
   mma_probe ;;
 34)
-  # s37: modes 33 and 32 in one call
-  mma_probe
+  # s37: one product's cycles (mma.sync vs wgmma), then the local-gradient kernel with its
+  # products as warpgroup MMAs (local_grad.GMMA, off): GPU tests, the kernel alone and its
+  # phase probe, fwd+bwd A/B beside tuned FLA; then mode 32 if time is left
+  step 60 mma64 python -m benchmarks.mma_rate --kd 64 --n 128 --reps 1,4,8 --ctas 132
+  grep -hE "cycles|Error|error:" $M/mma64.log | cut -c1-200
+  gmma_ab
   layers_and_trace ;;
+35)
+  gmma_ab ;;
 32)
   layers_and_trace ;;
 31)

@@ -998,3 +998,26 @@ def test_load_rate_kernels_compile():
         assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, src), mode
     with pytest.raises(ValueError, match="mode"):
         copy_cycles(jnp.zeros((4, 8 * 256), jnp.bfloat16), mode="ldg")
+
+
+@pytest.mark.parametrize("match", [
+    "gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm",   # the op's backward
+    "gdp_chunk_grad_sm90 bfloat16 K=64 V=128 dS_end float32",            # chunk-major, CP
+])
+def test_gmma_local_grad_kernel_compiles(monkeypatch, match):
+    """``local_grad.GMMA``: the local-gradient kernel with its products as warpgroup MMAs
+    (wgmma descriptors on the kernel's own smem tiles, register A operands) compiles to
+    sm_90a - another object than the warp-MMA kernel's; with warps_n other than 2 the call
+    refuses."""
+    from gdp_jax.kernels import local_grad
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    (v,) = [v for v in LocalGradKernel.variants() if v.what == match]
+    texts = []
+    for on in (False, True):
+        monkeypatch.setattr(local_grad, "GMMA", on)
+        jax.clear_caches()          # the switch is read at trace time
+        texts.append(_lower(v.fn, *v.avals))
+        assert "CuteDSLRT_NvJaxCutlassCall" in texts[-1]
+    assert texts[0] != texts[1]
+    with pytest.raises(ValueError, match="gmma .* needs warps_n=2"):
+        jax.eval_shape(lambda *a: v.fn(*a, warps_n=1), *v.avals)

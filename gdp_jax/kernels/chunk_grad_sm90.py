@@ -65,10 +65,13 @@ This module imports cutlass; import it only through ``gdp_jax.kernels.local_grad
 """
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, acc_to_smem,
                                   c_tile, g2s, g2s_copy, l2_normalize_rows,
@@ -92,7 +95,7 @@ class ChunkGradSm90:
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
                  warps_n: int = 2, tokens: bool = False, head_major: bool = False,
                  tokens_in: bool = False, norm_bwd: bool = False, do_tokens: bool = False,
-                 l2norm: bool = False):
+                 l2norm: bool = False, gmma: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -130,6 +133,12 @@ class ChunkGradSm90:
         # on this kernel's own row factors rho (mRhoQ, mRhoK unread)
         self.l2norm = l2norm
         assert not l2norm or (tokens_in and norm_bwd)
+        # the products of phases 1-8 and 11-13 as warpgroup MMAs (wgmma: the two 4-warp
+        # groups split N; 16-bit operands read from the smem tiles through descriptors, the
+        # [C, C] factors from registers) instead of ldmatrix + mma.sync; phases 9 and 10
+        # (a B operand from float32 registers) stay warp MMAs
+        self.gmma = gmma
+        assert not gmma or (warps_n == 2 and "roundtrip" not in self.ablate)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -201,6 +210,9 @@ class ChunkGradSm90:
         on = "nomma" not in self.ablate
         roundtrip = "roundtrip" in self.ablate
         probe = "probe" in self.ablate
+        # a CTA barrier; with wgmma also a proxy fence: smem the threads wrote (cp.async,
+        # stores) becomes visible to the wgmma descriptors' (async proxy) reads
+        bar = lambda: _barrier(self.gmma)
         marks = [cute.arch.clock()] if cutlass.const_expr(probe) else []
         mma_split_b_ = mma_split_b if on else _skip
         # acc += A B over k-blocks of ldmatrix operands, unrolled (as a dynamic k-loop,
@@ -281,7 +293,7 @@ class ChunkGradSm90:
             acc_s = make_acc(thr_mma, (K, V))
             acc_s.store(c_tile(thr_mma, mDS[b, c, hv, None, None], (K, V),
                                (0, 0)).load().to(F32))
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr("nogates" not in self.ablate):
             # sums from the diagonal outwards (never a difference of cumsums: strong gates
             # stay exact), unrolled without branches so the loads of g and the exps of
@@ -307,13 +319,13 @@ class ChunkGradSm90:
         for e in cutlass.range_constexpr(cute.size(acc_x)):
             tXc[e] = acc_x[e]
         cute.arch.cp_async_wait_group(1 if ds16 else 0)
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr(self.l2norm):
             # the raw q, k rows -> normalised in place (this thread's cp.async pieces),
             # their factors rho for the norm's backward; the second load group still flies
             self._normalize_tile(cpK, sQ, shq)
             self._normalize_tile(cpK, sK, shk)
-            cute.arch.sync_threads()
+            bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
         if cutlass.const_expr(not ds16):
@@ -328,21 +340,41 @@ class ChunkGradSm90:
 
         # ---- phase 1: QG = tril(Q K^T Gam) (float32, unscaled); u flies to registers
         # (phase 2 reads it)
-        u = c_tile(thr_mma, mU[b, c, hv, None, None], (C, V), (0, 0)).load().to(F32)
-        cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
-        cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)   # B from [N, K] tiles
-        A_ = lambda s: operand(thr_mma, cA, s, True)          # A from a K-major [M, K] tile
-        B_ = lambda s: operand(thr_mma, cB, s, False)         # B from an [N, K] tile
-        Bt = lambda s, r, cols: operand(thr_mma, cBt, transpose_view(s, r, cols), False)
-        r0, _ = crd_x[0]                       # this thread's accumulator rows r0, r0 + 8
-        acc_cc = make_acc(thr_mma, (C, C))
+        # the products' machinery: operands SA (a K-major [C, cols] smem tile), SB (B from
+        # an [N, K] tile), SBt (B from a [K, N] tile), RA (A from a float32 [C, C] view
+        # through registers, value(x, i, j) applied); pm.products(acc, N, K, [(a, b)..]).
+        # thr_c, thr_k, thr_v: the accumulator partitions of [C, C], [C, K], [C, V] results
+        # (with wgmma not those of thr_mma, which phases 0, 9, 10 keep)
+        if cutlass.const_expr(self.gmma):
+            pm = _Gmma(ab, tidx, split, on)
+            SA = lambda s, cols: _SmemOp(s, C, cols, True)
+            SB = lambda s, rows, cols: _SmemOp(s, rows, cols, True)
+            SBt = lambda s, rows, cols: _SmemOp(s, rows, cols, False)
+            thr_c, thr_k, thr_v = pm.thr(C), pm.thr(K), pm.thr(V)
+            tiled_k, tiled_v = pm.tiled(K), pm.tiled(V)
+        else:
+            cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False,
+                                                              num_matrices=4), ab)
+            cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)  # B from [N, K] tiles
+            pm = _Sync(tiled_mma, thr_mma, ab, split, mma_, _mma_reg_a_)
+            SA = lambda s, cols: operand(thr_mma, cA, s, True)
+            SB = lambda s, rows, cols: operand(thr_mma, cB, s, False)
+            SBt = lambda s, rows, cols: operand(thr_mma, cBt, transpose_view(s, rows, cols),
+                                                False)
+            thr_c, thr_k, thr_v = thr_mma, thr_mma, thr_mma
+            tiled_k, tiled_v = tiled_mma, tiled_mma
+        RA = lambda view, value=None, plus_transpose=None: _RegA(view, value, plus_transpose)
+        u = c_tile(thr_v, mU[b, c, hv, None, None], (C, V), (0, 0)).load().to(F32)
+        crd_c = thr_c.partition_C(cute.make_identity_tensor((C, C)))
+        r0, _ = crd_c[0]                       # this thread's accumulator rows r0, r0 + 8
+        acc_cc = make_acc(thr_c, (C, C))
         acc_cc.fill(0.0)
-        mma_(tiled_mma, K // MMA_K, acc_cc, A_(sQ), B_(sK))
-        tQGc = thr_mma.partition_C(sQG)
-        tGc = thr_mma.partition_C(sGam)
+        pm.products(acc_cc, C, K, [(SA(sQ, K), SB(sK, C, K))])
+        tQGc = thr_c.partition_C(sQG)
+        tGc = thr_c.partition_C(sGam)
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
-            i, j = crd_x[e]
+            i, j = crd_c[e]
             tQGc[e] = pick(j <= i, acc_cc[e] * tGc[e], F32(0.0))
         if cutlass.const_expr(ds16):
             cute.arch.cp_async_wait_group(0)   # w, doc, S0, dS_end: their own copies
@@ -355,32 +387,31 @@ class ChunkGradSm90:
             for e in cutlass.range_constexpr(cute.size(rD)):
                 dlast = dlast + rD[e].to(F32) * rS[e].to(F32)
             _warp_partials(dlast, sred, tidx)
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
         # ---- phase 2: Delta = u - w S0 -> smem (16-bit)
-        crd_v = thr_mma.partition_C(cute.make_identity_tensor((C, V)))
-        crd_k = thr_mma.partition_C(cute.make_identity_tensor((C, K)))
-        acc_v = make_acc(thr_mma, (C, V))
+        crd_v = thr_v.partition_C(cute.make_identity_tensor((C, V)))
+        crd_k = thr_k.partition_C(cute.make_identity_tensor((C, K)))
+        acc_v = make_acc(thr_v, (C, V))
         acc_v.fill(0.0)
-        mma_(tiled_mma, K // MMA_K, acc_v, A_(sW), Bt(sS0, K, V))
-        toV = acc_to_smem(tiled_mma, tidx, acc_v, ab)
+        pm.products(acc_v, V, K, [(SA(sW, K), SBt(sS0, K, V))])
+        toV = acc_to_smem(tiled_v, tidx, acc_v, ab)
         toV.store((u - acc_v.load()).to(ab), toV.dest(sDelta))
 
         # ---- phase 3: ddelta = diag(et) K dS_end + scale QG^T doc -> smem (16-bit)
         acc_v.fill(0.0)
-        mma_(tiled_mma, K // MMA_K, acc_v, A_(sK), Bt(sDS, K, V))
+        pm.products(acc_v, V, K, [(SA(sK, K), SBt(sDS, K, V))])
         for e in cutlass.range_constexpr(cute.size(acc_v)):
             i, _ = crd_v[e]
             acc_v[e] = acc_v[e] * set_[i]
         R = lambda view, is_a, value=None, plus_transpose=None: _reg(
             thr_mma, view, is_a, ab, split, value, plus_transpose)
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
-                   R(transpose_view(sQG, C, C), True, lambda x, i, j: x * scale),
-                   Bt(sDo, C, V))
+        pm.products(acc_v, V, C, [(RA(transpose_view(sQG, C, C), lambda x, i, j: x * scale),
+                                   SBt(sDo, C, V))])
         toV.store(acc_v.load().to(ab), toV.dest(sDD))
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
@@ -388,17 +419,17 @@ class ChunkGradSm90:
         # dto = et rows(dKt, k)
         # dk and dq accumulate in registers from here to phases 12, 13 (``roundtrip``:
         # through their global outputs instead, the first version, for A/B timing)
-        acc_dk = make_acc(thr_mma, (C, K))
+        acc_dk = make_acc(thr_k, (C, K))
         acc_dk.fill(0.0)
-        mma_(tiled_mma, V // MMA_K, acc_dk, A_(sDelta), B_(sDS))
-        tKc = thr_mma.partition_C(sK)
+        pm.products(acc_dk, K, V, [(SA(sDelta, V), SB(sDS, K, V))])
+        tKc = thr_k.partition_C(sK)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             i, _ = crd_k[e]
             acc_dk[e] = acc_dk[e] * set_[i]
         _row_sums(acc_dk, crd_k, r0, lambda e: acc_dk[e] * tKc[e].to(F32), sdto, wn)
         if cutlass.const_expr(roundtrip):
             c_tile(thr_mma, gDk, (C, K), (0, 0)).store(acc_dk.load())
-        cute.arch.sync_threads()               # dS_end is dead: v takes its place
+        bar()               # dS_end is dead: v takes its place
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
         if cutlass.const_expr(self.tokens_in):
@@ -408,17 +439,17 @@ class ChunkGradSm90:
         cute.arch.cp_async_commit_group()
 
         # ---- phase 5: dW = -ddelta S0^T -> smem (16-bit, where w was)
-        acc_k = make_acc(thr_mma, (C, K))
+        acc_k = make_acc(thr_k, (C, K))
         acc_k.fill(0.0)
-        mma_(tiled_mma, V // MMA_K, acc_k, A_(sDD), B_(sS0))
-        toK = acc_to_smem(tiled_mma, tidx, acc_k, ab)
+        pm.products(acc_k, K, V, [(SA(sDD, V), SB(sS0, K, V))])
+        toK = acc_to_smem(tiled_k, tidx, acc_k, ab)
         toK.store((acc_k.load() * -1.0).to(ab), toK.dest(sW))
 
         # ---- phase 6: diag(scale gam) doS0 -> dq (partial, registers); rq = rows(q, doS0)
-        acc_dq = make_acc(thr_mma, (C, K))
+        acc_dq = make_acc(thr_k, (C, K))
         acc_dq.fill(0.0)
-        mma_(tiled_mma, V // MMA_K, acc_dq, A_(sDo), B_(sS0))
-        tQc = thr_mma.partition_C(sQ)
+        pm.products(acc_dq, K, V, [(SA(sDo, V), SB(sS0, K, V))])
+        tQc = thr_k.partition_C(sQ)
         _row_sums(acc_dq, crd_k, r0, lambda e: acc_dq[e] * tQc[e].to(F32), srq, wn)
         for e in cutlass.range_constexpr(cute.size(acc_dq)):
             i, _ = crd_k[e]
@@ -426,57 +457,64 @@ class ChunkGradSm90:
         if cutlass.const_expr(roundtrip):
             c_tile(thr_mma, gDq, (C, K), (0, 0)).store(acc_dq.load())
         cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()               # S0 is dead: F2, F3 take its place
+        bar()               # S0 is dead: F2, F3 take its place
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
         # ---- phase 7: WK = dW k^T, DV = ddelta v^T; dX -> F1; X o WK -> F2, X o DV -> F3
         acc_cc.fill(0.0)
-        acc_c2 = make_acc(thr_mma, (C, C))
+        acc_c2 = make_acc(thr_c, (C, C))
         acc_c2.fill(0.0)
-        mma_(tiled_mma, K // MMA_K, acc_cc, A_(sW), B_(sK))
-        mma_(tiled_mma, V // MMA_K, acc_c2, A_(sDD), B_(sV))
-        t1 = thr_mma.partition_C(F1)
-        t2 = thr_mma.partition_C(F2)
-        t3 = thr_mma.partition_C(F3)
+        pm.products(acc_cc, C, K, [(SA(sW, K), SB(sK, C, K))])
+        pm.products(acc_c2, C, V, [(SA(sDD, V), SB(sV, C, V))])
+        t1 = thr_c.partition_C(F1)
+        t2 = thr_c.partition_C(F2)
+        t3 = thr_c.partition_C(F3)
+        tXc_c = thr_c.partition_C(sX)
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
-            _, j = crd_x[e]
-            x = tXc[e]
+            _, j = crd_c[e]
+            x = tXc_c[e]
             t1[e] = acc_cc[e] * (sb[j] * sgam[j]) + acc_c2[e] * sb[j]
             t2[e] = x * acc_cc[e]
             t3[e] = x * acc_c2[e]
-        cute.arch.sync_threads()
+        bar()
         if tidx < C:
             scs1[tidx] = _col_sum(F2, tidx)
         elif tidx < 2 * C:
             scs2[tidx - C] = _col_sum(F3, tidx - C)
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
         # ---- phase 8: dP = scale tril(doc Delta^T); dqk = dP Gam -> F2; dseg = dP QG -> F3
         acc_cc.fill(0.0)
-        mma_(tiled_mma, V // MMA_K, acc_cc, A_(sDo), B_(sDelta))
-        tQGc2 = thr_mma.partition_C(sQG)
+        pm.products(acc_cc, C, V, [(SA(sDo, V), SB(sDelta, C, V))])
+        tQGc2 = thr_c.partition_C(sQG)
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
-            i, j = crd_x[e]
+            i, j = crd_c[e]
             dp = pick(j <= i, acc_cc[e] * scale, F32(0.0))
             t2[e] = pick(j <= i, dp * tGc[e], F32(0.0))      # Gam above the diagonal: unset
             acc_cc[e] = dp * tQGc2[e]
             t3[e] = acc_cc[e]
-        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs, wn)
-        cute.arch.sync_threads()
+        _row_sums(acc_cc, crd_c, r0, lambda e: acc_cc[e], srs, wn)
+        bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
-        # ---- phase 9: T = X^T dX -> sQG (QG is dead)
+        # ---- phase 9: T = X^T dX -> sQG (QG is dead). Phases 9, 10: warp MMAs (a B
+        # operand from registers), in thr_mma's partitions
+        if cutlass.const_expr(self.gmma):
+            acc_cc = make_acc(thr_mma, (C, C))
+            acc_c2 = make_acc(thr_mma, (C, C))
+            tGc, t1, t3 = (thr_mma.partition_C(t) for t in (sGam, F1, F3))
+            tQGc2 = thr_mma.partition_C(sQG)
         acc_cc.fill(0.0)
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(transpose_view(sX, C, C), True), None,
                    R(transpose_view(F1, C, C), False))
-        cute.arch.sync_threads()
+        bar()
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             tQGc2[e] = acc_cc[e]
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
@@ -485,7 +523,15 @@ class ChunkGradSm90:
         acc_cc.fill(0.0)
         acc_c2.fill(0.0)
         _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(sQG, True), None, R(sX, False))
-        mma_(tiled_mma, K // MMA_K, acc_c2, A_(sK), B_(sK))
+        if cutlass.const_expr(self.gmma):
+            cA10, _, _ = ldmatrix_copies(tiled_mma, ab, tidx)
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False,
+                                                              num_matrices=4), ab)
+            cB10 = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+            mma_(tiled_mma, K // MMA_K, acc_c2, operand(thr_mma, cA10, sK, True),
+                 operand(thr_mma, cB10, sK, False))
+        else:
+            mma_(tiled_mma, K // MMA_K, acc_c2, SA(sK, K), SB(sK, C, K))
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_x[e]
             strict = j < i                    # dA = -T X^T below the diagonal, else 0
@@ -497,7 +543,7 @@ class ChunkGradSm90:
             t3[e] = t3[e] + acc_cc[e]
         _row_sums(acc_c2, crd_x, r0, lambda e: acc_c2[e], sdba, wn)
         _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs2, wn)
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
@@ -510,35 +556,33 @@ class ChunkGradSm90:
                 rho_q, rho_k = self._row_norms(mRows, mRhoQ, mRhoK, b, c, hv, r0,
                                                mDq.shape[2])
         acc_v.fill(0.0)
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_v,
-                   R(transpose_view(sX, C, C), True, lambda x, i, j: x * sb[i]),
-                   Bt(sDD, C, V))
+        pm.products(acc_v, V, C, [(RA(transpose_view(sX, C, C), lambda x, i, j: x * sb[i]),
+                                   SBt(sDD, C, V))])
         if cutlass.const_expr(self.tokens):
             toV.store(acc_v.load().to(ab), toV.dest(sDelta))    # Delta is dead
         else:
-            c_tile(thr_mma, mDv[b, c, hv, None, None], (C, V), (0, 0)).store(acc_v.load())
+            c_tile(thr_v, mDv[b, c, hv, None, None], (C, V), (0, 0)).store(acc_v.load())
 
         # ---- phase 12: dk = partial + diag(beta gam) X^T dW + dqk^T q + (dkk + dkk^T) k
         if cutlass.const_expr(roundtrip):
             acc_dk.store(c_tile(thr_mma, gDk, (C, K), (0, 0)).load())
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk,
-                   R(transpose_view(sX, C, C), True, lambda x, i, j: x * (sb[i] * sgam[i])),
-                   Bt(sW, C, K))
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(transpose_view(F2, C, C), True),
-                   Bt(sQ, C, K))
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dk, R(F1, True, None, F1), Bt(sK, C, K))
+        pm.products(acc_dk, K, C, [
+            (RA(transpose_view(sX, C, C), lambda x, i, j: x * (sb[i] * sgam[i])),
+             SBt(sW, C, K)),
+            (RA(transpose_view(F2, C, C)), SBt(sQ, C, K)),
+            (RA(F1, None, F1), SBt(sK, C, K))])
         if cutlass.const_expr(not self.tokens):
-            c_tile(thr_mma, mDk[b, c, hv, None, None], (C, K), (0, 0)).store(acc_dk.load())
+            c_tile(thr_k, mDk[b, c, hv, None, None], (C, K), (0, 0)).store(acc_dk.load())
 
         # ---- phase 13: dq = partial + dqk k
         if cutlass.const_expr(roundtrip):
             acc_dq.store(c_tile(thr_mma, gDq, (C, K), (0, 0)).load())
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_dq, R(F2, True), Bt(sK, C, K))
+        pm.products(acc_dq, K, C, [(RA(F2), SBt(sK, C, K))])
         if cutlass.const_expr(self.norm_bwd):
             # the L2 norm's backward: d_raw = rho (d - y rows(y, d)), y = q, k (16-bit)
             _row_sums(acc_dk, crd_k, r0, lambda e: acc_dk[e] * tKc[e].to(F32), snk, wn)
             _row_sums(acc_dq, crd_k, r0, lambda e: acc_dq[e] * tQc[e].to(F32), snq, wn)
-            cute.arch.sync_threads()
+            bar()
             for e in cutlass.range_constexpr(cute.size(acc_dk)):
                 i, _ = crd_k[e]
                 hi = i == r0
@@ -547,17 +591,17 @@ class ChunkGradSm90:
                 acc_dq[e] = pick(hi, rho_q[0], rho_q[1]) * (
                     acc_dq[e] - tQc[e].to(F32) * rsum(snq, i))
         if cutlass.const_expr(self.tokens):
-            cute.arch.sync_threads()           # q and dW are dead: dq, dk take their place
+            bar()           # q and dW are dead: dq, dk take their place
             toK.store(acc_dk.load().to(ab), toK.dest(sW))
             toK.store(acc_dq.load().to(ab), toK.dest(sQ))
-            cute.arch.sync_threads()
+            bar()
             self._copy_rows(cpV, sDelta, mDv, mRows, b, c, hv, V, False)
             self._copy_rows(cpK, sW, mDk, mRows, b, c, hv, K, False)
             self._copy_rows(cpK, sQ, mDq, mRows, b, c, hv, K, True)
         else:
-            c_tile(thr_mma, mDq[b, c, hv, None, None], (C, K), (0, 0)).store(acc_dq.load())
+            c_tile(thr_k, mDq[b, c, hv, None, None], (C, K), (0, 0)).store(acc_dq.load())
         if cutlass.const_expr(probe):
-            cute.arch.sync_threads()
+            bar()
             marks.append(cute.arch.clock())
 
         # ---- phase 14: the row vectors -> dbeta, dg. First y_l = dG_l + rowsum(dseg)_l -
@@ -569,7 +613,7 @@ class ChunkGradSm90:
                 dG = sgam[l] * (scale * rsum(srq, l) + sb[l] * scs1[l])
                 sy[l] = dG + rsum(srs, l) + rsum(srs2, l) - _col_sum(F3, l)
                 mDbeta[b, c, hv, l] = rsum(sdba, l) + sgam[l] * scs1[l] + scs2[l]
-        cute.arch.sync_threads()
+        bar()
         if cutlass.const_expr("notail" not in self.ablate):
             if tidx < C:
                 l = tidx
@@ -581,7 +625,7 @@ class ChunkGradSm90:
                     acc_g = acc_g + pick(i >= l, sy[i], rsum(sdto, i))   # unrolled: loads run ahead
                 mDg[b, c, hv, l] = acc_g
         if cutlass.const_expr(probe):
-            cute.arch.sync_threads()
+            bar()
             marks.append(cute.arch.clock())
             if tidx == 0:
                 for m in cutlass.range_constexpr(len(marks) - 1):
@@ -667,6 +711,112 @@ class ChunkGradSm90:
 # ------------------------------------------------------------ device-side pieces
 # Plain functions run at trace time inside the kernel (as sm90's helpers): their loops are
 # unrolled Python loops and they hold no dynamic control flow.
+
+def _barrier(gmma: bool):
+    """A CTA barrier; with ``gmma`` a proxy fence first, so that the smem the threads wrote
+    (cp.async, stores) is what the wgmma descriptors read (through the async proxy)."""
+    if gmma:
+        cute.arch.fence_view_async_shared()
+    cute.arch.sync_threads()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SmemOp:
+    """A 16-bit smem tile ``t`` stored [rows, cols] row-major (``sm90.smem_layout``) as an
+    MMA operand: A [M = rows, K = cols] or B [N = rows, K = cols] with ``k_major``, else
+    B [N = cols, K = rows] (the tile read transposed)."""
+    t: object
+    rows: int
+    cols: int
+    k_major: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _RegA:
+    """An A operand [C, C] from the float32 smem ``view`` through registers (``_reg``:
+    value(x, i, j) applied, + the transposed tile with ``plus_transpose``)."""
+    view: object
+    value: object = None
+    plus_transpose: object = None
+
+
+class _Sync:
+    """The products as warp MMAs (ldmatrix + mma.sync, ``tiled_mma`` = ``sm90.warp_mma``):
+    ``products(acc, n, kd, pairs)`` does acc += A B for each (A, B) in turn."""
+
+    def __init__(self, tiled_mma, thr_mma, ab, split, mma_, mma_reg_a_):
+        self.tiled, self.thr, self.ab, self.split = tiled_mma, thr_mma, ab, split
+        self.mma_, self.mma_reg_a_ = mma_, mma_reg_a_
+
+    def products(self, acc, n, kd, pairs):
+        for a, b in pairs:
+            if isinstance(a, _RegA):
+                ops = _reg(self.thr, a.view, True, self.ab, self.split, a.value,
+                           a.plus_transpose)
+                self.mma_reg_a_(self.tiled, kd // MMA_K, acc, ops, b)
+            else:
+                self.mma_(self.tiled, kd // MMA_K, acc, a, b)
+
+
+def _gmma_view(op: _SmemOp, ab):
+    """The tile of ``op`` as a wgmma operand tensor [MN, K]: the same bytes, its swizzle
+    (128-byte rows of eight 16-byte units XORed with the row mod 8, which
+    ``sm90.smem_layout`` builds into the layout) moved onto the pointer, where the
+    descriptors read it."""
+    kind = (warpgroup.SmemLayoutAtomKind.K_SW128 if op.k_major
+            else warpgroup.SmemLayoutAtomKind.MN_SW128)
+    shape, order = ((op.rows, op.cols), (0, 1)) if op.k_major else ((op.cols, op.rows), (1, 0))
+    lay = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, ab), shape, order)
+    return cute.make_tensor(cute.recast_ptr(op.t.iterator, lay.inner, ab), lay.outer)
+
+
+class _Gmma:
+    """The products as warpgroup MMAs of the CTA's two 4-warp groups, each taking half of
+    N (m64 n(N/2) k16, float32 accumulators): ``products(acc, n, kd, pairs)`` issues
+    acc += A B for every pair (A: ``_SmemOp`` K-major or ``_RegA``; B: ``_SmemOp``) and
+    waits for them. ``tiled(n)`` / ``thr(n)``: the tiled MMA (its slice) whose accumulator
+    partition a [C, n] result has - the same for every operand source and major mode."""
+
+    def __init__(self, ab, tidx, split: bool, on: bool = True):
+        self.ab, self.tidx, self.split, self.on = ab, tidx, split, on
+        self._tiled = {}
+
+    def tiled(self, n: int, reg_a: bool = False, a_k: bool = True, b_k: bool = True):
+        key = (n, reg_a, a_k, b_k)
+        if key not in self._tiled:
+            mode = lambda k: OperandMajorMode.K if k else OperandMajorMode.MN
+            t = sm90_utils.make_trivial_tiled_mma(
+                self.ab, self.ab, mode(a_k), mode(b_k), cutlass.Float32, (1, 2, 1),
+                tiler_mn=(C, n // 2),
+                a_source=warpgroup.OperandSource.RMEM if reg_a else warpgroup.OperandSource.SMEM)
+            t.set(warpgroup.Field.ACCUMULATE, True)      # every product adds to acc
+            self._tiled[key] = t
+        return self._tiled[key]
+
+    def thr(self, n: int):
+        return self.tiled(n).get_slice(self.tidx)
+
+    def products(self, acc, n, kd, pairs):
+        if not self.on:
+            return
+        for a, b in pairs:
+            reg = isinstance(a, _RegA)
+            tiled = self.tiled(n, reg, True if reg else a.k_major, b.k_major)
+            thr = tiled.get_slice(self.tidx)
+            fb = tiled.make_fragment_B(thr.partition_B(_gmma_view(b, self.ab)))
+            if reg:
+                fas = [o.frag for o in _reg(thr, a.view, True, self.ab, self.split, a.value,
+                                            a.plus_transpose)]
+            else:
+                fas = [tiled.make_fragment_A(thr.partition_A(_gmma_view(a, self.ab)))]
+            # after the registers (accumulator, A) were last written by other instructions
+            warpgroup.fence()
+            for fa in fas:
+                for kb in range(kd // MMA_K):
+                    cute.gemm(tiled, acc, fa[None, None, kb], fb[None, None, kb], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
 
 def _reg(thr_mma, view, is_a: bool, ab, split: bool, value=None, plus_transpose=None):
     """The [C, C] float32 smem ``view`` (A: [M, K]; B: [N, K]) as register MMA operands:
@@ -765,11 +915,11 @@ def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
                warps_n: int = 2, tokens: bool = False,
                head_major: bool = False, tokens_in: bool = False,
                norm_bwd: bool = False, do_tokens: bool = False,
-               l2norm: bool = False) -> ChunkGradSm90:
+               l2norm: bool = False, gmma: bool = False) -> ChunkGradSm90:
     key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in, norm_bwd,
-           do_tokens, l2norm)
+           do_tokens, l2norm, gmma)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
                                       tokens, head_major, tokens_in, norm_bwd, do_tokens,
-                                      l2norm)
+                                      l2norm, gmma)
     return _KERNELS[key]

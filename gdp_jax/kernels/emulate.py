@@ -218,12 +218,12 @@ def _readout_rows_of(x, n):
 
 
 def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
-                    split=True, ablate="", warps_n=2):
+                    split=True, ablate="", warps_n=2, gmma=False):
     """The local-gradient kernel's contract (``LocalGradKernel.raw_call``): the chunk
     inputs' cotangents (dq, dk, dv, dg, dbeta) as :func:`gdp_jax.chunked.local_grads_direct`
     computes them from the given factors w, u, X, with q, k, v, w, doc, S0 rounded to
     ``ab_dtype`` as the kernel reads them; one readout scale per row."""
-    del split, ablate, warps_n          # the kernel's tuning / measurement knobs
+    del split, ablate, warps_n, gmma    # the kernel's tuning / measurement knobs
     acc = jnp.promote_types(jnp.float32, ab_dtype)
     rd = lambda x: x.astype(ab_dtype).astype(acc)
     ch = ChunkInputs(rd(q), rd(k), rd(v), g.astype(acc), beta.astype(acc))
@@ -238,7 +238,7 @@ def local_grad_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dty
 
 def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n,
                            T, ab_dtype, split=True, warps_n=2, tokens_in=False, rho=None,
-                           do_tokens=False, l2norm=False):
+                           do_tokens=False, l2norm=False, gmma=False):
     """The token-major local-gradient kernel's contract (``LocalGradKernel.raw_call_tokens``):
     :func:`local_grad_call`'s dq, dk, dv moved to their token-major rows by the row table
     ``rows`` [B, NC, 4] = (base, count, tok, n) and rounded to ``ab_dtype``: chunk row
@@ -254,7 +254,7 @@ def local_grad_tokens_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ro
     :func:`chunk_prep_tokens_call` does), and rho is their own
     (:func:`gdp_jax.reference.l2_norm_scale`)."""
     from gdp_jax.reference import l2_norm_scale, l2_normalize
-    del warps_n                         # a tuning knob
+    del warps_n, gmma                   # tuning knobs (the products' machinery)
     if do_tokens:
         C = g.shape[-1]
         doc = _gather_rows(rows, C, doc, True)

@@ -39,6 +39,9 @@ WARPS_N = 2
 # (8, 4096, 16, 2), s20-2, with every gradient still closer to float64 than FLA's:
 # benchmarks/results/CURRENT.md). The prebuilt variants are this setting's.
 SPLIT = False
+# the kernel's products as warpgroup MMAs (wgmma) where their operands allow
+# (``chunk_grad_sm90.ChunkGradSm90``'s ``gmma``; 8 warps only): an opt-in under measurement
+GMMA = False
 
 
 class LocalGradKernel:
@@ -68,18 +71,19 @@ class LocalGradKernel:
     @classmethod
     def call(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, *, scale: float, ab_dtype,
              split: Optional[bool] = None, ablate: str = "",
-             warps_n: Optional[int] = None):
+             warps_n: Optional[int] = None, gmma: Optional[bool] = None):
         """-> (dq, dk [B, NC, HV, C, K], dv [B, NC, HV, C, V], dg, dbeta [B, NC, HV, C]),
         float32; ``jax.vmap``-able.
 
         q, k, w: [B, NC, HV, C, K]; v, u, doc: [B, NC, HV, C, V]; g, beta: [B, NC, HV, C];
         X: [B, NC, HV, C, C]; S0, ds_end: [B, NC, HV, K, V] (any float dtypes: q, k, v,
         w, doc and S0 enter the kernel in ``ab_dtype``, ds_end in ``ab_dtype`` if it is
-        in it, the rest in float32).
+        in it, the rest in float32). ``split``, ``ablate``, ``warps_n``, ``gmma``: as
+        :meth:`raw_call`'s.
         """
         wn = WARPS_N if warps_n is None else warps_n
         f = binding.vmappable(lambda *a: cls.raw_call(*a, ab_dtype=ab_dtype, split=split,
-                                                      ablate=ablate, warps_n=wn),
+                                                      ablate=ablate, warps_n=wn, gmma=gmma),
                               out_kinds=("rows",) * 5)
         # float32 for the kernel (raw_call casts); float64 only in emulated tests
         scale_rows = jnp.full(k.shape[:1], scale, jnp.promote_types(jnp.float32, ab_dtype))
@@ -88,11 +92,12 @@ class LocalGradKernel:
     @staticmethod
     def raw_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
                  split: Optional[bool] = None, ablate: str = "",
-                 warps_n: Optional[int] = None):
+                 warps_n: Optional[int] = None, gmma: Optional[bool] = None):
         """:meth:`call` on its operands in the kernel's order, ``scale`` [B] float32 (one
         per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo (None:
         :data:`SPLIT`);
         ``warps_n``: warps along N (4, 8 or 16 warps a CTA; None: :data:`WARPS_N`);
+        ``gmma``: warpgroup MMAs (8 warps only; None: :data:`GMMA`);
         ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
@@ -107,7 +112,7 @@ class LocalGradKernel:
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
-            ablate=ablate, warps_n=int(WARPS_N if warps_n is None else warps_n))
+            ablate=ablate, **_mma_kind(warps_n, gmma))
 
     @staticmethod
     def can_write_tokens(spec, ch) -> bool:
@@ -176,7 +181,8 @@ class LocalGradKernel:
     def raw_call_tokens(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, *, n: int,
                         T: int, ab_dtype, split: Optional[bool] = None,
                         warps_n: Optional[int] = None, tokens_in: bool = False, rho=None,
-                        do_tokens: bool = False, l2norm: bool = False):
+                        do_tokens: bool = False, l2norm: bool = False,
+                        gmma: Optional[bool] = None):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
@@ -226,7 +232,7 @@ class LocalGradKernel:
             + (1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
-            warps_n=int(WARPS_N if warps_n is None else warps_n),
+            **_mma_kind(warps_n, gmma),
             **({"tokens_in": True} if tokens_in else {}),
             **({"do_tokens": True} if do_tokens else {}),
             **({"l2norm": True} if l2norm else {}))
@@ -296,6 +302,17 @@ class LocalGradKernel:
         return out
 
 
+def _mma_kind(warps_n, gmma) -> dict:
+    """The launchers' warps_n and (only when on, so the prebuilt variants' keys stay
+    as they were) gmma, from the call's arguments or :data:`WARPS_N`, :data:`GMMA`."""
+    wn = int(WARPS_N if warps_n is None else warps_n)
+    gm = bool(GMMA if gmma is None else gmma)
+    if gm and wn != 2:
+        raise ValueError(f"gmma (warpgroup MMAs) needs warps_n=2 (two 4-warp groups); "
+                         f"got warps_n={wn}")
+    return {"warps_n": wn, **({"gmma": True} if gm else {})}
+
+
 def _checked_row_norms(rho, B, n, T, HV):
     """(rho_q, rho_k) checked: float32 [B, T, H] and [B, n T, H] with H dividing HV."""
     rho_q, rho_k = rho
@@ -358,9 +375,10 @@ def _launcher():
     def launch(stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, dq, dk, dv, dg,
                dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
-               ablate: cutlass.Constexpr, warps_n: cutlass.Constexpr):
+               ablate: cutlass.Constexpr, warps_n: cutlass.Constexpr,
+               gmma: cutlass.Constexpr = False):
         # (no row table, no row norms: ``scale`` fills their slots, unread)
-        mod.get_kernel(K, V, ab_name, split, ablate, warps_n)(
+        mod.get_kernel(K, V, ab_name, split, ablate, warps_n, gmma=gmma)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, scale, scale, scale,
             dq, dk, dv, dg, dbeta)
 
@@ -379,10 +397,12 @@ def _launcher_tokens():
                dg, dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
-               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False):
+               tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
+               gmma: cutlass.Constexpr = False):
         # (no row norms: ``scale`` fills their slots, unread)
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
-                       head_major=head_major, tokens_in=tokens_in, do_tokens=do_tokens)(
+                       head_major=head_major, tokens_in=tokens_in, do_tokens=do_tokens,
+                       gmma=gmma)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, scale, scale,
             dq, dk, dv, dg, dbeta)
 
@@ -402,10 +422,10 @@ def _launcher_tokens_norm():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
                tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
-               l2norm: cutlass.Constexpr = False):
+               l2norm: cutlass.Constexpr = False, gmma: cutlass.Constexpr = False):
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, norm_bwd=True,
-                       do_tokens=do_tokens, l2norm=l2norm)(
+                       do_tokens=do_tokens, l2norm=l2norm, gmma=gmma)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,
             dq, dk, dv, dg, dbeta)
 
