@@ -987,6 +987,21 @@ def test_probe_variants_compile():
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(lg, *avals)
 
 
+def test_mma_rate_kernels_compile():
+    """benchmarks/mma_rate.py's product kernels (mma.sync + ldmatrix; wgmma with both
+    operands from the smem tiles through pointer-swizzled views; wgmma with A from
+    registers) lower to a custom call for sm_90a; bad operands are refused by name."""
+    import functools
+    from benchmarks.mma_rate import MODES, product_cycles
+    a, b = S((2, 64, 64), jnp.bfloat16), S((2, 64, 128), jnp.bfloat16)
+    for mode in MODES:
+        f = functools.partial(product_cycles, mode=mode, reps=2)
+        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, a, b), mode
+    with pytest.raises(ValueError, match="^b: bf16"):
+        jax.eval_shape(functools.partial(product_cycles, mode="sync"), a,
+                       S((2, 32, 128), jnp.bfloat16))
+
+
 def test_load_rate_kernels_compile():
     """benchmarks/load_rate.py's two copy kernels (every thread's cp.async, one thread's
     bulk copies with an mbarrier) lower to a custom call for sm_90a."""
