@@ -62,7 +62,7 @@ def main(argv=None):
     p.add_argument("--lg-variants", default="",
                    help="local-gradient kernel: more chunk-major variants to time and probe "
                         "(';' list of ablate strings whose results are right, e.g. roundtrip; "
-                        "'gmma' in one: warpgroup MMAs)")
+                        "'gmma' / 'gmmao' in one: warpgroup MMAs, and overlapped)")
     a = p.parse_args(argv)
 
     import jax
@@ -185,9 +185,11 @@ def main(argv=None):
                 *x, n=n, T=T, ab_dtype="bfloat16", **kw), *args_, lrows)
 
         for v in (x for x in a.lg_variants.split(";") if x):
-            # "gmma" in a variant: the kernel's products as warpgroup MMAs; the rest ablate
-            gm = "gmma" in v.split(",")
-            abl = ",".join(x for x in v.split(",") if x != "gmma")
+            # "gmma" / "gmmao" in a variant: the kernel's products as warpgroup MMAs (and
+            # overlapped); the rest ablate
+            parts = v.split(",")
+            gm = "overlap" if "gmmao" in parts else "gmma" in parts
+            abl = ",".join(x for x in parts if x not in ("gmma", "gmmao"))
             timed(f"local grad [{v}]", lambda *x, abl=abl, gm=gm: LocalGradKernel.raw_call(
                 *x, ab_dtype="bfloat16", ablate=abl, gmma=gm), *lg)
             res = timed(f"local grad probe [{v}]",

@@ -85,11 +85,11 @@ mma_probe() {
 gmma_ab() {
   step 170 t_gmma $P tests/test_cutedsl_gpu.py -k "gmma_gradients_match or local_grad_kernel_matches_float64"
   grep -hE "^(FAILED|ERROR)|passed|failed|vs float64|vs warp|Error" $M/t_gmma.log | tail -30 | cut -c1-250
-  step 130 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
-    --shape 8,4096,16,2 --lg-variants "gmma" --json $M/lg.json
+  step 150 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+    --shape 8,4096,16,2 --lg-variants "gmma;gmmao" --json $M/lg.json
   grep -hE "local grad|probe" $M/lg.log | cut -c1-200
-  step 170 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmma,fla \
-    --shapes "8,4096,16,2" --deadline 150 --out $M/gm
+  step 190 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmma,cutedsl+gmmao,fla \
+    --shapes "8,4096,16,2" --deadline 170 --out $M/gm
   rows $M/gm.log
 }
 layers_and_trace() {

@@ -728,22 +728,30 @@ def test_norm_in_kernels_matches(monkeypatch, B, n, H, HV, K, V, packed):
     compare(tag + " vs ref", got, ref, GRAD_TOL)
 
 
+@pytest.mark.parametrize("mode", [True, "overlap"])
 @pytest.mark.parametrize("B,n,H,HV,K,V,packed", [
     (2, 2, 4, 4, 128, 128, False),
     (2, 3, 1, 3, 64, 128, True),                           # GVA, K != V, packed
     (2, 1, 2, 2, 128, 64, False),
 ])
-def test_gmma_gradients_match(monkeypatch, B, n, H, HV, K, V, packed):
+def test_gmma_gradients_match(monkeypatch, B, n, H, HV, K, V, packed, mode):
     """``local_grad.GMMA``: the local-gradient kernel's products as warpgroup MMAs (wgmma,
-    operands read from the smem tiles through descriptors): the op's results within a few
-    16-bit roundings of the warp-MMA kernel's (the products sum in another order), every
-    one no farther from float64 (x 1.25), and within GRAD_TOL of float64."""
+    operands read from the smem tiles through descriptors; "overlap": independent ones
+    issued together): the op's results within a few 16-bit roundings of the warp-MMA
+    kernel's (the products sum in another order), every one no farther from float64
+    (x 1.25), and within GRAD_TOL of float64."""
     from gdp_jax.kernels import local_grad
     args, cu, calls = _local_grad_case(monkeypatch, 37, B, n, H, HV, K, V, packed,
                                        lambda k: local_grad.GMMA)
-    base, got = grads_off_on(monkeypatch, local_grad, "GMMA", args, cu)
-    assert calls == [False, True], calls
-    tag = f"gmma B={B} n={n} HV={HV} K={K} V={V} packed={packed}"
+    out = []
+    for value in (False, mode):         # read at trace time: a fresh jit each
+        monkeypatch.setattr(local_grad, "GMMA", value)
+        _grad_fn.cache_clear()
+        out.append(grads("cutedsl", args, cu=cu))
+    _grad_fn.cache_clear()
+    base, got = out
+    assert calls == [False, mode], calls
+    tag = f"gmma={mode} B={B} n={n} HV={HV} K={K} V={V} packed={packed}"
     compare(tag + " vs warp MMAs", got, base, 1e-2)
     ref = grads("reference", args, cu=cu)
     for nm, a, b, r in zip(NAMES, got, base, ref):
@@ -1039,10 +1047,13 @@ def test_local_grad_kernel_matches_float64(K, V, strong):
     engine's default, ``kernels.local_grad.SPLIT``); with the products as warpgroup MMAs
     (``local_grad.GMMA``) no farther from float64."""
     from benchmarks.local_grad import precision
-    row = precision([(K, V, strong)], variants=("nosplit", "nosplit,gmma"))[0]
+    row = precision([(K, V, strong)],
+                    variants=("nosplit", "nosplit,gmma", "nosplit,gmmao"))[0]
     assert row["finite"]
     assert max(row["kernel"].values()) < 1e-2, row
     assert max(row["kernel[nosplit]"].values()) < 1e-2, row
-    # the products as warpgroup MMAs (local_grad.GMMA): as close to float64 (x 1.25)
-    for nm, e in row["kernel[nosplit,gmma]"].items():
-        assert e < 1.25 * row["kernel[nosplit]"][nm] + 1e-4, (nm, row)
+    # the products as warpgroup MMAs (local_grad.GMMA, also overlapped): as close to
+    # float64 (x 1.25)
+    for v in ("nosplit,gmma", "nosplit,gmmao"):
+        for nm, e in row[f"kernel[{v}]"].items():
+            assert e < 1.25 * row["kernel[nosplit]"][nm] + 1e-4, (v, nm, row)

@@ -1015,20 +1015,21 @@ def test_load_rate_kernels_compile():
         copy_cycles(jnp.zeros((4, 8 * 256), jnp.bfloat16), mode="ldg")
 
 
-@pytest.mark.parametrize("match", [
-    "gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm",   # the op's backward
-    "gdp_chunk_grad_sm90 bfloat16 K=64 V=128 dS_end float32",            # chunk-major, CP
+@pytest.mark.parametrize("match,mode", [
+    ("gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm", True),  # the op's
+    ("gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm", "overlap"),
+    ("gdp_chunk_grad_sm90 bfloat16 K=64 V=128 dS_end float32", "overlap"),      # CP
 ])
-def test_gmma_local_grad_kernel_compiles(monkeypatch, match):
+def test_gmma_local_grad_kernel_compiles(monkeypatch, match, mode):
     """``local_grad.GMMA``: the local-gradient kernel with its products as warpgroup MMAs
-    (wgmma descriptors on the kernel's own smem tiles, register A operands) compiles to
-    sm_90a - another object than the warp-MMA kernel's; with warps_n other than 2 the call
-    refuses."""
+    (wgmma descriptors on the kernel's own smem tiles, register A operands; "overlap":
+    independent products issued together) compiles to sm_90a - another object than the
+    warp-MMA kernel's; with warps_n other than 2 or an unknown mode the call refuses."""
     from gdp_jax.kernels import local_grad
     from gdp_jax.kernels.local_grad import LocalGradKernel
     (v,) = [v for v in LocalGradKernel.variants() if v.what == match]
     texts = []
-    for on in (False, True):
+    for on in (False, mode):
         monkeypatch.setattr(local_grad, "GMMA", on)
         jax.clear_caches()          # the switch is read at trace time
         texts.append(_lower(v.fn, *v.avals))
@@ -1036,3 +1037,5 @@ def test_gmma_local_grad_kernel_compiles(monkeypatch, match):
     assert texts[0] != texts[1]
     with pytest.raises(ValueError, match="gmma .* needs warps_n=2"):
         jax.eval_shape(lambda *a: v.fn(*a, warps_n=1), *v.avals)
+    with pytest.raises(ValueError, match="gmma: False, True or 'overlap'"):
+        jax.eval_shape(lambda *a: v.fn(*a, gmma="async"), *v.avals)

@@ -95,7 +95,7 @@ class ChunkGradSm90:
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
                  warps_n: int = 2, tokens: bool = False, head_major: bool = False,
                  tokens_in: bool = False, norm_bwd: bool = False, do_tokens: bool = False,
-                 l2norm: bool = False, gmma: bool = False):
+                 l2norm: bool = False, gmma: bool = False, overlap: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -139,6 +139,11 @@ class ChunkGradSm90:
         # (a B operand from float32 registers) stay warp MMAs
         self.gmma = gmma
         assert not gmma or (warps_n == 2 and "roundtrip" not in self.ablate)
+        # with gmma: independent products issued together and their results taken as they
+        # land (wgmma runs asynchronously): QG beside the sum(dS_end S0) loads, w S0 beside
+        # K dS_end, the three [C, K] products of phases 4-6 at once, phase 7's two at once
+        self.overlap = overlap
+        assert gmma or not overlap
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -370,23 +375,18 @@ class ChunkGradSm90:
         r0, _ = crd_c[0]                       # this thread's accumulator rows r0, r0 + 8
         acc_cc = make_acc(thr_c, (C, C))
         acc_cc.fill(0.0)
-        pm.products(acc_cc, C, K, [(SA(sQ, K), SB(sK, C, K))])
+        pm.issue(acc_cc, C, K, [(SA(sQ, K), SB(sK, C, K))])
+        pm.commit()
+        if cutlass.const_expr(ds16 and self.overlap):
+            self._sum_ds_s0(cpV, sDS, sS0, sred, tidx)
+        pm.wait(0)
         tQGc = thr_c.partition_C(sQG)
         tGc = thr_c.partition_C(sGam)
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             i, j = crd_c[e]
             tQGc[e] = pick(j <= i, acc_cc[e] * tGc[e], F32(0.0))
-        if cutlass.const_expr(ds16):
-            cute.arch.cp_async_wait_group(0)   # w, doc, S0, dS_end: their own copies
-            # sum(dS_end S0) over this thread's copy elements (the same in both tiles)
-            dS16, S016 = cpV.dest(sDS), cpV.dest(sS0)
-            rD, rS = cute.make_fragment_like(dS16), cute.make_fragment_like(S016)
-            cute.autovec_copy(dS16, rD)
-            cute.autovec_copy(S016, rS)
-            dlast = F32(0.0)
-            for e in cutlass.range_constexpr(cute.size(rD)):
-                dlast = dlast + rD[e].to(F32) * rS[e].to(F32)
-            _warp_partials(dlast, sred, tidx)
+        if cutlass.const_expr(ds16 and not self.overlap):
+            self._sum_ds_s0(cpV, sDS, sS0, sred, tidx)
         bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
@@ -396,13 +396,24 @@ class ChunkGradSm90:
         crd_k = thr_k.partition_C(cute.make_identity_tensor((C, K)))
         acc_v = make_acc(thr_v, (C, V))
         acc_v.fill(0.0)
-        pm.products(acc_v, V, K, [(SA(sW, K), SBt(sS0, K, V))])
+        pm.issue(acc_v, V, K, [(SA(sW, K), SBt(sS0, K, V))])
+        pm.commit()
+        if cutlass.const_expr(self.overlap):
+            acc_v3 = make_acc(thr_v, (C, V))      # phase 3's first product, issued now
+            acc_v3.fill(0.0)
+            pm.issue(acc_v3, V, K, [(SA(sK, K), SBt(sDS, K, V))])
+            pm.commit()
+        pm.wait(1 if self.overlap else 0)
         toV = acc_to_smem(tiled_v, tidx, acc_v, ab)
         toV.store((u - acc_v.load()).to(ab), toV.dest(sDelta))
 
         # ---- phase 3: ddelta = diag(et) K dS_end + scale QG^T doc -> smem (16-bit)
-        acc_v.fill(0.0)
-        pm.products(acc_v, V, K, [(SA(sK, K), SBt(sDS, K, V))])
+        if cutlass.const_expr(self.overlap):
+            pm.wait(0)
+            acc_v = acc_v3
+        else:
+            acc_v.fill(0.0)
+            pm.products(acc_v, V, K, [(SA(sK, K), SBt(sDS, K, V))])
         for e in cutlass.range_constexpr(cute.size(acc_v)):
             i, _ = crd_v[e]
             acc_v[e] = acc_v[e] * set_[i]
@@ -421,7 +432,19 @@ class ChunkGradSm90:
         # through their global outputs instead, the first version, for A/B timing)
         acc_dk = make_acc(thr_k, (C, K))
         acc_dk.fill(0.0)
-        pm.products(acc_dk, K, V, [(SA(sDelta, V), SB(sDS, K, V))])
+        pm.issue(acc_dk, K, V, [(SA(sDelta, V), SB(sDS, K, V))])
+        pm.commit()
+        if cutlass.const_expr(self.overlap):
+            # phases 5 and 6's products now, each its own group (taken in turn below)
+            acc_k = make_acc(thr_k, (C, K))
+            acc_k.fill(0.0)
+            pm.issue(acc_k, K, V, [(SA(sDD, V), SB(sS0, K, V))])
+            pm.commit()
+            acc_dq = make_acc(thr_k, (C, K))
+            acc_dq.fill(0.0)
+            pm.issue(acc_dq, K, V, [(SA(sDo, V), SB(sS0, K, V))])
+            pm.commit()
+        pm.wait(2 if self.overlap else 0)
         tKc = thr_k.partition_C(sK)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             i, _ = crd_k[e]
@@ -439,16 +462,22 @@ class ChunkGradSm90:
         cute.arch.cp_async_commit_group()
 
         # ---- phase 5: dW = -ddelta S0^T -> smem (16-bit, where w was)
-        acc_k = make_acc(thr_k, (C, K))
-        acc_k.fill(0.0)
-        pm.products(acc_k, K, V, [(SA(sDD, V), SB(sS0, K, V))])
+        if cutlass.const_expr(self.overlap):
+            pm.wait(1)
+        else:
+            acc_k = make_acc(thr_k, (C, K))
+            acc_k.fill(0.0)
+            pm.products(acc_k, K, V, [(SA(sDD, V), SB(sS0, K, V))])
         toK = acc_to_smem(tiled_k, tidx, acc_k, ab)
         toK.store((acc_k.load() * -1.0).to(ab), toK.dest(sW))
 
         # ---- phase 6: diag(scale gam) doS0 -> dq (partial, registers); rq = rows(q, doS0)
-        acc_dq = make_acc(thr_k, (C, K))
-        acc_dq.fill(0.0)
-        pm.products(acc_dq, K, V, [(SA(sDo, V), SB(sS0, K, V))])
+        if cutlass.const_expr(self.overlap):
+            pm.wait(0)
+        else:
+            acc_dq = make_acc(thr_k, (C, K))
+            acc_dq.fill(0.0)
+            pm.products(acc_dq, K, V, [(SA(sDo, V), SB(sS0, K, V))])
         tQc = thr_k.partition_C(sQ)
         _row_sums(acc_dq, crd_k, r0, lambda e: acc_dq[e] * tQc[e].to(F32), srq, wn)
         for e in cutlass.range_constexpr(cute.size(acc_dq)):
@@ -465,8 +494,13 @@ class ChunkGradSm90:
         acc_cc.fill(0.0)
         acc_c2 = make_acc(thr_c, (C, C))
         acc_c2.fill(0.0)
-        pm.products(acc_cc, C, K, [(SA(sW, K), SB(sK, C, K))])
-        pm.products(acc_c2, C, V, [(SA(sDD, V), SB(sV, C, V))])
+        pm.issue(acc_cc, C, K, [(SA(sW, K), SB(sK, C, K))])
+        if cutlass.const_expr(not self.overlap):
+            pm.commit()
+            pm.wait(0)
+        pm.issue(acc_c2, C, V, [(SA(sDD, V), SB(sV, C, V))])
+        pm.commit()
+        pm.wait(0)
         t1 = thr_c.partition_C(F1)
         t2 = thr_c.partition_C(F2)
         t3 = thr_c.partition_C(F3)
@@ -631,6 +665,20 @@ class ChunkGradSm90:
                 for m in cutlass.range_constexpr(len(marks) - 1):
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
 
+    def _sum_ds_s0(self, cpV, sDS, sS0, sred, tidx):
+        """sum(dS_end S0) of the 16-bit tiles into ``sred`` (per warp) once their copies
+        landed: over this thread's copy elements (the same in both tiles). Runs at trace
+        time (plain Python)."""
+        cute.arch.cp_async_wait_group(0)   # w, doc, S0, dS_end: their own copies
+        dS16, S016 = cpV.dest(sDS), cpV.dest(sS0)
+        rD, rS = cute.make_fragment_like(dS16), cute.make_fragment_like(S016)
+        cute.autovec_copy(dS16, rD)
+        cute.autovec_copy(S016, rS)
+        dlast = F32(0.0)
+        for e in range(cute.size(rD)):
+            dlast = dlast + rD[e].to(F32) * rS[e].to(F32)
+        _warp_partials(dlast, sred, tidx)
+
     def _normalize_tile(self, cp, s, row_scale):
         """The rows of a 16-bit [C, K] smem tile L2-normalised in place, this thread's
         ``cp`` (``g2s``) pieces, with each row's factor rho into ``row_scale`` [C]. Runs at
@@ -742,11 +790,21 @@ class _RegA:
 
 class _Sync:
     """The products as warp MMAs (ldmatrix + mma.sync, ``tiled_mma`` = ``sm90.warp_mma``):
-    ``products(acc, n, kd, pairs)`` does acc += A B for each (A, B) in turn."""
+    ``products(acc, n, kd, pairs)`` does acc += A B for each (A, B) in turn (``issue``
+    the same; ``commit``, ``wait``: nothing to do)."""
 
     def __init__(self, tiled_mma, thr_mma, ab, split, mma_, mma_reg_a_):
         self.tiled, self.thr, self.ab, self.split = tiled_mma, thr_mma, ab, split
         self.mma_, self.mma_reg_a_ = mma_, mma_reg_a_
+
+    def issue(self, acc, n, kd, pairs):
+        self.products(acc, n, kd, pairs)
+
+    def commit(self):
+        pass
+
+    def wait(self, pending: int):
+        pass
 
     def products(self, acc, n, kd, pairs):
         for a, b in pairs:
@@ -774,7 +832,8 @@ class _Gmma:
     """The products as warpgroup MMAs of the CTA's two 4-warp groups, each taking half of
     N (m64 n(N/2) k16, float32 accumulators): ``products(acc, n, kd, pairs)`` issues
     acc += A B for every pair (A: ``_SmemOp`` K-major or ``_RegA``; B: ``_SmemOp``) and
-    waits for them. ``tiled(n)`` / ``thr(n)``: the tiled MMA (its slice) whose accumulator
+    waits for them; ``issue`` / ``commit`` / ``wait`` do it in steps (a committed group
+    runs while the threads do other work). ``tiled(n)`` / ``thr(n)``: the tiled MMA (its slice) whose accumulator
     partition a [C, n] result has - the same for every operand source and major mode."""
 
     def __init__(self, ab, tidx, split: bool, on: bool = True):
@@ -797,6 +856,22 @@ class _Gmma:
         return self.tiled(n).get_slice(self.tidx)
 
     def products(self, acc, n, kd, pairs):
+        self.issue(acc, n, kd, pairs)
+        self.commit()
+        self.wait(0)
+
+    def commit(self):
+        if self.on:
+            warpgroup.commit_group()
+
+    def wait(self, pending: int):
+        """Until at most ``pending`` of the committed groups are still running (they
+        complete in order)."""
+        if self.on:
+            warpgroup.wait_group(pending)
+
+    def issue(self, acc, n, kd, pairs):
+        """Start acc += A B for every pair (no commit, no wait)."""
         if not self.on:
             return
         for a, b in pairs:
@@ -814,8 +889,6 @@ class _Gmma:
             for fa in fas:
                 for kb in range(kd // MMA_K):
                     cute.gemm(tiled, acc, fa[None, None, kb], fb[None, None, kb], acc)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
 
 def _reg(thr_mma, view, is_a: bool, ab, split: bool, value=None, plus_transpose=None):
@@ -915,11 +988,12 @@ def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
                warps_n: int = 2, tokens: bool = False,
                head_major: bool = False, tokens_in: bool = False,
                norm_bwd: bool = False, do_tokens: bool = False,
-               l2norm: bool = False, gmma: bool = False) -> ChunkGradSm90:
+               l2norm: bool = False, gmma: bool = False,
+               overlap: bool = False) -> ChunkGradSm90:
     key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in, norm_bwd,
-           do_tokens, l2norm, gmma)
+           do_tokens, l2norm, gmma, overlap)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
                                       tokens, head_major, tokens_in, norm_bwd, do_tokens,
-                                      l2norm, gmma)
+                                      l2norm, gmma, overlap)
     return _KERNELS[key]

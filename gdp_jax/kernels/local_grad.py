@@ -40,7 +40,8 @@ WARPS_N = 2
 # benchmarks/results/CURRENT.md). The prebuilt variants are this setting's.
 SPLIT = False
 # the kernel's products as warpgroup MMAs (wgmma) where their operands allow
-# (``chunk_grad_sm90.ChunkGradSm90``'s ``gmma``; 8 warps only): an opt-in under measurement
+# (``chunk_grad_sm90.ChunkGradSm90``'s ``gmma``; 8 warps only): an opt-in under
+# measurement; "overlap": and independent products issued together (its ``overlap``)
 GMMA = False
 
 
@@ -71,7 +72,7 @@ class LocalGradKernel:
     @classmethod
     def call(cls, q, k, v, g, beta, w, u, X, S0, doc, ds_end, *, scale: float, ab_dtype,
              split: Optional[bool] = None, ablate: str = "",
-             warps_n: Optional[int] = None, gmma: Optional[bool] = None):
+             warps_n: Optional[int] = None, gmma=None):
         """-> (dq, dk [B, NC, HV, C, K], dv [B, NC, HV, C, V], dg, dbeta [B, NC, HV, C]),
         float32; ``jax.vmap``-able.
 
@@ -92,12 +93,13 @@ class LocalGradKernel:
     @staticmethod
     def raw_call(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, *, ab_dtype,
                  split: Optional[bool] = None, ablate: str = "",
-                 warps_n: Optional[int] = None, gmma: Optional[bool] = None):
+                 warps_n: Optional[int] = None, gmma=None):
         """:meth:`call` on its operands in the kernel's order, ``scale`` [B] float32 (one
         per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo (None:
         :data:`SPLIT`);
         ``warps_n``: warps along N (4, 8 or 16 warps a CTA; None: :data:`WARPS_N`);
-        ``gmma``: warpgroup MMAs (8 warps only; None: :data:`GMMA`);
+        ``gmma``: warpgroup MMAs, "overlap" with independent products issued together
+        (8 warps only; None: :data:`GMMA`);
         ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
@@ -182,7 +184,7 @@ class LocalGradKernel:
                         T: int, ab_dtype, split: Optional[bool] = None,
                         warps_n: Optional[int] = None, tokens_in: bool = False, rho=None,
                         do_tokens: bool = False, l2norm: bool = False,
-                        gmma: Optional[bool] = None):
+                        gmma=None):
         """:meth:`raw_call` plus the row table ``rows`` [B, NC, 4] int32 -> dq [B, T, HV, K],
         dk [B, n T, HV, K], dv [B, n T, HV, V] (``ab_dtype``: chunk row i < count is step
         base + i, dq only on the read-out rows, token tok + i // n), dg, dbeta
@@ -306,11 +308,14 @@ def _mma_kind(warps_n, gmma) -> dict:
     """The launchers' warps_n and (only when on, so the prebuilt variants' keys stay
     as they were) gmma, from the call's arguments or :data:`WARPS_N`, :data:`GMMA`."""
     wn = int(WARPS_N if warps_n is None else warps_n)
-    gm = bool(GMMA if gmma is None else gmma)
+    gm = GMMA if gmma is None else gmma
+    if gm not in (False, True, "overlap"):
+        raise ValueError(f"gmma: False, True or 'overlap'; got {gm!r}")
     if gm and wn != 2:
         raise ValueError(f"gmma (warpgroup MMAs) needs warps_n=2 (two 4-warp groups); "
                          f"got warps_n={wn}")
-    return {"warps_n": wn, **({"gmma": True} if gm else {})}
+    return {"warps_n": wn, **({"gmma": True} if gm else {}),
+            **({"overlap": True} if gm == "overlap" else {})}
 
 
 def _checked_row_norms(rho, B, n, T, HV):
@@ -376,9 +381,9 @@ def _launcher():
                dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ablate: cutlass.Constexpr, warps_n: cutlass.Constexpr,
-               gmma: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, overlap: cutlass.Constexpr = False):
         # (no row table, no row norms: ``scale`` fills their slots, unread)
-        mod.get_kernel(K, V, ab_name, split, ablate, warps_n, gmma=gmma)(
+        mod.get_kernel(K, V, ab_name, split, ablate, warps_n, gmma=gmma, overlap=overlap)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, scale, scale, scale,
             dq, dk, dv, dg, dbeta)
 
@@ -398,11 +403,11 @@ def _launcher_tokens():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
                tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
-               gmma: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, overlap: cutlass.Constexpr = False):
         # (no row norms: ``scale`` fills their slots, unread)
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, do_tokens=do_tokens,
-                       gmma=gmma)(
+                       gmma=gmma, overlap=overlap)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, scale, scale,
             dq, dk, dv, dg, dbeta)
 
@@ -422,10 +427,11 @@ def _launcher_tokens_norm():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
                tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
-               l2norm: cutlass.Constexpr = False, gmma: cutlass.Constexpr = False):
+               l2norm: cutlass.Constexpr = False, gmma: cutlass.Constexpr = False,
+               overlap: cutlass.Constexpr = False):
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, norm_bwd=True,
-                       do_tokens=do_tokens, l2norm=l2norm, gmma=gmma)(
+                       do_tokens=do_tokens, l2norm=l2norm, gmma=gmma, overlap=overlap)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,
             dq, dk, dv, dg, dbeta)
 
