@@ -83,14 +83,14 @@ mma_probe() {
   grep -hE "cycles|Error|error:" $M/mma64.log $M/mma128.log $M/mma_full.log | cut -c1-200
 }
 gmma_ab() {
-  step 170 t_gmma $P tests/test_cutedsl_gpu.py -k "gmma_gradients_match or local_grad_kernel_matches_float64"
+  step 180 t_gmma $P tests/test_cutedsl_gpu.py -k "gmma_gradients_match or local_grad_kernel_matches_float64"
   grep -hE "^(FAILED|ERROR)|passed|failed|vs float64|vs warp|Error" $M/t_gmma.log | tail -30 | cut -c1-250
-  step 150 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
-    --shape 8,4096,16,2 --lg-variants "gmma;gmmao" --json $M/lg.json
-  grep -hE "local grad|probe" $M/lg.log | cut -c1-200
   step 190 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmma,cutedsl+gmmao,fla \
     --shapes "8,4096,16,2" --deadline 170 --out $M/gm
   rows $M/gm.log
+  step 150 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+    --shape 8,4096,16,2 --lg-variants "gmma;gmmao" --json $M/lg.json
+  grep -hE "local grad|probe" $M/lg.log | cut -c1-200
 }
 layers_and_trace() {
   # s36: what keeping the operands does in a model - a 4-layer stack under jax.grad,
@@ -339,12 +339,12 @@ case "${1:-2}" in
 33)
   mma_probe ;;
 34)
-  # s37: one product's cycles (mma.sync vs wgmma), then the local-gradient kernel with its
-  # products as warpgroup MMAs (local_grad.GMMA, off): GPU tests, the kernel alone and its
-  # phase probe, fwd+bwd A/B beside tuned FLA; then mode 32 if time is left
+  # s37: the local-gradient kernel with its products as warpgroup MMAs (local_grad.GMMA,
+  # off; True and "overlap"): GPU tests, fwd+bwd A/B beside tuned FLA, the kernel alone and
+  # its phase probe; then one product's cycles (mma_rate) and mode 32 if time is left
+  gmma_ab
   step 60 mma64 python -m benchmarks.mma_rate --kd 64 --n 128 --reps 1,4,8 --ctas 132
   grep -hE "cycles|Error|error:" $M/mma64.log | cut -c1-200
-  gmma_ab
   layers_and_trace ;;
 35)
   gmma_ab ;;
