@@ -144,6 +144,10 @@ class ChunkGradSm90:
         # K dS_end, the three [C, K] products of phases 4-6 at once, phase 7's two at once
         self.overlap = overlap
         assert gmma or not overlap
+        # with gmma and one 16-bit rounding of the [C, C] factors (not split): phases 9 and
+        # 10 as wgmma too, on 16-bit copies of X and dX in smem (where v was); split keeps
+        # them warp MMAs (their B operand hi + lo from registers)
+        self.gmma_all = gmma and not split
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -155,8 +159,9 @@ class ChunkGradSm90:
         sVl = smem_layout(C, V)
         sSl = smem_layout(K, V)
         pad = cute.make_layout((C, C), stride=(C + 1, 1))     # float32, no bank conflicts
-        # region 1: dS_end, later v and one float32 [C, C]; region 2: S0, later two
-        r1 = max(2 * K * V, 2 * C * V + 4 * PAD)
+        # region 1: dS_end, later v (then the 16-bit X and dX of gmma_all) and one float32
+        # [C, C]; region 2: S0, later two
+        r1 = max(2 * K * V, 2 * self._f1_at() + 4 * PAD)
         r2 = max(2 * K * V, 8 * PAD)
 
         @cute.struct
@@ -235,7 +240,9 @@ class ChunkGradSm90:
         sS0 = st.R2.get_tensor(sSl, dtype=ab)
         f32_at = lambda region, elems: cute.make_tensor(
             cute.recast_ptr(region.data_ptr() + elems, dtype=F32), pad)
-        F1 = f32_at(st.R1, C * V)             # dX, then dkk
+        F1 = f32_at(st.R1, self._f1_at())     # dX, then dkk
+        sX16 = cute.make_tensor(st.R1.data_ptr(), smem_layout(C, C))          # gmma_all
+        sDX16 = cute.make_tensor(st.R1.data_ptr() + C * C, smem_layout(C, C))
         F2 = f32_at(st.R2, 0)                 # X o (dW k^T), then dqk
         F3 = f32_at(st.R2, 2 * PAD)           # X o (ddelta v^T), then dseg
         sGam, sX, sQG = st.sGam.get_tensor(pad), st.sX.get_tensor(pad), st.sQG.get_tensor(pad)
@@ -516,6 +523,14 @@ class ChunkGradSm90:
             scs1[tidx] = _col_sum(F2, tidx)
         elif tidx < 2 * C:
             scs2[tidx - C] = _col_sum(F3, tidx - C)
+        elif cutlass.const_expr(self.gmma_all):
+            # v is dead: X and dX as 16-bit wgmma operands where it was (the same
+            # rounding the register operands get)
+            t_ = tidx - 2 * C
+            for m in cutlass.range_constexpr(C * C // (NT - 2 * C)):
+                i, j = (t_ + m * (NT - 2 * C)) // C, (t_ + m * (NT - 2 * C)) % C
+                sX16[i, j] = sX[i, j].to(ab)
+                sDX16[i, j] = F1[i, j].to(ab)
         bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
@@ -535,16 +550,21 @@ class ChunkGradSm90:
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
 
-        # ---- phase 9: T = X^T dX -> sQG (QG is dead). Phases 9, 10: warp MMAs (a B
-        # operand from registers), in thr_mma's partitions
-        if cutlass.const_expr(self.gmma):
+        # ---- phase 9: T = X^T dX -> sQG (QG is dead). With gmma but not gmma_all, phases
+        # 9, 10 are warp MMAs (a B operand from registers), in thr_mma's partitions
+        crd_10 = crd_c
+        if cutlass.const_expr(self.gmma and not self.gmma_all):
             acc_cc = make_acc(thr_mma, (C, C))
             acc_c2 = make_acc(thr_mma, (C, C))
             tGc, t1, t3 = (thr_mma.partition_C(t) for t in (sGam, F1, F3))
             tQGc2 = thr_mma.partition_C(sQG)
+            crd_10 = crd_x
         acc_cc.fill(0.0)
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(transpose_view(sX, C, C), True), None,
-                   R(transpose_view(F1, C, C), False))
+        if cutlass.const_expr(self.gmma_all):
+            pm.products(acc_cc, C, C, [(RA(transpose_view(sX, C, C)), SBt(sDX16, C, C))])
+        else:
+            _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(transpose_view(sX, C, C), True),
+                       None, R(transpose_view(F1, C, C), False))
         bar()
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
             tQGc2[e] = acc_cc[e]
@@ -556,8 +576,13 @@ class ChunkGradSm90:
         # dkk = diag(beta) dA Gam -> F1; dseg += diag(beta) dA KG; dba = rows(dA KG)
         acc_cc.fill(0.0)
         acc_c2.fill(0.0)
-        _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(sQG, True), None, R(sX, False))
-        if cutlass.const_expr(self.gmma):
+        if cutlass.const_expr(self.gmma_all):
+            pm.issue(acc_cc, C, C, [(RA(sQG), SB(sX16, C, C))])
+            pm.issue(acc_c2, C, K, [(SA(sK, K), SB(sK, C, K))])
+            pm.commit()
+            pm.wait(0)
+        elif cutlass.const_expr(self.gmma):
+            _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(sQG, True), None, R(sX, False))
             cA10, _, _ = ldmatrix_copies(tiled_mma, ab, tidx)
             ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False,
                                                               num_matrices=4), ab)
@@ -565,9 +590,10 @@ class ChunkGradSm90:
             mma_(tiled_mma, K // MMA_K, acc_c2, operand(thr_mma, cA10, sK, True),
                  operand(thr_mma, cB10, sK, False))
         else:
+            _mma_reg_a_(tiled_mma, C // MMA_K, acc_cc, R(sQG, True), None, R(sX, False))
             mma_(tiled_mma, K // MMA_K, acc_c2, SA(sK, K), SB(sK, C, K))
         for e in cutlass.range_constexpr(cute.size(acc_cc)):
-            i, j = crd_x[e]
+            i, j = crd_10[e]
             strict = j < i                    # dA = -T X^T below the diagonal, else 0
             da, gm = -acc_cc[e], tGc[e]       # (Gam above the diagonal: unset)
             t = pick(strict, da * (acc_c2[e] * gm), F32(0.0))   # dA KG
@@ -575,8 +601,8 @@ class ChunkGradSm90:
             acc_c2[e] = t
             acc_cc[e] = sb[i] * t                          # dseg's second term
             t3[e] = t3[e] + acc_cc[e]
-        _row_sums(acc_c2, crd_x, r0, lambda e: acc_c2[e], sdba, wn)
-        _row_sums(acc_cc, crd_x, r0, lambda e: acc_cc[e], srs2, wn)
+        _row_sums(acc_c2, crd_10, r0, lambda e: acc_c2[e], sdba, wn)
+        _row_sums(acc_cc, crd_10, r0, lambda e: acc_cc[e], srs2, wn)
         bar()
         if cutlass.const_expr(probe):
             marks.append(cute.arch.clock())
@@ -664,6 +690,11 @@ class ChunkGradSm90:
             if tidx == 0:
                 for m in cutlass.range_constexpr(len(marks) - 1):
                     mDbeta[b, c, hv, m] = (marks[m + 1] - marks[m]).to(F32)
+
+    def _f1_at(self) -> int:
+        """Where the float32 tile F1 starts in region 1, in 16-bit elements: after v
+        [C, V] (and with ``gmma_all`` after the 16-bit X and dX [C, C] that replace it)."""
+        return max(C * self.V, 2 * C * C) if self.gmma_all else C * self.V
 
     def _sum_ds_s0(self, cpV, sDS, sS0, sred, tidx):
         """sum(dS_end S0) of the 16-bit tiles into ``sred`` (per warp) once their copies
