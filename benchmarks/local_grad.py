@@ -64,17 +64,18 @@ def kernel_grads(ch, S0, doc, ds_end, scale, variant=""):
 
 def variant_kwargs(variant: str) -> dict:
     """The ``LocalGradKernel.call`` options of a variant name: "nosplit", "warps4",
-    "gmma" (warpgroup MMAs), "gmmao" (and overlapped) and ``ablate`` parts,
-    comma-combined."""
+    "gmma" (warpgroup MMAs), "gmmao" (and overlapped), "gmmaa" (and phases 9, 10) and
+    ``ablate`` parts, comma-combined."""
     parts = [x for x in variant.split(",") if x]
-    knobs = ("nosplit", "warps4", "gmma", "gmmao")
+    knobs = ("nosplit", "warps4", "gmma", "gmmao", "gmmaa")
     return dict(split="nosplit" not in parts, warps_n=1 if "warps4" in parts else 2,
-                gmma="overlap" if "gmmao" in parts else "gmma" in parts,
+                gmma="all" if "gmmaa" in parts else "overlap" if "gmmao" in parts
+                else "gmma" in parts,
                 ablate=",".join(x for x in parts if x not in knobs))
 
 
 # variants whose results are right (the others are timing ablations)
-EXACT_VARIANTS = ("nosplit", "warps4", "roundtrip", "gmma", "gmmao")
+EXACT_VARIANTS = ("nosplit", "warps4", "roundtrip", "gmma", "gmmao", "gmmaa")
 
 
 def precision(cases, scale=0.088, variants=()):
@@ -142,7 +143,7 @@ def main(argv=None):
     p.add_argument("--skip-precision", action="store_true")
     p.add_argument("--variants", default="",
                    help="kernel variants to time besides the default, ';'-separated: "
-                        "nosplit, warps4, roundtrip, gmma, gmmao (results right), nomma, "
+                        "nosplit, warps4, roundtrip, gmma, gmmao, gmmaa (results right), nomma, "
                         "nogates, notail (comma-combined)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -62,7 +62,8 @@ def main(argv=None):
     p.add_argument("--lg-variants", default="",
                    help="local-gradient kernel: more chunk-major variants to time and probe "
                         "(';' list of ablate strings whose results are right, e.g. roundtrip; "
-                        "'gmma' / 'gmmao' in one: warpgroup MMAs, and overlapped)")
+                        "'gmma' / 'gmmao' / 'gmmaa' in one: warpgroup MMAs, overlapped, "
+                        "all phases)")
     a = p.parse_args(argv)
 
     import jax
@@ -188,8 +189,9 @@ def main(argv=None):
             # "gmma" / "gmmao" in a variant: the kernel's products as warpgroup MMAs (and
             # overlapped); the rest ablate
             parts = v.split(",")
-            gm = "overlap" if "gmmao" in parts else "gmma" in parts
-            abl = ",".join(x for x in parts if x not in ("gmma", "gmmao"))
+            gm = ("all" if "gmmaa" in parts else "overlap" if "gmmao" in parts
+                  else "gmma" in parts)
+            abl = ",".join(x for x in parts if x not in ("gmma", "gmmao", "gmmaa"))
             timed(f"local grad [{v}]", lambda *x, abl=abl, gm=gm: LocalGradKernel.raw_call(
                 *x, ab_dtype="bfloat16", ablate=abl, gmma=gm), *lg)
             res = timed(f"local grad probe [{v}]",

@@ -285,7 +285,7 @@ class OursStep:
 # ``+dotok``: that kernel reading dO token-major; ``+tb``: the backward's kernels reading
 # q, k, v token-major; ``+nk``: with +tb, those kernels normalising the raw q, k themselves;
 # ``+gmma``: the local-gradient kernel's products as warpgroup MMAs; ``+gmmao``: and its
-# independent products issued together)
+# independent products issued together; ``+gmmaa``: and its phases 9, 10 too)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -299,6 +299,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
+            "gmmaa": ("kernels.local_grad", "GMMA", "all"),
             "ro": ("kernels.pipeline", "READOUT_ONLY", True),
             "allrows": ("kernels.pipeline", "READOUT_ONLY", False),
             "flat": ("kernels.chunk_forward", "PIPELINE", False),
@@ -347,7 +348,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +gmma / +gmmao switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +gmma / +gmmao / +gmmaa switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

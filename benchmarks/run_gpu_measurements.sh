@@ -83,13 +83,13 @@ mma_probe() {
   grep -hE "cycles|Error|error:" $M/mma64.log $M/mma128.log $M/mma_full.log | cut -c1-200
 }
 gmma_ab() {
-  step 180 t_gmma $P tests/test_cutedsl_gpu.py -k "gmma_gradients_match or local_grad_kernel_matches_float64"
+  step 200 t_gmma $P tests/test_cutedsl_gpu.py -k "gmma_gradients_match or local_grad_kernel_matches_float64"
   grep -hE "^(FAILED|ERROR)|passed|failed|vs float64|vs warp|Error" $M/t_gmma.log | tail -30 | cut -c1-250
-  step 190 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmma,cutedsl+gmmao,fla \
+  step 200 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmma,cutedsl+gmmao,cutedsl+gmmaa,fla \
     --shapes "8,4096,16,2" --deadline 170 --out $M/gm
   rows $M/gm.log
   step 150 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
-    --shape 8,4096,16,2 --lg-variants "gmma;gmmao" --json $M/lg.json
+    --shape 8,4096,16,2 --lg-variants "gmma;gmmao;gmmaa" --json $M/lg.json
   grep -hE "local grad|probe" $M/lg.log | cut -c1-200
 }
 layers_and_trace() {

@@ -728,7 +728,7 @@ def test_norm_in_kernels_matches(monkeypatch, B, n, H, HV, K, V, packed):
     compare(tag + " vs ref", got, ref, GRAD_TOL)
 
 
-@pytest.mark.parametrize("mode", [True, "overlap"])
+@pytest.mark.parametrize("mode", [True, "overlap", "all"])
 @pytest.mark.parametrize("B,n,H,HV,K,V,packed", [
     (2, 2, 4, 4, 128, 128, False),
     (2, 3, 1, 3, 64, 128, True),                           # GVA, K != V, packed
@@ -737,7 +737,7 @@ def test_norm_in_kernels_matches(monkeypatch, B, n, H, HV, K, V, packed):
 def test_gmma_gradients_match(monkeypatch, B, n, H, HV, K, V, packed, mode):
     """``local_grad.GMMA``: the local-gradient kernel's products as warpgroup MMAs (wgmma,
     operands read from the smem tiles through descriptors; "overlap": independent ones
-    issued together): the op's results within a few 16-bit roundings of the warp-MMA
+    issued together; "all": phases 9, 10 too): the op's results within a few 16-bit roundings of the warp-MMA
     kernel's (the products sum in another order), every one no farther from float64
     (x 1.25), and within GRAD_TOL of float64."""
     from gdp_jax.kernels import local_grad
@@ -1048,12 +1048,12 @@ def test_local_grad_kernel_matches_float64(K, V, strong):
     (``local_grad.GMMA``) no farther from float64."""
     from benchmarks.local_grad import precision
     row = precision([(K, V, strong)],
-                    variants=("nosplit", "nosplit,gmma", "nosplit,gmmao"))[0]
+                    variants=("nosplit", "nosplit,gmma", "nosplit,gmmao", "nosplit,gmmaa"))[0]
     assert row["finite"]
     assert max(row["kernel"].values()) < 1e-2, row
     assert max(row["kernel[nosplit]"].values()) < 1e-2, row
     # the products as warpgroup MMAs (local_grad.GMMA, also overlapped): as close to
     # float64 (x 1.25)
-    for v in ("nosplit,gmma", "nosplit,gmmao"):
+    for v in ("nosplit,gmma", "nosplit,gmmao", "nosplit,gmmaa"):
         for nm, e in row[f"kernel[{v}]"].items():
             assert e < 1.25 * row["kernel[nosplit]"][nm] + 1e-4, (v, nm, row)

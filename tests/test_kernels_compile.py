@@ -1017,14 +1017,15 @@ def test_load_rate_kernels_compile():
 
 @pytest.mark.parametrize("match,mode", [
     ("gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm", True),  # the op's
-    ("gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm", "overlap"),
+    ("gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm", "all"),
     ("gdp_chunk_grad_sm90 bfloat16 K=64 V=128 dS_end float32", "overlap"),      # CP
 ])
 def test_gmma_local_grad_kernel_compiles(monkeypatch, match, mode):
     """``local_grad.GMMA``: the local-gradient kernel with its products as warpgroup MMAs
     (wgmma descriptors on the kernel's own smem tiles, register A operands; "overlap":
-    independent products issued together) compiles to sm_90a - another object than the
-    warp-MMA kernel's; with warps_n other than 2 or an unknown mode the call refuses."""
+    independent products issued together; "all": phases 9, 10 too) compiles to sm_90a -
+    another object than the warp-MMA kernel's; with warps_n other than 2 or an unknown
+    mode the call refuses."""
     from gdp_jax.kernels import local_grad
     from gdp_jax.kernels.local_grad import LocalGradKernel
     (v,) = [v for v in LocalGradKernel.variants() if v.what == match]
@@ -1037,5 +1038,5 @@ def test_gmma_local_grad_kernel_compiles(monkeypatch, match, mode):
     assert texts[0] != texts[1]
     with pytest.raises(ValueError, match="gmma .* needs warps_n=2"):
         jax.eval_shape(lambda *a: v.fn(*a, warps_n=1), *v.avals)
-    with pytest.raises(ValueError, match="gmma: False, True or 'overlap'"):
+    with pytest.raises(ValueError, match="gmma: False, True, 'overlap' or 'all'"):
         jax.eval_shape(lambda *a: v.fn(*a, gmma="async"), *v.avals)

@@ -95,7 +95,8 @@ class ChunkGradSm90:
     def __init__(self, K: int, V: int, ab_dtype, split: bool, ablate: str = "",
                  warps_n: int = 2, tokens: bool = False, head_major: bool = False,
                  tokens_in: bool = False, norm_bwd: bool = False, do_tokens: bool = False,
-                 l2norm: bool = False, gmma: bool = False, overlap: bool = False):
+                 l2norm: bool = False, gmma: bool = False, overlap: bool = False,
+                 gmma_all: bool = False):
         assert K in (64, 128) and V in (64, 128) and warps_n in (1, 2, 4)
         self.K, self.V, self.ab, self.split = K, V, ab_dtype, split
         # warps along N (4 along M): 8 warps hide twice the latency of 4
@@ -144,10 +145,11 @@ class ChunkGradSm90:
         # K dS_end, the three [C, K] products of phases 4-6 at once, phase 7's two at once
         self.overlap = overlap
         assert gmma or not overlap
-        # with gmma and one 16-bit rounding of the [C, C] factors (not split): phases 9 and
-        # 10 as wgmma too, on 16-bit copies of X and dX in smem (where v was); split keeps
-        # them warp MMAs (their B operand hi + lo from registers)
-        self.gmma_all = gmma and not split
+        # and phases 9, 10 as wgmma too, on 16-bit copies of X and dX in smem (where v
+        # was); only with one 16-bit rounding of the [C, C] factors (split gives their B
+        # operand hi + lo from registers: warp MMAs)
+        self.gmma_all = gmma_all
+        assert not gmma_all or (gmma and not split)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -864,8 +866,9 @@ class _Gmma:
     N (m64 n(N/2) k16, float32 accumulators): ``products(acc, n, kd, pairs)`` issues
     acc += A B for every pair (A: ``_SmemOp`` K-major or ``_RegA``; B: ``_SmemOp``) and
     waits for them; ``issue`` / ``commit`` / ``wait`` do it in steps (a committed group
-    runs while the threads do other work). ``tiled(n)`` / ``thr(n)``: the tiled MMA (its slice) whose accumulator
-    partition a [C, n] result has - the same for every operand source and major mode."""
+    runs while the threads do other work). ``tiled(n)`` / ``thr(n)``: the tiled MMA (its
+    slice) whose accumulator partition a [C, n] result has - the same for every operand
+    source and major mode."""
 
     def __init__(self, ab, tidx, split: bool, on: bool = True):
         self.ab, self.tidx, self.split, self.on = ab, tidx, split, on
@@ -1020,11 +1023,11 @@ def get_kernel(K: int, V: int, ab_name: str, split: bool, ablate: str = "",
                head_major: bool = False, tokens_in: bool = False,
                norm_bwd: bool = False, do_tokens: bool = False,
                l2norm: bool = False, gmma: bool = False,
-               overlap: bool = False) -> ChunkGradSm90:
+               overlap: bool = False, gmma_all: bool = False) -> ChunkGradSm90:
     key = (K, V, ab_name, split, ablate, warps_n, tokens, head_major, tokens_in, norm_bwd,
-           do_tokens, l2norm, gmma, overlap)
+           do_tokens, l2norm, gmma, overlap, gmma_all)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkGradSm90(K, V, ab_type(ab_name), split, ablate, warps_n,
                                       tokens, head_major, tokens_in, norm_bwd, do_tokens,
-                                      l2norm, gmma, overlap)
+                                      l2norm, gmma, overlap, gmma_all)
     return _KERNELS[key]

@@ -41,7 +41,9 @@ WARPS_N = 2
 SPLIT = False
 # the kernel's products as warpgroup MMAs (wgmma) where their operands allow
 # (``chunk_grad_sm90.ChunkGradSm90``'s ``gmma``; 8 warps only): an opt-in under
-# measurement; "overlap": and independent products issued together (its ``overlap``)
+# measurement; "overlap": and independent products issued together (its ``overlap``);
+# "all": and phases 9, 10 as wgmma too (its ``gmma_all``; one 16-bit rounding of the
+# [C, C] factors only, not SPLIT)
 GMMA = False
 
 
@@ -98,8 +100,8 @@ class LocalGradKernel:
         per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo (None:
         :data:`SPLIT`);
         ``warps_n``: warps along N (4, 8 or 16 warps a CTA; None: :data:`WARPS_N`);
-        ``gmma``: warpgroup MMAs, "overlap" with independent products issued together
-        (8 warps only; None: :data:`GMMA`);
+        ``gmma``: warpgroup MMAs, "overlap" with independent products issued together,
+        "all" also phases 9, 10 (8 warps only; None: :data:`GMMA`);
         ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
@@ -114,7 +116,8 @@ class LocalGradKernel:
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
-            ablate=ablate, **_mma_kind(warps_n, gmma))
+            ablate=ablate,
+            **_mma_kind(warps_n, gmma, SPLIT if split is None else bool(split)))
 
     @staticmethod
     def can_write_tokens(spec, ch) -> bool:
@@ -234,7 +237,7 @@ class LocalGradKernel:
             + (1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
-            **_mma_kind(warps_n, gmma),
+            **_mma_kind(warps_n, gmma, SPLIT if split is None else bool(split)),
             **({"tokens_in": True} if tokens_in else {}),
             **({"do_tokens": True} if do_tokens else {}),
             **({"l2norm": True} if l2norm else {}))
@@ -304,18 +307,22 @@ class LocalGradKernel:
         return out
 
 
-def _mma_kind(warps_n, gmma) -> dict:
+def _mma_kind(warps_n, gmma, split: bool) -> dict:
     """The launchers' warps_n and (only when on, so the prebuilt variants' keys stay
     as they were) gmma, from the call's arguments or :data:`WARPS_N`, :data:`GMMA`."""
     wn = int(WARPS_N if warps_n is None else warps_n)
     gm = GMMA if gmma is None else gmma
-    if gm not in (False, True, "overlap"):
-        raise ValueError(f"gmma: False, True or 'overlap'; got {gm!r}")
+    if gm not in (False, True, "overlap", "all"):
+        raise ValueError(f"gmma: False, True, 'overlap' or 'all'; got {gm!r}")
     if gm and wn != 2:
         raise ValueError(f"gmma (warpgroup MMAs) needs warps_n=2 (two 4-warp groups); "
                          f"got warps_n={wn}")
+    if gm == "all" and split:
+        raise ValueError("gmma='all' needs one 16-bit rounding of the [C, C] factors "
+                         "(split=False)")
     return {"warps_n": wn, **({"gmma": True} if gm else {}),
-            **({"overlap": True} if gm == "overlap" else {})}
+            **({"overlap": True} if gm in ("overlap", "all") else {}),
+            **({"gmma_all": True} if gm == "all" else {})}
 
 
 def _checked_row_norms(rho, B, n, T, HV):
@@ -381,9 +388,11 @@ def _launcher():
                dbeta, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ablate: cutlass.Constexpr, warps_n: cutlass.Constexpr,
-               gmma: cutlass.Constexpr = False, overlap: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, overlap: cutlass.Constexpr = False,
+               gmma_all: cutlass.Constexpr = False):
         # (no row table, no row norms: ``scale`` fills their slots, unread)
-        mod.get_kernel(K, V, ab_name, split, ablate, warps_n, gmma=gmma, overlap=overlap)(
+        mod.get_kernel(K, V, ab_name, split, ablate, warps_n, gmma=gmma, overlap=overlap,
+                       gmma_all=gmma_all)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, scale, scale, scale,
             dq, dk, dv, dg, dbeta)
 
@@ -403,11 +412,12 @@ def _launcher_tokens():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
                tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
-               gmma: cutlass.Constexpr = False, overlap: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, overlap: cutlass.Constexpr = False,
+               gmma_all: cutlass.Constexpr = False):
         # (no row norms: ``scale`` fills their slots, unread)
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, do_tokens=do_tokens,
-                       gmma=gmma, overlap=overlap)(
+                       gmma=gmma, overlap=overlap, gmma_all=gmma_all)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, scale, scale,
             dq, dk, dv, dg, dbeta)
 
@@ -428,10 +438,11 @@ def _launcher_tokens_norm():
                head_major: cutlass.Constexpr, warps_n: cutlass.Constexpr,
                tokens_in: cutlass.Constexpr = False, do_tokens: cutlass.Constexpr = False,
                l2norm: cutlass.Constexpr = False, gmma: cutlass.Constexpr = False,
-               overlap: cutlass.Constexpr = False):
+               overlap: cutlass.Constexpr = False, gmma_all: cutlass.Constexpr = False):
         mod.get_kernel(K, V, ab_name, split, warps_n=warps_n, tokens=True,
                        head_major=head_major, tokens_in=tokens_in, norm_bwd=True,
-                       do_tokens=do_tokens, l2norm=l2norm, gmma=gmma, overlap=overlap)(
+                       do_tokens=do_tokens, l2norm=l2norm, gmma=gmma, overlap=overlap,
+                       gmma_all=gmma_all)(
             stream, q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, rows, rho_q, rho_k,
             dq, dk, dv, dg, dbeta)
 
