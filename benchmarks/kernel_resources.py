@@ -22,9 +22,14 @@ EIATTR_REGCOUNT = 0x2F
 EIATTR_FRAME_SIZE = 0x11       # local memory per thread (spills)
 
 
-def _sections(path: str):
-    """(file bytes, [(name, offset, size)] of the cubin's ELF sections)."""
-    b = open(path, "rb").read()
+EIATTR_REQNTID = 0x10           # the launch's required threads (x, y, z)
+EM_CUDA = 190
+
+
+def _sections(path):
+    """(cubin bytes, [(name, offset, size)] of its ELF sections); ``path``: a file name or
+    the cubin's bytes."""
+    b = path if isinstance(path, bytes) else open(path, "rb").read()
     shoff = struct.unpack_from("<Q", b, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
     secs = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
@@ -36,35 +41,80 @@ def _sections(path: str):
     return b, [(name(s[0]), s[4], s[5]) for s in secs]
 
 
-def cubin_registers(path: str) -> tuple[int, int]:
-    """(registers, frame bytes) of the (one) kernel in a cubin, from its .nv.info
-    attributes (a frame above 0 means spills to local memory)."""
+def cubin_registers(path) -> tuple[int, int]:
+    """(registers, frame bytes) of the (one) kernel in a cubin (file name or bytes), from
+    its .nv.info attributes (a frame above 0 means spills to local memory)."""
+    found = _info(path)
+    if EIATTR_REGCOUNT not in found:
+        raise ValueError(f"{path if isinstance(path, str) else 'cubin'}: no register count "
+                         f"in .nv.info")
+    return found[EIATTR_REGCOUNT], found.get(EIATTR_FRAME_SIZE, 0)
+
+
+def cubin_threads(path) -> int:
+    """Threads of the kernel's launch (its required block size, EIATTR_REQNTID)."""
+    x, y, z = _info(path)[EIATTR_REQNTID]
+    return x * y * z
+
+
+def _info(path) -> dict:
+    """{attribute: value} of the cubin's .nv.info sections: REGCOUNT and FRAME_SIZE (the
+    kernel's u32), REQNTID (x, y, z)."""
     b, secs = _sections(path)
     found = {}
     for name, start, size in secs:
-        if name != ".nv.info":
+        if not name.startswith(".nv.info"):
             continue
         p, end = start, start + size
         while p < end:
             fmt, attr = b[p], b[p + 1]
             if fmt == 4:                             # EIFMT_SVAL: u16 size, then data
                 size_ = struct.unpack_from("<H", b, p + 2)[0]
-                if attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
+                if attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE) and name == ".nv.info":
                     found[attr] = struct.unpack_from("<II", b, p + 4)[1]  # (function, value)
+                elif attr == EIATTR_REQNTID:
+                    found[attr] = struct.unpack_from("<III", b, p + 4)
                 p += 4 + size_
             elif fmt in (2, 3):                      # EIFMT_BVAL / HVAL
                 p += 4
             else:                                    # EIFMT_NVAL
                 p += 2
-    if EIATTR_REGCOUNT not in found:
-        raise ValueError(f"{path}: no register count in .nv.info")
-    return found[EIATTR_REGCOUNT], found.get(EIATTR_FRAME_SIZE, 0)
+    return found
 
 
-def cubin_code_bytes(path: str) -> int:
+def cubin_code_bytes(path) -> int:
     """Bytes of machine code (the .text sections) in a cubin: the instructions an SM
     fetches while a CTA runs (straight-line kernels fetch all of them once a CTA)."""
     return sum(size for name, _, size in _sections(path)[1] if name.startswith(".text"))
+
+
+def object_cubin(obj: bytes) -> bytes:
+    """The sm_90a cubin inside a prebuilt kernel object (``gdp_jax.kernels.aot``: a host
+    object that embeds its device ELF uncompressed)."""
+    at = obj.find(b"\x7fELF", 1)
+    while at > 0:
+        if struct.unpack_from("<H", obj, at + 0x12)[0] == EM_CUDA:
+            shoff = struct.unpack_from("<Q", obj, at + 0x28)[0]
+            shentsize, shnum = struct.unpack_from("<HH", obj, at + 0x3A)
+            return obj[at:at + shoff + shentsize * shnum]
+        at = obj.find(b"\x7fELF", at + 1)
+    raise ValueError("no sm_90a cubin in the object")
+
+
+def store_resources(path) -> dict:
+    """{label: (registers, frame bytes, threads, code KB)} of every object of a kernel
+    build (``python ffi/build.py --out PATH``; labels as ``aot.label``: the kernel, its
+    dtypes, tile extents and compile-time keywords) - the resources without compiling."""
+    import json
+    import pathlib
+    path = pathlib.Path(path)
+    out = {}
+    for d, entry in json.loads((path / "manifest.json").read_text())["variants"].items():
+        cubin = object_cubin((path / f"{d}.o").read_bytes())
+        regs, frame = cubin_registers(cubin)
+        out[entry["label"]] = (regs, frame, cubin_threads(cubin),
+                               cubin_code_bytes(cubin) // 1024)
+    return out
 
 
 def ctas_by_registers(regs: int, threads: int) -> int:

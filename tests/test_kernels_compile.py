@@ -925,47 +925,40 @@ def test_narrow_tiles_only_when_32_leaves_sms_idle():
         assert tiles and all(t == {16, 32, 64} for t in tiles.values()), kernel
 
 
-def test_operands_kernel_holds_three_ctas_per_sm():
+def _built_resources(every_kernel_variant, prefix: str) -> dict:
+    """{label: (registers, frame bytes, threads, code KB)} of the session's kernel build
+    (tests/conftest.py) for the variants at K = V = 128 whose label starts with
+    ``prefix`` - read from the cubins inside the built objects
+    (``benchmarks.kernel_resources.store_resources``), no compile of their own."""
+    from benchmarks.kernel_resources import store_resources
+    out, r = every_kernel_variant
+    assert r["returncode"] == 0, r["stdout"][-3000:] + r["stderr"][-3000:]
+    return {k: v for k, v in store_resources(out).items()
+            if k.startswith(prefix) and " K=128 V=128 " in f"{k} "}
+
+
+def test_operands_kernel_holds_three_ctas_per_sm(every_kernel_variant):
     """The operands kernel caps its registers so that 3 CTAs share an SM (its ~70 KB of
     shared memory allow 3; uncapped, the assembler took ~190 registers: 2), chunk-major and
-    token-major, with and without X / the in-kernel L2 norm / the read-out rows only (11). Read
-    from the cubin the CuTe DSL keeps (benchmarks.kernel_resources)."""
-    import subprocess
-    import sys
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernel_resources", "--match",
-                        "gdp_chunk_prep_sm90", "--dims", "K=128 V=128"], env=env,
-                       capture_output=True, text=True, timeout=600,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gdp_chunk_prep_sm90")]
-    assert r.returncode == 0 and len(lines) == 11, r.stdout[-2000:] + r.stderr[-2000:]
-    for ln in lines:
-        regs = int(ln.split(": ")[1].split(" registers")[0])
-        assert regs <= 168 and "3 CTAs / SM by registers" in ln, ln
+    token-major, with and without X / the in-kernel L2 norm / the read-out rows only (11 at
+    K = V = 128 a dtype). Read from the cubins of the session's build."""
+    from benchmarks.kernel_resources import ctas_by_registers
+    res = _built_resources(every_kernel_variant, "gdp_chunk_prep_sm90")
+    assert len(res) >= 11, sorted(res)
+    for label, (regs, _, threads, _) in res.items():
+        assert regs <= 168 and ctas_by_registers(regs, threads) == 3, (label, regs, threads)
 
 
-def _code_kb(match, *settings):
-    """{variant: KB of machine code} from benchmarks.kernel_resources (K = V = 128)."""
-    import subprocess
-    import sys
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    args = [sys.executable, "-m", "benchmarks.kernel_resources", "--match", match]
-    for item in settings:
-        args += ["--set", item]
-    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return {ln.split(":")[0]: int(ln.rsplit("; ", 1)[1].split(" KB")[0])
-            for ln in r.stdout.splitlines() if ln.startswith(match)}
-
-
-def test_largest_kernels_stay_below_128_kib():
+def test_largest_kernels_stay_below_128_kib(every_kernel_variant):
     """The two largest kernels (the operands kernel reading tokens, the chunk-local
     gradients) stay below 128 KiB of machine code: s20-5 saw the operands kernel run 1.9x
     slower at ~140 KiB with the same registers (docs/KERNELS.md: an instruction-cache
-    limit is suspected). Grow one past it only with a GPU measurement."""
-    sizes = _code_kb("gdp_chunk_prep_sm90_tokens")
-    sizes.update(_code_kb("gdp_chunk_grad_sm90_tokens"))
+    limit is suspected). Grow one past it only with a GPU measurement. Read from the
+    cubins of the session's build."""
+    sizes = {k: v[3] for k, v in _built_resources(
+        every_kernel_variant, "gdp_chunk_prep_sm90_tokens").items()}
+    sizes.update({k: v[3] for k, v in _built_resources(
+        every_kernel_variant, "gdp_chunk_grad_sm90_tokens").items()})
     assert len(sizes) >= 3, sizes
     assert max(sizes.values()) < 128, sizes
 
