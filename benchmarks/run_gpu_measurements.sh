@@ -44,6 +44,7 @@
 #   NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 33  # one product's SM cycles: mma.sync vs wgmma (SS, RS)
 #   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 34  # mma_rate, local_grad.GMMA (tests, A/B), mode 32
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 35  # local_grad.GMMA only
+#   TOTAL=450 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 36  # mode 35 cut short: A/B, then tests
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -348,6 +349,14 @@ case "${1:-2}" in
   layers_and_trace ;;
 35)
   gmma_ab ;;
+36)
+  # s37, short (little device time left): fwd+bwd A/B of GMMA True and "all" beside tuned
+  # FLA (its check column: o and the gradients vs float64), then their op-level GPU tests
+  step 200 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmma,cutedsl+gmmaa,fla \
+    --shapes "8,4096,16,2" --deadline 180 --out $M/gm
+  rows $M/gm.log
+  step 200 t_gmma $P tests/test_cutedsl_gpu.py -k "gmma_gradients_match and not overlap"
+  grep -hE "^(FAILED|ERROR)|passed|failed|vs float64|vs warp|Error" $M/t_gmma.log | tail -30 | cut -c1-250 ;;
 32)
   layers_and_trace ;;
 31)
