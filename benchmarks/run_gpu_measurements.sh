@@ -45,6 +45,7 @@
 #   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 34  # mma_rate, local_grad.GMMA (tests, A/B), mode 32
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 35  # local_grad.GMMA only
 #   TOTAL=450 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 36  # mode 35 cut short: A/B, then tests
+#   TOTAL=200 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 37  # the default beside GMMA "all", fwd+bwd only
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -349,6 +350,12 @@ case "${1:-2}" in
   layers_and_trace ;;
 35)
   gmma_ab ;;
+37)
+  # s37, minimal (~200 s of device time): fwd+bwd of the default beside GMMA "all" (its check
+  # column: o and the gradients vs float64), per-shape kernels (NO_BUILD=1), no FLA
+  step 190 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmmaa \
+    --shapes "8,4096,16,2" --deadline 150 --out $M/gm
+  rows $M/gm.log ;;
 36)
   # s37, short (little device time left): fwd+bwd A/B of GMMA True and "all" beside tuned
   # FLA (its check column: o and the gradients vs float64), then their op-level GPU tests
