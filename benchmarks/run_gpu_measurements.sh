@@ -354,7 +354,7 @@ case "${1:-2}" in
   # s37, minimal (~200 s of device time): fwd+bwd of the default beside GMMA "all" (its check
   # column: o and the gradients vs float64), per-shape kernels (NO_BUILD=1), no FLA
   step 190 gm python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gmmaa \
-    --shapes "8,4096,16,2" --deadline 150 --out $M/gm
+    --shapes "8,4096,16,2" --deadline 150 --baseline cutedsl --out $M/gm
   rows $M/gm.log ;;
 36)
   # s37, short (little device time left): fwd+bwd A/B of GMMA True and "all" beside tuned
