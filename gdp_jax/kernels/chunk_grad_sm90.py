@@ -137,7 +137,7 @@ class ChunkGradSm90:
         # the products of phases 1-8 and 11-13 as warpgroup MMAs (wgmma: the two 4-warp
         # groups split N; 16-bit operands read from the smem tiles through descriptors, the
         # [C, C] factors from registers) instead of ldmatrix + mma.sync; phases 9 and 10
-        # (a B operand from float32 registers) stay warp MMAs
+        # (a B operand from float32 registers) stay warp MMAs unless ``gmma_all``
         self.gmma = gmma
         assert not gmma or (warps_n == 2 and "roundtrip" not in self.ablate)
         # with gmma: independent products issued together and their results taken as they
