@@ -284,6 +284,16 @@ def assert_same_bits(got, base, but=()):
     assert not differ, f"not the same bits: {differ}"
 
 
+def assert_no_farther(tag, got, base, ref, names=("on", "off")):
+    """Every result of ``got`` no farther from the float64 ``ref`` than ``base``'s (x 1.25,
+    + 1e-4 for results near 0); prints both errors, labelled ``names``."""
+    for nm, a, b, r in zip(NAMES, got, base, ref):
+        if r is not None:
+            e_on, e_off = rel_rms(a, r), rel_rms(b, r)
+            print(f"[{tag}] {nm} vs float64: {names[0]} {e_on:.2e}, {names[1]} {e_off:.2e}")
+            assert e_on < 1.25 * e_off + 1e-4, (nm, e_on, e_off)
+
+
 def compare(tag, got, want, tol):
     errs = {n: rel_rms(a, b) for n, a, b in zip(NAMES, got, want) if b is not None}
     print(f"[{tag}] " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
@@ -720,11 +730,7 @@ def test_norm_in_kernels_matches(monkeypatch, B, n, H, HV, K, V, packed):
     tag = f"norm in kernels B={B} n={n} HV={HV} K={K} V={V} packed={packed}"
     compare(tag + " vs XLA's norm", got, base, 1e-2)
     ref = grads("reference", args, cu=cu)
-    for nm, a, b, r in zip(NAMES, got, base, ref):
-        if r is not None:
-            e_on, e_off = rel_rms(a, r), rel_rms(b, r)
-            print(f"[{tag}] {nm} vs float64: in kernels {e_on:.2e}, XLA's norm {e_off:.2e}")
-            assert e_on < 1.25 * e_off + 1e-4, (nm, e_on, e_off)
+    assert_no_farther(tag, got, base, ref, ("in kernels", "XLA's norm"))
     compare(tag + " vs ref", got, ref, GRAD_TOL)
 
 
@@ -737,9 +743,9 @@ def test_norm_in_kernels_matches(monkeypatch, B, n, H, HV, K, V, packed):
 def test_gmma_gradients_match(monkeypatch, B, n, H, HV, K, V, packed, mode):
     """``local_grad.GMMA``: the local-gradient kernel's products as warpgroup MMAs (wgmma,
     operands read from the smem tiles through descriptors; "overlap": independent ones
-    issued together; "all": phases 9, 10 too): the op's results within a few 16-bit roundings of the warp-MMA
-    kernel's (the products sum in another order), every one no farther from float64
-    (x 1.25), and within GRAD_TOL of float64."""
+    issued together; "all": phases 9, 10 too): the op's results within a few 16-bit
+    roundings of the warp-MMA kernel's (the products sum in another order), every one no
+    farther from float64 (x 1.25), and within GRAD_TOL of float64."""
     from gdp_jax.kernels import local_grad
     args, cu, calls = _local_grad_case(monkeypatch, 37, B, n, H, HV, K, V, packed,
                                        lambda k: local_grad.GMMA)
@@ -754,11 +760,7 @@ def test_gmma_gradients_match(monkeypatch, B, n, H, HV, K, V, packed, mode):
     tag = f"gmma={mode} B={B} n={n} HV={HV} K={K} V={V} packed={packed}"
     compare(tag + " vs warp MMAs", got, base, 1e-2)
     ref = grads("reference", args, cu=cu)
-    for nm, a, b, r in zip(NAMES, got, base, ref):
-        if r is not None:
-            e_on, e_off = rel_rms(a, r), rel_rms(b, r)
-            print(f"[{tag}] {nm} vs float64: wgmma {e_on:.2e}, warp MMAs {e_off:.2e}")
-            assert e_on < 1.25 * e_off + 1e-4, (nm, e_on, e_off)
+    assert_no_farther(tag, got, base, ref, ("wgmma", "warp MMAs"))
     compare(tag + " vs ref", got, ref, GRAD_TOL)
 
 
