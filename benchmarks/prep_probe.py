@@ -135,6 +135,7 @@ def main(argv=None):
     if a.local_grad:
         from gdp_jax.kernels.chunk_grad_sm90 import PROBE_PHASES as LG_PHASES
         from gdp_jax.kernels.local_grad import LocalGradKernel
+        from benchmarks.local_grad import variant_kwargs
         *_, bad, X = jax.jit(lambda *x: ChunkPrepKernel.raw_call(
             *x, ab_dtype="bfloat16", inverse=True))(*args)
         w_, u_ = ops[0], ops[4]
@@ -186,12 +187,10 @@ def main(argv=None):
                 *x, n=n, T=T, ab_dtype="bfloat16", **kw), *args_, lrows)
 
         for v in (x for x in a.lg_variants.split(";") if x):
-            # "gmma" / "gmmao" in a variant: the kernel's products as warpgroup MMAs (and
-            # overlapped); the rest ablate
-            parts = v.split(",")
-            gm = ("all" if "gmmaa" in parts else "overlap" if "gmmao" in parts
-                  else "gmma" in parts)
-            abl = ",".join(x for x in parts if x not in ("gmma", "gmmao", "gmmaa"))
+            # "gmma" / "gmmao" / "gmmaa" in a variant: the kernel's products as warpgroup
+            # MMAs (benchmarks.local_grad's names); the rest ablate
+            kw = variant_kwargs(v)
+            gm, abl = kw["gmma"], kw["ablate"]
             timed(f"local grad [{v}]", lambda *x, abl=abl, gm=gm: LocalGradKernel.raw_call(
                 *x, ab_dtype="bfloat16", ablate=abl, gmma=gm), *lg)
             res = timed(f"local grad probe [{v}]",
