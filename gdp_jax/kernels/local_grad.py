@@ -115,9 +115,7 @@ class LocalGradKernel:
             _launcher, "gdp_chunk_grad_sm90", outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
-            K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
-            ablate=ablate,
-            **_mma_kind(warps_n, gmma, SPLIT if split is None else bool(split)))
+            K=K, V=V, ab_name=ab.name, ablate=ablate, **_mma_kind(warps_n, gmma, split))
 
     @staticmethod
     def can_write_tokens(spec, ch) -> bool:
@@ -235,9 +233,9 @@ class LocalGradKernel:
             tile_dims=(tok, tok, 2, 1 if do_tokens else 2, tok, 1, 1, 0, 2, 2, 2, 2, 1)
             + extra_dims
             + (1, 1, 1, 1, 1),
-            K=K, V=V, ab_name=ab.name, split=SPLIT if split is None else bool(split),
+            K=K, V=V, ab_name=ab.name,
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
-            **_mma_kind(warps_n, gmma, SPLIT if split is None else bool(split)),
+            **_mma_kind(warps_n, gmma, split),
             **({"tokens_in": True} if tokens_in else {}),
             **({"do_tokens": True} if do_tokens else {}),
             **({"l2norm": True} if l2norm else {}))
@@ -307,9 +305,11 @@ class LocalGradKernel:
         return out
 
 
-def _mma_kind(warps_n, gmma, split: bool) -> dict:
-    """The launchers' warps_n and (only when on, so the prebuilt variants' keys stay
-    as they were) gmma, from the call's arguments or :data:`WARPS_N`, :data:`GMMA`."""
+def _mma_kind(warps_n, gmma, split) -> dict:
+    """The launchers' split, warps_n and (only when on, so the prebuilt variants' keys
+    stay as they were) gmma, from the call's arguments or :data:`SPLIT`,
+    :data:`WARPS_N`, :data:`GMMA`."""
+    split = SPLIT if split is None else bool(split)
     wn = int(WARPS_N if warps_n is None else warps_n)
     gm = GMMA if gmma is None else gmma
     if gm not in (False, True, "overlap", "all"):
@@ -320,7 +320,7 @@ def _mma_kind(warps_n, gmma, split: bool) -> dict:
     if gm == "all" and split:
         raise ValueError("gmma='all' needs one 16-bit rounding of the [C, C] factors "
                          "(split=False)")
-    return {"warps_n": wn, **({"gmma": True} if gm else {}),
+    return {"split": split, "warps_n": wn, **({"gmma": True} if gm else {}),
             **({"overlap": True} if gm in ("overlap", "all") else {}),
             **({"gmma_all": True} if gm == "all" else {})}
 
