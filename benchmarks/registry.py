@@ -284,8 +284,9 @@ class OursStep:
 # tiles; ``+nb`` / ``+xlanb``: the L2 norm's backward in the local-gradient kernel or in XLA;
 # ``+dotok``: that kernel reading dO token-major; ``+tb``: the backward's kernels reading
 # q, k, v token-major; ``+nk``: with +tb, those kernels normalising the raw q, k themselves;
-# ``+gmma``: the local-gradient kernel's products as warpgroup MMAs; ``+gmmao``: and its
-# independent products issued together; ``+gmmaa``: and its phases 9, 10 too)
+# ``+mma``: the local-gradient kernel's products as warp MMAs (the default until s38);
+# ``+gmma``: as warpgroup MMAs on phases 1-8, 11-13; ``+gmmao``: and its independent
+# products issued together; ``+gmmaa``: and its phases 9, 10 too (the default))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -297,6 +298,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "xlanb": ("kernels.pipeline", "FUSED_NORM_BWD", False),
             "rob": ("kernels.pipeline", "READOUT_ONLY_BWD", True),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
+            "mma": ("kernels.local_grad", "GMMA", False),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),
@@ -348,7 +350,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +gmma / +gmmao / +gmmaa switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +mma / +gmma / +gmmao / +gmmaa switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

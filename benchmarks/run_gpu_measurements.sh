@@ -46,6 +46,8 @@
 #   BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 35  # local_grad.GMMA only
 #   TOTAL=450 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 36  # mode 35 cut short: A/B, then tests
 #   TOTAL=200 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 37  # the default beside GMMA "all", fwd+bwd only
+#   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 38  # GMMA "all" the default: gradient
+#                                               # GPU tests (4 processes), fwd+bwd at the main shapes vs +mma and FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -350,6 +352,21 @@ case "${1:-2}" in
   layers_and_trace ;;
 35)
   gmma_ab ;;
+38)
+  # s38: local_grad.GMMA = "all" the default - the gradient GPU tests (mode 4's grad1, grad2
+  # and rest groups, the wgmma A/B test apart) in four pytest processes at once, then fwd+bwd
+  # at the main shapes beside the warp-MMA kernel (+mma) and tuned FLA
+  F=tests/test_cutedsl_gpu.py; t=$(( $(left) - 230 )); el "tests ($t s)"
+  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
+  job grad2 $P $F -k "gradients_match and not token_major and not packed and not gmma"
+  job gmma $P $F -k "gmma_gradients_match"
+  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
+  wait; el "tests done"
+  for f in grad1 grad2 gmma rest; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+  step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
+    --deadline 195 --out $M/op
+  rows $M/op.log ;;
 37)
   # s37, minimal (~200 s of device time): fwd+bwd of the default beside GMMA "all" (its check
   # column: o and the gradients vs float64), per-shape kernels (NO_BUILD=1), no FLA

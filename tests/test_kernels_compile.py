@@ -1030,6 +1030,34 @@ def test_gmma_local_grad_kernel_compiles(monkeypatch, match, mode):
         assert "CuteDSLRT_NvJaxCutlassCall" in texts[-1]
     assert texts[0] != texts[1]
     with pytest.raises(ValueError, match="gmma .* needs warps_n=2"):
-        jax.eval_shape(lambda *a: v.fn(*a, warps_n=1), *v.avals)
+        jax.eval_shape(lambda *a: v.fn(*a, warps_n=1, gmma=True), *v.avals)
+    with pytest.raises(ValueError, match="gmma='all' needs one 16-bit rounding"):
+        jax.eval_shape(lambda *a: v.fn(*a, split=True, gmma="all"), *v.avals)
     with pytest.raises(ValueError, match="gmma: False, True, 'overlap' or 'all'"):
         jax.eval_shape(lambda *a: v.fn(*a, gmma="async"), *v.avals)
+
+
+def test_gmma_default_steps_down(monkeypatch):
+    """``local_grad.GMMA`` (the default, "all") applies where the other settings allow it:
+    with ``split`` the kernel takes True's products (phases 9, 10 as warp MMAs), with
+    ``warps_n`` != 2 warp MMAs throughout; only the constexprs of what is on reach the
+    launchers (so the warp-MMA variants keep their keys)."""
+    from gdp_jax.kernels import local_grad
+    monkeypatch.setattr(local_grad, "SPLIT", False)
+    monkeypatch.setattr(local_grad, "WARPS_N", 2)
+    kind = local_grad._mma_kind
+    assert local_grad.GMMA == "all"
+    assert kind(None, None, None) == dict(split=False, warps_n=2, gmma=True, overlap=True,
+                                          gmma_all=True)
+    assert kind(None, None, True) == dict(split=True, warps_n=2, gmma=True)
+    assert kind(1, None, None) == dict(split=False, warps_n=1)
+    assert kind(None, False, None) == dict(split=False, warps_n=2)
+    assert kind(None, "overlap", True) == dict(split=True, warps_n=2, gmma=True, overlap=True)
+    monkeypatch.setattr(local_grad, "SPLIT", True)
+    assert kind(None, None, None) == dict(split=True, warps_n=2, gmma=True)
+    monkeypatch.setattr(local_grad, "GMMA", False)
+    assert kind(None, None, None) == dict(split=True, warps_n=2)
+    with pytest.raises(ValueError, match="needs warps_n=2"):
+        kind(4, True, None)
+    with pytest.raises(ValueError, match="needs one 16-bit rounding"):
+        kind(None, "all", None)

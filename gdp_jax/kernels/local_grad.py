@@ -39,12 +39,15 @@ WARPS_N = 2
 # (8, 4096, 16, 2), s20-2, with every gradient still closer to float64 than FLA's:
 # benchmarks/results/CURRENT.md). The prebuilt variants are this setting's.
 SPLIT = False
-# the kernel's products as warpgroup MMAs (wgmma) where their operands allow
-# (``chunk_grad_sm90.ChunkGradSm90``'s ``gmma``; 8 warps only): an opt-in under
-# measurement; "overlap": and independent products issued together (its ``overlap``);
-# "all": and phases 9, 10 as wgmma too (its ``gmma_all``; one 16-bit rounding of the
-# [C, C] factors only, not SPLIT)
-GMMA = False
+# the kernel's products as Hopper warpgroup MMAs (wgmma, ``chunk_grad_sm90.ChunkGradSm90``'s
+# ``gmma``) instead of warp MMAs (mma.sync): True for phases 1-8, 11-13; "overlap": and
+# independent products issued together (its ``overlap``); "all": and phases 9, 10 too (its
+# ``gmma_all``). "all" is the default since s38: fwd+bwd 8.49 -> 8.03 ms at (8, 4096, 16, 2),
+# the kernel alone 4.45 -> 4.04 ms (H100, benchmarks/results/CURRENT.md). It needs 8 warps
+# (WARPS_N = 2) and, for "all", one 16-bit rounding of the [C, C] factors (not SPLIT): this
+# default steps down where those settings ask (SPLIT: True; WARPS_N != 2: False); an
+# explicit ``gmma=`` argument that cannot run is a ValueError.
+GMMA = "all"
 
 
 class LocalGradKernel:
@@ -100,8 +103,9 @@ class LocalGradKernel:
         per row). ``split``: the float32 [C, C] factors enter the MMAs as hi + lo (None:
         :data:`SPLIT`);
         ``warps_n``: warps along N (4, 8 or 16 warps a CTA; None: :data:`WARPS_N`);
-        ``gmma``: warpgroup MMAs, "overlap" with independent products issued together,
-        "all" also phases 9, 10 (8 warps only; None: :data:`GMMA`);
+        ``gmma``: False (warp MMAs), True (warpgroup MMAs), "overlap" (and independent
+        products issued together), "all" (and phases 9, 10; not with ``split``); 8 warps
+        only; None: :data:`GMMA`, stepped down to what ``split`` / ``warps_n`` allow;
         ``ablate``: parts of the kernel
         skipped, for timing them only (the results are wrong; see
         ``chunk_grad_sm90.ChunkGradSm90``)."""
@@ -306,12 +310,16 @@ class LocalGradKernel:
 
 
 def _mma_kind(warps_n, gmma, split) -> dict:
-    """The launchers' split, warps_n and (only when on, so the prebuilt variants' keys
-    stay as they were) gmma, from the call's arguments or :data:`SPLIT`,
-    :data:`WARPS_N`, :data:`GMMA`."""
+    """The launchers' split, warps_n and (only when on, so the warp-MMA variants' keys stay
+    as they were) gmma, from the call's arguments or :data:`SPLIT`, :data:`WARPS_N`,
+    :data:`GMMA` (the default steps down to what split / warps_n allow; an explicit
+    ``gmma`` does not)."""
     split = SPLIT if split is None else bool(split)
     wn = int(WARPS_N if warps_n is None else warps_n)
-    gm = GMMA if gmma is None else gmma
+    if gmma is None:
+        gm = False if wn != 2 else (True if GMMA == "all" and split else GMMA)
+    else:
+        gm = gmma
     if gm not in (False, True, "overlap", "all"):
         raise ValueError(f"gmma: False, True, 'overlap' or 'all'; got {gm!r}")
     if gm and wn != 2:
