@@ -121,7 +121,9 @@ def _kernel_class():
                 tB = tiled.make_fragment_B(thr.partition_B(wB))
                 if cutlass.const_expr(self.mode == "wgmma_rs"):
                     tA = tiled.make_fragment_A(thr.partition_shape_A((M, kd)))
-                    cute.autovec_copy(thr.partition_A(wA), tA)
+                    # through the layout-swizzled view: threads' loads do not apply a
+                    # swizzle carried on the pointer (s38-1: results wrong that way)
+                    cute.autovec_copy(thr.partition_A(sA), tA)
                 else:
                     tA = tiled.make_fragment_A(thr.partition_A(wA))
                 # cp.async wrote the tiles through the generic proxy; wgmma reads them
