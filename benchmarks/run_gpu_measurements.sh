@@ -48,6 +48,7 @@
 #   TOTAL=200 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 37  # the default beside GMMA "all", fwd+bwd only
 #   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 38  # GMMA "all" the default: gradient
 #                                               # GPU tests (4 processes), fwd+bwd at the main shapes vs +mma and FLA
+#   TOTAL=250 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 39  # mode 38's benchmark alone
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -352,6 +353,10 @@ case "${1:-2}" in
   layers_and_trace ;;
 35)
   gmma_ab ;;
+39)
+  step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
+    --deadline 195 --out $M/op
+  rows $M/op.log ;;
 38)
   # s38: local_grad.GMMA = "all" the default - the gradient GPU tests (mode 4's grad1, grad2
   # and rest groups, the wgmma A/B test apart) in four pytest processes at once, then fwd+bwd
