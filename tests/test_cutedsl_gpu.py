@@ -764,6 +764,31 @@ def test_gmma_gradients_match(monkeypatch, B, n, H, HV, K, V, packed, mode):
     compare(tag + " vs ref", got, ref, GRAD_TOL)
 
 
+@pytest.mark.parametrize("mode", [True, "all"])
+def test_gmma_float16_gradients_match(monkeypatch, mode):
+    """float16 operands (the chunk-major kernel), which ``local_grad.GMMA``'s default keeps
+    on warp MMAs until this passes on a GPU: with the warpgroup MMAs forced on, the op's
+    results as in test_gmma_gradients_match (vs the warp-MMA kernel's, no farther from
+    float64, within GRAD_TOL)."""
+    from gdp_jax.kernels import local_grad
+    args = make(43, 2, 203, 2, 2, 2, 128, 128, jnp.float16)
+    kind, calls, out = local_grad._mma_kind, [], []
+    for value in (False, mode):
+        monkeypatch.setattr(local_grad, "_mma_kind", lambda w, g, s, ab="bfloat16", v=value:
+                            calls.append((v, ab)) or kind(w, v, s, ab))
+        _grad_fn.cache_clear()
+        out.append(grads("cutedsl", args))
+    _grad_fn.cache_clear()
+    base, got = out
+    # (the emulated kernels of a dry run replace raw_call: no _mma_kind there)
+    assert DRY_RUN or ((False, "float16") in calls and (mode, "float16") in calls), calls
+    tag = f"float16 gmma={mode}"
+    compare(tag + " vs warp MMAs", got, base, 1e-2)
+    ref = grads("reference", args)
+    assert_no_farther(tag, got, base, ref, ("wgmma", "warp MMAs"))
+    compare(tag + " vs ref", got, ref, GRAD_TOL)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
 def test_head_groups_equal_whole_call(monkeypatch, packed):
     """Head groups (:mod:`gdp_jax.heads`) on the kernels: with the offsets limit cut to 2

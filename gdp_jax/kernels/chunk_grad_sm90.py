@@ -243,8 +243,11 @@ class ChunkGradSm90:
         f32_at = lambda region, elems: cute.make_tensor(
             cute.recast_ptr(region.data_ptr() + elems, dtype=F32), pad)
         F1 = f32_at(st.R1, self._f1_at())     # dX, then dkk
-        sX16 = cute.make_tensor(st.R1.data_ptr(), smem_layout(C, C))          # gmma_all
-        sDX16 = cute.make_tensor(st.R1.data_ptr() + C * C, smem_layout(C, C))
+        # gmma_all: X, dX in the operand dtype (the regions are typed bfloat16: a float16
+        # kernel must not store through that type, s38-2)
+        sX16 = cute.make_tensor(cute.recast_ptr(st.R1.data_ptr(), dtype=ab), smem_layout(C, C))
+        sDX16 = cute.make_tensor(cute.recast_ptr(st.R1.data_ptr() + C * C, dtype=ab),
+                                 smem_layout(C, C))
         F2 = f32_at(st.R2, 0)                 # X o (dW k^T), then dqk
         F3 = f32_at(st.R2, 2 * PAD)           # X o (ddelta v^T), then dseg
         sGam, sX, sQG = st.sGam.get_tensor(pad), st.sX.get_tensor(pad), st.sQG.get_tensor(pad)
