@@ -65,7 +65,7 @@ def kernel_grads(ch, S0, doc, ds_end, scale, variant=""):
 def variant_kwargs(variant: str) -> dict:
     """The ``LocalGradKernel.call`` options of a variant name: "nosplit", "warps4",
     "gmma" (warpgroup MMAs), "gmmao" (and overlapped), "gmmaa" (and phases 9, 10) and
-    ``ablate`` parts, comma-combined."""
+    ``ablate`` parts ("serial": "gmmaa" without the overlap), comma-combined."""
     parts = [x for x in variant.split(",") if x]
     knobs = ("nosplit", "warps4", "gmma", "gmmao", "gmmaa")
     return dict(split="nosplit" not in parts, warps_n=1 if "warps4" in parts else 2,
@@ -75,7 +75,7 @@ def variant_kwargs(variant: str) -> dict:
 
 
 # variants whose results are right (the others are timing ablations)
-EXACT_VARIANTS = ("nosplit", "warps4", "roundtrip", "gmma", "gmmao", "gmmaa")
+EXACT_VARIANTS = ("nosplit", "warps4", "roundtrip", "gmma", "gmmao", "gmmaa", "serial")
 
 
 def precision(cases, scale=0.088, variants=()):
@@ -143,7 +143,7 @@ def main(argv=None):
     p.add_argument("--skip-precision", action="store_true")
     p.add_argument("--variants", default="",
                    help="kernel variants to time besides the default, ';'-separated: "
-                        "nosplit, warps4, roundtrip, gmma, gmmao, gmmaa (results right), nomma, "
+                        "nosplit, warps4, roundtrip, gmma, gmmao, gmmaa, serial (results right), nomma, "
                         "nogates, notail (comma-combined)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -49,6 +49,8 @@
 #   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 38  # GMMA "all" the default: gradient
 #                                               # GPU tests (4 processes), fwd+bwd at the main shapes vs +mma and FLA
 #   TOTAL=250 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 39  # mode 38's benchmark alone
+#   TOTAL=400 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 40  # s38's fixes: float16 wgmma tests,
+#                                               # "all" without overlap (kernel alone), mma_rate's RS mode
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -353,6 +355,17 @@ case "${1:-2}" in
   layers_and_trace ;;
 35)
   gmma_ab ;;
+40)
+  # s38, NOT run: the float16 wgmma fix (its tests; pass -> drop the float16 step-down in
+  # local_grad._mma_kind), "all" with / without overlap (ablate "serial") alone and probed,
+  # mma_rate's register-A mode on its fixed operand read
+  step 200 t_f16 $P tests/test_cutedsl_gpu.py -k "gmma_float16 or (gradients_match and float16)"
+  grep -hE "^(FAILED|ERROR)|passed|failed|Error" $M/t_f16.log | tail -12 | cut -c1-250
+  step 120 lg python -m benchmarks.prep_probe --local-grad --skip-prep-probe --bv "" \
+    --shape 8,4096,16,2 --lg-variants "gmmaa;gmmaa,serial" --json $M/lg.json
+  grep -hE "local grad" $M/lg.log | cut -c1-200
+  step 60 mma64 python -m benchmarks.mma_rate --kd 64 --n 128 --reps 1,8 --ctas 132
+  grep -hE "cycles|Error|error:" $M/mma64.log | cut -c1-200 ;;
 39)
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
     --deadline 195 --out $M/op

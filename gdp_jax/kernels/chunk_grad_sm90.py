@@ -106,7 +106,9 @@ class ChunkGradSm90:
         # "nogates" the gate loops of phase 0, "notail" phase 14; "roundtrip" (results
         # right) parks the partial dk, dq in their global outputs between phases instead
         # of registers; "probe" (results right but dbeta) writes the SM clock cycles of the
-        # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py)
+        # phases (PROBE_PHASES) into dbeta[..., :len(PROBE_PHASES)] (benchmarks/prep_probe.py);
+        # "serial" (results right) drops ``overlap`` (gmma="all" without it: each product
+        # waited for at once - s38-1 saw "overlap" alone no faster than True)
         self.ablate = set(filter(None, ablate.split(",")))
         # dq, dk, dv written into the op's token-major layout (16-bit, through shared
         # memory in 128-bit row pieces: ``_copy_rows``)
@@ -143,7 +145,7 @@ class ChunkGradSm90:
         # with gmma: independent products issued together and their results taken as they
         # land (wgmma runs asynchronously): QG beside the sum(dS_end S0) loads, w S0 beside
         # K dS_end, the three [C, K] products of phases 4-6 at once, phase 7's two at once
-        self.overlap = overlap
+        self.overlap = overlap and "serial" not in self.ablate
         assert gmma or not overlap
         # and phases 9, 10 as wgmma too, on 16-bit copies of X and dX in smem (where v
         # was); only with one 16-bit rounding of the [C, C] factors (split gives their B
