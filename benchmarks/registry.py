@@ -286,7 +286,8 @@ class OursStep:
 # q, k, v token-major; ``+nk``: with +tb, those kernels normalising the raw q, k themselves;
 # ``+mma``: the local-gradient kernel's products as warp MMAs (the default until s38);
 # ``+gmma``: as warpgroup MMAs on phases 1-8, 11-13; ``+gmmao``: and its independent
-# products issued together; ``+gmmaa``: and its phases 9, 10 too (the default))
+# products issued together; ``+gmmaa``: and its phases 9, 10 too (the default); ``+wg``:
+# the forward walk's recursion products as warpgroup MMAs)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -299,6 +300,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "rob": ("kernels.pipeline", "READOUT_ONLY_BWD", True),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
             "mma": ("kernels.local_grad", "GMMA", False),
+            "wg": ("kernels.chunk_forward", "GMMA", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),
@@ -350,7 +352,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +mma / +gmma / +gmmao / +gmmaa switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +wg / +mma / +gmma / +gmmao / +gmmaa switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

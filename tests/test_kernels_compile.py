@@ -1065,3 +1065,29 @@ def test_gmma_default_steps_down(monkeypatch):
         kind(4, True, None)
     with pytest.raises(ValueError, match="needs one 16-bit rounding"):
         kind(None, "all", None)
+
+
+@pytest.mark.parametrize("match", [
+    "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32",   # the op's forward
+    "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=1 BV=16",           # checkpoints, 16 wide
+    "gdp_chunk_fwd_sm90 float16 K=64 V=192 ckpt=0 summary BV=32",     # CP summary walk
+])
+def test_walk_gmma_compiles(monkeypatch, match):
+    """``chunk_forward.GMMA`` (opt-in): the forward walk with its recursion products as
+    warpgroup MMAs (wgmma descriptors on the walk's own 128 / 64 / 32-byte swizzled tiles)
+    compiles to sm_90a - another object than the warp-MMA walk's; an explicit ``gmma``
+    on a walk that cannot take it (two operand sets, tile pairs, the hi + lo split) is
+    refused."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    (v,) = [v for v in ChunkForwardKernel.variants() if v.what == match]
+    texts = []
+    for on in (False, True):
+        monkeypatch.setattr(chunk_forward, "GMMA", on)
+        jax.clear_caches()          # the switch is read at trace time
+        texts.append(_lower(v.fn, *v.avals))
+        assert "CuteDSLRT_NvJaxCutlassCall" in texts[-1]
+    assert texts[0] != texts[1]
+    for bad in (dict(split=True), dict(stages=2)):
+        with pytest.raises(ValueError, match="gmma .*needs stages=1, pairs=1, split=False"):
+            jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)

@@ -49,6 +49,13 @@ PIPELINE = False
 # one-set walk with an even number of value tiles; False: never. Off: within noise (fwd
 # 1.94 -> 1.93 ms at (8, 4096, 16, 2), 2.87 -> 2.84 at n = 3; H100, s32-1).
 PAIR_TILES = False
+# Opt-in, NOT yet run on a GPU (s38: written and compiled for sm_90a): the forward walk's
+# recursion products (w S, Kt^T Delta; qg S, P Delta on all rows) as Hopper warpgroup
+# MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkFwdSm90``) - for walks of one
+# operand set and one tile group without the hi + lo split (stages = pairs = 1, split
+# off); other walks keep warp MMAs. Turn on after ``test_walk_gmma_same_results`` passes
+# on a GPU and the A/B pays (``+wg`` in the benchmarks).
+GMMA = False
 
 
 class ChunkForwardKernel:
@@ -174,7 +181,7 @@ class ChunkForwardKernel:
     @staticmethod
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
-                 readout: bool = True, stages: int = 1, pairs: int = 1):
+                 readout: bool = True, stages: int = 1, pairs: int = 1, gmma=None):
         """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -192,7 +199,8 @@ class ChunkForwardKernel:
         ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
         the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
         same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
-        same results).
+        same results). ``gmma``: the recursion's products as warpgroup MMAs (None:
+        :data:`GMMA`, where the walk allows it; True where it does not is a ValueError).
         """
         B, NC, HV, C_, K = w.shape
         V, Vu = h0.shape[-1], u.shape[-1]
@@ -208,6 +216,11 @@ class ChunkForwardKernel:
                              f"{READOUT_ROWS} read-out rows")
         ab_name = jnp.dtype(w.dtype).name
         split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
+        can_gmma = stages == 1 and pairs == 1 and not split
+        if gmma and not can_gmma:
+            raise ValueError(f"gmma (warpgroup MMAs) needs stages=1, pairs=1, split=False; "
+                             f"got stages={stages}, pairs={pairs}, split={split}")
+        gmma = bool(GMMA) and can_gmma if gmma is None else bool(gmma)
         n_ckpt = ChunkForwardKernel.num_checkpoints(NC, ckpt)
         states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
         if states_dtype.name not in ("float32", ab_name):
@@ -224,7 +237,8 @@ class ChunkForwardKernel:
                                    readout=bool(readout), u_cols=Vu if Vu < V else 0,
                                    stages=int(stages),
                                    **({"rows": R} if R != C_ else {}),
-                                   **({"pairs": 2} if pairs == 2 else {}))
+                                   **({"pairs": 2} if pairs == 2 else {}),
+                                   **({"gmma": True} if gmma else {}))
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -307,9 +321,10 @@ def _launcher():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
-               rows: cutlass.Constexpr = C, pairs: cutlass.Constexpr = 1):
+               rows: cutlass.Constexpr = C, pairs: cutlass.Constexpr = 1,
+               gmma: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       pairs)(
+                       pairs, gmma)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

@@ -39,8 +39,9 @@ def _scan_chunks(step, state_shape, dtype, xs, reverse=False):
 
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0,
-                      states_dtype=None, readout=True, stages=1, pairs=1):
-    del BV, split, stages, pairs
+                      states_dtype=None, readout=True, stages=1, pairs=1,
+                      gmma=None):
+    del BV, split, stages, pairs, gmma
     B, NC, HV, C, K = w.shape
     acc = decay.dtype                                  # u may be 16-bit (chunk_prep.U16)
     u = zero_columns(u, h0.shape[-1] - u.shape[-1])    # u = 0 in the state columns past u's
