@@ -1008,6 +1008,18 @@ def test_load_rate_kernels_compile():
         copy_cycles(jnp.zeros((4, 8 * 256), jnp.bfloat16), mode="ldg")
 
 
+def _assert_switch_changes_object(monkeypatch, module, switch, value, v):
+    """Variant ``v`` lowers for cuda with ``module.switch`` False and ``value`` (a fresh
+    trace each: the switch is read at trace time), to two different kernel objects."""
+    texts = []
+    for on in (False, value):
+        monkeypatch.setattr(module, switch, on)
+        jax.clear_caches()
+        texts.append(_lower(v.fn, *v.avals))
+        assert "CuteDSLRT_NvJaxCutlassCall" in texts[-1]
+    assert texts[0] != texts[1]
+
+
 @pytest.mark.parametrize("match,mode", [
     ("gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm", True),  # the op's
     ("gdp_chunk_grad_sm90_tokens bfloat16 K=128 V=128 tokens in l2norm", "all"),
@@ -1022,13 +1034,7 @@ def test_gmma_local_grad_kernel_compiles(monkeypatch, match, mode):
     from gdp_jax.kernels import local_grad
     from gdp_jax.kernels.local_grad import LocalGradKernel
     (v,) = [v for v in LocalGradKernel.variants() if v.what == match]
-    texts = []
-    for on in (False, mode):
-        monkeypatch.setattr(local_grad, "GMMA", on)
-        jax.clear_caches()          # the switch is read at trace time
-        texts.append(_lower(v.fn, *v.avals))
-        assert "CuteDSLRT_NvJaxCutlassCall" in texts[-1]
-    assert texts[0] != texts[1]
+    _assert_switch_changes_object(monkeypatch, local_grad, "GMMA", mode, v)
     with pytest.raises(ValueError, match="gmma .* needs warps_n=2"):
         jax.eval_shape(lambda *a: v.fn(*a, warps_n=1, gmma=True), *v.avals)
     with pytest.raises(ValueError, match="gmma='all' needs one 16-bit rounding"):
@@ -1081,13 +1087,7 @@ def test_walk_gmma_compiles(monkeypatch, match):
     from gdp_jax.kernels import chunk_forward
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     (v,) = [v for v in ChunkForwardKernel.variants() if v.what == match]
-    texts = []
-    for on in (False, True):
-        monkeypatch.setattr(chunk_forward, "GMMA", on)
-        jax.clear_caches()          # the switch is read at trace time
-        texts.append(_lower(v.fn, *v.avals))
-        assert "CuteDSLRT_NvJaxCutlassCall" in texts[-1]
-    assert texts[0] != texts[1]
+    _assert_switch_changes_object(monkeypatch, chunk_forward, "GMMA", True, v)
     for bad in (dict(split=True), dict(stages=2)):
         with pytest.raises(ValueError, match="gmma .*needs stages=1, pairs=1, split=False"):
             jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)
