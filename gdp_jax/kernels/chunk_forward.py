@@ -53,7 +53,7 @@ PAIR_TILES = False
 # recursion products (w S, Kt^T Delta; qg S, P Delta on all rows) as Hopper warpgroup
 # MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkFwdSm90``) - for walks of one
 # operand set and one tile group without the hi + lo split (stages = pairs = 1, split
-# off); other walks keep warp MMAs. Turn on after ``test_walk_gmma_same_results`` passes
+# off); other walks keep warp MMAs. Turn on after ``test_walk_gmma_matches`` passes
 # on a GPU and the A/B pays (``+wg`` in the benchmarks).
 GMMA = False
 
