@@ -10,8 +10,9 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
   (``chunk_prep_sm90.PROBE_PHASES``), printed as mean / median / max over the CTAs, with
   the CTAs' mean latency against the kernel's time (how many CTAs an SM overlaps);
 - the forward recursion (``ChunkForwardKernel``) alone on those operands, for each value
-  tile in ``--bv`` with and without the hi + lo split, and the reverse recursion
-  (``StateGradKernel``) likewise, also forming ddo = P^T dO itself (``fuse_ddo``);
+  tile in ``--bv`` with and without the hi + lo split and as warpgroup MMAs, and the
+  reverse recursion (``StateGradKernel``) likewise, also forming ddo = P^T dO itself
+  (``fuse_ddo``);
 - with ``--tokens``: the operands kernel reading q, k, v from token-major tensors
   (``ChunkPrepKernel.raw_call_tokens``, what the plain forward runs on 16-bit inputs), with
   and without its in-kernel L2 norm, and its probe;
@@ -207,15 +208,18 @@ def main(argv=None):
     do = (jax.random.normal(jax.random.key(1), (B, NC, H, grid.CHUNK, V))
           .astype(jnp.bfloat16))
     for bv in (int(x) for x in a.bv.split(",") if x):
-        for split in (True, False):
-            tag = f"BV={bv} split={int(split)}"
-            timed(f"fwd {tag}", lambda *x, bv=bv, sp=split: ChunkForwardKernel.raw_call(
-                *x, BV=bv, split=sp), w, kt, qg, pm, u, decay, *flags, h0)
-            timed(f"rev {tag}", lambda *x, bv=bv, sp=split: StateGradKernel.raw_call(
-                *x, BV=bv, split=sp), kt, w, qg, u, do, decay, *flags, h0)
+        # (split, gmma): the walks' products as warp MMAs with / without the hi + lo
+        # split, and as warpgroup MMAs (no split)
+        for split, gm in ((True, False), (False, False), (False, True)):
+            tag = f"BV={bv} split={int(split)}" + (" wgmma" if gm else "")
+            timed(f"fwd {tag}", lambda *x, bv=bv, sp=split, gm=gm: ChunkForwardKernel.raw_call(
+                *x, BV=bv, split=sp, gmma=gm), w, kt, qg, pm, u, decay, *flags, h0)
+            timed(f"rev {tag}", lambda *x, bv=bv, sp=split, gm=gm: StateGradKernel.raw_call(
+                *x, BV=bv, split=sp, gmma=gm), kt, w, qg, u, do, decay, *flags, h0)
             # ddo = P^T dO in the kernel (pipeline.FUSED_DDO): P in ddo's place
-            timed(f"rev fused-ddo {tag}", lambda *x, bv=bv, sp=split: StateGradKernel.raw_call(
-                *x, BV=bv, split=sp, fuse_ddo=True), kt, w, qg, pm, do, decay, *flags, h0)
+            timed(f"rev fused-ddo {tag}", lambda *x, bv=bv, sp=split, gm=gm:
+                  StateGradKernel.raw_call(*x, BV=bv, split=sp, fuse_ddo=True, gmma=gm),
+                  kt, w, qg, pm, do, decay, *flags, h0)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -287,7 +287,7 @@ class OursStep:
 # ``+mma``: the local-gradient kernel's products as warp MMAs (the default until s38);
 # ``+gmma``: as warpgroup MMAs on phases 1-8, 11-13; ``+gmmao``: and its independent
 # products issued together; ``+gmmaa``: and its phases 9, 10 too (the default); ``+wg``:
-# the forward walk's recursion products as warpgroup MMAs)
+# the forward walk's recursion products as warpgroup MMAs; ``+wgb``: the reverse walk's)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -301,6 +301,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
             "mma": ("kernels.local_grad", "GMMA", False),
             "wg": ("kernels.chunk_forward", "GMMA", True),
+            "wgb": ("kernels.state_grad", "GMMA", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),

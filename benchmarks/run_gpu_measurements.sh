@@ -53,6 +53,8 @@
 #                                               # "all" without overlap (kernel alone), mma_rate's RS mode
 #   TOTAL=500 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 41  # chunk_forward.GMMA: GPU test,
 #                                               # forward and fwd+bwd A/B beside tuned FLA, one long row
+#   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 42  # state_grad.GMMA: GPU test,
+#                                               # both walks alone, fwd+bwd A/B (+wgb, +wg+wgb) beside tuned FLA
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -379,6 +381,17 @@ case "${1:-2}" in
   step 100 wglong python -m benchmarks.run fwd --impl cutedsl-cpauto,cutedsl-cpauto+wg,fla \
     --shapes "1,65536,16,2" --deadline 80 --out $M/wglong
   rows $M/wglong.log ;;
+42)
+  # s39, NOT run: the reverse walk's products as warpgroup MMAs (state_grad.GMMA, +wgb):
+  # its GPU test cases, both walks alone (warp / warpgroup MMAs), fwd+bwd A/B beside FLA
+  step 200 t_wgb $P tests/test_cutedsl_gpu.py -k "walk_gmma and reverse"
+  grep -hE "^(FAILED|ERROR)|passed|failed|Error" $M/t_wgb.log | tail -12 | cut -c1-250
+  step 100 walks python -m benchmarks.prep_probe --skip-prep-probe --bv 64,16 \
+    --shape 8,4096,16,2 --json $M/walks.json
+  grep -hE "s\] (fwd|rev)|Error" $M/walks.log | cut -c1-200
+  step 200 wgb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+wgb,cutedsl+wg+wgb,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 180 --out $M/wgb
+  rows $M/wgb.log ;;
 39)
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
     --deadline 195 --out $M/op

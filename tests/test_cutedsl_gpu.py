@@ -509,42 +509,47 @@ def test_pair_tiles_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, packed,
             GRAD_TOL)
 
 
+@pytest.mark.parametrize("walk", ["forward", "reverse"])
 @pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,packed", [
     (8, 203, 2, 16, 16, 128, 128, "bfloat16", False),   # value tiles of 64, read-out rows
     (2, 203, 3, 1, 3, 64, 128, "bfloat16", True),       # 16, GVA, packed
     (2, 203, 1, 2, 2, 128, 64, "float16", False),       # 16, V = 64, all rows (n = 1)
 ])
-def test_walk_gmma_matches(monkeypatch, B, T, n, H, HV, K, V, dtype, packed):
-    """``chunk_forward.GMMA`` (opt-in: the forward walk's recursion products as warpgroup
-    MMAs): the forward nothing differentiates (o, final state; read-out rows for n >= 2)
-    and the differentiated call (the walk writing checkpoints: o, final, every gradient)
-    within a few 16-bit roundings of the warp-MMA walk's (the products sum in another
-    order), no farther from float64 (x 1.25), within GRAD_TOL of it."""
-    from gdp_jax.kernels import chunk_forward
+def test_walk_gmma_matches(monkeypatch, walk, B, T, n, H, HV, K, V, dtype, packed):
+    """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (opt-ins: the forward / reverse walk's
+    recursion products as warpgroup MMAs): the forward nothing differentiates (o, final
+    state; read-out rows for n >= 2) and the differentiated call (o, final, every
+    gradient) within a few 16-bit roundings of the warp-MMA walk's (the products sum in
+    another order), no farther from float64 (x 1.25), within GRAD_TOL of it."""
+    from gdp_jax.kernels import chunk_forward, state_grad
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    from gdp_jax.kernels.state_grad import StateGradKernel
+    module, kernel = ((chunk_forward, ChunkForwardKernel) if walk == "forward"
+                      else (state_grad, StateGradKernel))
     if packed:
         args, cu = _rows_or_pack(29, True, n, H, HV, K, V, dtype)
     else:
         args, cu = make(29, B, T, n, H, HV, K, V, jnp.dtype(dtype)), None
     seen = []
-    raw = ChunkForwardKernel.raw_call
-    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
-        lambda *a, **k: seen.append(chunk_forward.GMMA) or raw(*a, **k)))
+    raw = kernel.raw_call
+    monkeypatch.setattr(kernel, "raw_call", staticmethod(
+        lambda *a, **k: seen.append(module.GMMA) or raw(*a, **k)))
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True, backend="cutedsl")
-    tag = f"walk gmma B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}"
-    fw = []
-    for on in (False, True):
-        monkeypatch.setattr(chunk_forward, "GMMA", on)
-        fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
+    tag = f"{walk} walk gmma B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}"
     ref = grads("reference", args, cu=cu)
-    for nm, a, b, r in zip(("o", "final"), fw[1], fw[0], ref):
-        e_ab, e_ar, e_br = rel_rms(a, b), rel_rms(a, r), rel_rms(b, r)
-        print(f"[{tag}] forward {nm}: vs warp MMAs {e_ab:.2e}, vs float64 {e_ar:.2e} "
-              f"(warp MMAs {e_br:.2e})")
-        assert np.isfinite(np.asarray(a, np.float32)).all(), nm
-        assert e_ab < 1e-2 and e_ar < 1.25 * e_br + 1e-4, (nm, e_ab, e_ar, e_br)
-    base, got = grads_off_on(monkeypatch, chunk_forward, "GMMA", args, cu)
+    if walk == "forward":
+        fw = []
+        for on in (False, True):
+            monkeypatch.setattr(module, "GMMA", on)
+            fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
+        for nm, a, b, r in zip(("o", "final"), fw[1], fw[0], ref):
+            e_ab, e_ar, e_br = rel_rms(a, b), rel_rms(a, r), rel_rms(b, r)
+            print(f"[{tag}] forward {nm}: vs warp MMAs {e_ab:.2e}, vs float64 {e_ar:.2e} "
+                  f"(warp MMAs {e_br:.2e})")
+            assert np.isfinite(np.asarray(a, np.float32)).all(), nm
+            assert e_ab < 1e-2 and e_ar < 1.25 * e_br + 1e-4, (nm, e_ab, e_ar, e_br)
+    base, got = grads_off_on(monkeypatch, module, "GMMA", args, cu)
     # (the emulated kernels of a dry run replace raw_call: no spy there)
     assert DRY_RUN or (True in seen and False in seen), seen
     compare(tag + " vs warp MMAs", got, base, 1e-2)

@@ -1091,3 +1091,23 @@ def test_walk_gmma_compiles(monkeypatch, match):
     for bad in (dict(split=True), dict(stages=2)):
         with pytest.raises(ValueError, match="gmma .*needs stages=1, pairs=1, split=False"):
             jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)
+
+
+@pytest.mark.parametrize("match", [
+    "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo BV=64 rows=32",
+    "gdp_chunk_bwd_dh_sm90 bfloat16 K=64 V=64 dS_end bfloat16 fused ddo BV=16",   # all rows
+    "gdp_chunk_bwd_dh_sm90 float16 K=128 V=192 summary BV=32",                  # CP, ddo read
+])
+def test_reverse_walk_gmma_compiles(monkeypatch, match):
+    """``state_grad.GMMA`` (opt-in): the reverse walk with its products as warpgroup MMAs
+    compiles to sm_90a - another object than the warp-MMA walk's - on the read-out rows
+    and all rows, with ddo formed or read; an explicit ``gmma`` on a walk that cannot
+    take it (two operand sets, the hi + lo split) is refused."""
+    from gdp_jax.kernels import state_grad
+    from gdp_jax.kernels.state_grad import StateGradKernel
+    (v,) = [v for v in StateGradKernel.variants() if v.what == match]
+    _assert_switch_changes_object(monkeypatch, state_grad, "GMMA", True, v)
+    # (the read-out rows refuse two operand sets for their own reason first)
+    for bad in (dict(split=True),) + (() if "rows=" in match else (dict(stages=2),)):
+        with pytest.raises(ValueError, match="gmma .*needs stages=1, pairs=1, split=False"):
+            jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)

@@ -16,7 +16,8 @@ and forms ddo_c = P_c^T dO_c itself (one more MMA a chunk, off the dS chain; P a
 exact 16-bit values, so the product is the one XLA forms, in float32).
 
 Same MMA scheme as the forward (mma.sync m16n8k16, ldmatrix from swizzled smem, the two
-recurrent operands dS and dDelta split into hi + lo 16-bit parts with ``split``). No
+recurrent operands dS and dDelta split into hi + lo 16-bit parts with ``split``), or with
+``gmma`` Hopper warpgroup MMAs reading the same smem tiles through descriptors. No
 atomics: every output element is written by exactly one thread, so the kernel is
 deterministic.
 
@@ -33,7 +34,7 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
                                   g2s_copy, ldmatrix_copies, load_chunk_scalars, make_acc,
                                   mma_split_b, operand, own_tile, recurrent, smem_layout,
                                   smem_tile, tile_group, transpose_view, warp_mma,
-                                  warp_mma_rows)
+                                  warp_mma_rows, wg_operand, wg_products, wg_tiled, barrier)
 
 
 class ChunkBwdDhSm90:
@@ -41,7 +42,7 @@ class ChunkBwdDhSm90:
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
                  fuse_ddo: bool = False, do_cols: int = 0, write_ds: bool = True,
-                 stages: int = 1, pairs: int = 1, rows: int = C):
+                 stages: int = 1, pairs: int = 1, rows: int = C, gmma: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and stages in (1, 2)
         # rows of qg, P and dO a chunk: C, or READOUT_ROWS (their read-out rows only, n >= 2:
         # the only rows where dO is not zero); one operand set, one value tile a CTA
@@ -65,6 +66,11 @@ class ChunkBwdDhSm90:
         # 2: the next chunk's operands load while this one computes (the forward walk's
         # ``stages``; ``chunk_forward.ChunkForwardKernel.pick_stages``)
         self.stages = stages
+        # the recursion's products as Hopper warpgroup MMAs (the forward walk's ``gmma``:
+        # the CTA's 4 warps are one warpgroup, operands read from the smem tiles by
+        # descriptors) - for the one-set, one-tile walk without the split
+        self.gmma = gmma
+        assert not gmma or (stages == 1 and pairs == 1 and not split)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -128,21 +134,38 @@ class ChunkBwdDhSm90:
         sDl = own_tile(st.sDl, sD_layout, grp, pairs)      # -dDelta lo
         sO = own_tile(st.sO, sO_layout, grp, pairs)        # dO: [R, BV]
 
+        if cutlass.const_expr(self.gmma):
+            # (the accumulators, c_tile and acc_to_smem below then take its partitions)
+            tiled_mma = wg_tiled(ab, BV, True)          # Kt dS: A as stored
+            tiled_t = wg_tiled(ab, BV, False)           # w^T, qg^T, P^T: A read M-major
+            if cutlass.const_expr(R == C):
+                tiled_mma_o = tiled_mma                 # dO enters smem as dDelta does
         thr_mma = tiled_mma.get_slice(tidx)
         acc_S = make_acc(thr_mma, (K, BV))
         acc_D = make_acc(thr_mma, (C, BV))
         acc_S.fill(0.0)
 
-        # MMA operands (w^T, qg^T: M-major [K, C] views; B operands as [BV, *] views)
-        cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
-        Kt = operand(thr_mma, cA, sKt, True)
-        WT = operand(thr_mma, cAt, transpose_view(sW, C, K), True)
-        QT = operand(thr_mma, cAt, transpose_view(sQ, R, K), True)      # qg^T: [K, R]
-        S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
-        Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
-        D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
-        Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
-        O = operand(thr_mma, cBt, transpose_view(sO, R, BV), False)
+        if cutlass.const_expr(self.gmma):
+            thr_t = tiled_t.get_slice(tidx)
+            a_t = lambda t, rows, cols: wg_operand(tiled_t, thr_t, t, rows, cols, False,
+                                                   True, ab)
+            b_t = lambda t, rows, cols: wg_operand(tiled_t, thr_t, t, rows, cols, False,
+                                                   False, ab)
+            Kt = wg_operand(tiled_mma, thr_mma, sKt, C, K, True, True, ab)      # [C, K]
+            S = wg_operand(tiled_mma, thr_mma, sS, K, BV, False, False, ab)     # [K, BV]
+            WT, QT = a_t(sW, C, K), a_t(sQ, R, K)                     # w^T, qg^T: [K, C / R]
+            D, O = b_t(sD, C, BV), b_t(sO, R, BV)                     # -dDelta, dO: [C / R, BV]
+        else:
+            # MMA operands (w^T, qg^T: M-major [K, C] views; B operands as [BV, *] views)
+            cA, cAt, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
+            Kt = operand(thr_mma, cA, sKt, True)
+            WT = operand(thr_mma, cAt, transpose_view(sW, C, K), True)
+            QT = operand(thr_mma, cAt, transpose_view(sQ, R, K), True)      # qg^T: [K, R]
+            S = operand(thr_mma, cBt, transpose_view(sS, K, BV), False)
+            Sl = operand(thr_mma, cBt, transpose_view(sSl, K, BV), False)
+            D = operand(thr_mma, cBt, transpose_view(sD, C, BV), False)
+            Dl = operand(thr_mma, cBt, transpose_view(sDl, C, BV), False)
+            O = operand(thr_mma, cBt, transpose_view(sO, R, BV), False)
 
         toS = acc_to_smem(tiled_mma, tidx, acc_S, ab)
         toD = acc_to_smem(tiled_mma, tidx, acc_D, ab)
@@ -160,7 +183,10 @@ class ChunkBwdDhSm90:
         tKsKt, tKsW, tKsQ = gK.dest(sKt), gK.dest(sW), gK.dest(sQ)
         if cutlass.const_expr(self.fuse_ddo):
             sP = st.sP.get_tensor(sP_layout)    # P: [R, C]
-            PT = operand(thr_mma, cAt, transpose_view(sP, R, C), True)    # P^T: [C, R]
+            if cutlass.const_expr(self.gmma):
+                PT = a_t(sP, R, C)                                            # P^T: [C, R]
+            else:
+                PT = operand(thr_mma, cAt, transpose_view(sP, R, C), True)    # P^T: [C, R]
             gP = g2s(copy_C, tidx_cta)
             tPsP = gP.dest(sP)
 
@@ -202,22 +228,30 @@ class ChunkBwdDhSm90:
                     ddo = c_tile_or_zero(thr_mma, mDdo[b, c, hv, None, None], (C, BV), vt,
                                          tiles)
             cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
+            barrier(self.gmma)
 
             # ---- dDelta = ddo + Kt dS   (kept negated in smem: the next MMA subtracts it)
             acc_D.fill(0.0)
-            if cutlass.const_expr(self.fuse_ddo):
-                mma_split_b(tiled_mma, R // MMA_K, [(acc_D, PT)], O, None, False)
-            mma_split_b(tiled_mma, K // MMA_K, [(acc_D, Kt)], S, Sl, self.split)
+            if cutlass.const_expr(self.gmma):
+                # (P^T dO first, as the warp MMAs add them)
+                wg_products(([(tiled_t, R // MMA_K, [(acc_D, PT, O)])] if self.fuse_ddo
+                             else []) + [(tiled_mma, K // MMA_K, [(acc_D, Kt, S)])])
+            else:
+                if cutlass.const_expr(self.fuse_ddo):
+                    mma_split_b(tiled_mma, R // MMA_K, [(acc_D, PT)], O, None, False)
+                mma_split_b(tiled_mma, K // MMA_K, [(acc_D, Kt)], S, Sl, self.split)
             if cutlass.const_expr(self.fuse_ddo):
                 toD.store_split(-acc_D.load(), tCsD, tCsDl, self.split)
             else:
                 toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
-            cute.arch.sync_threads()
+            barrier(self.gmma)
 
             # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
             acc_S.store(acc_S.load() * decay)
-            if cutlass.const_expr(R == C):
+            if cutlass.const_expr(self.gmma):
+                wg_products([(tiled_t, C // MMA_K, [(acc_S, WT, D)]),
+                             (tiled_t, R // MMA_K, [(acc_S, QT, O)])])
+            elif cutlass.const_expr(R == C):
                 mma_split_b(tiled_mma, C // MMA_K, [(acc_S, WT)], D, Dl, self.split,
                             plain=[(acc_S, QT, O)])
             else:
@@ -399,9 +433,10 @@ _KERNELS = {}
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                fuse_ddo: bool = False, do_cols: int = 0,
                write_ds: bool = True, stages: int = 1, pairs: int = 1,
-               rows: int = C) -> ChunkBwdDhSm90:
-    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages, pairs, rows)
+               rows: int = C, gmma: bool = False) -> ChunkBwdDhSm90:
+    key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages, pairs, rows,
+           gmma)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols,
-                                       write_ds, stages, pairs, rows)
+                                       write_ds, stages, pairs, rows, gmma)
     return _KERNELS[key]

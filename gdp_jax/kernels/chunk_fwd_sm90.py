@@ -34,15 +34,14 @@ from __future__ import annotations
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
                                   acc_to_smem, c_tile, c_tile_or_zero, chunk_scalars, g2s,
                                   g2s_copy, ldmatrix_copies, load_chunk_scalars, make_acc,
                                   mma_split_b, operand, own_tile, readout_operands,
                                   recurrent, smem_layout, smem_tile, tile_group,
-                                  transpose_view, warp_mma, warp_mma_rows)
+                                  transpose_view, warp_mma, warp_mma_rows, wg_operand,
+                                  wg_products, wg_tiled, barrier)
 
 
 class ChunkFwdSm90:
@@ -148,8 +147,8 @@ class ChunkFwdSm90:
 
         if cutlass.const_expr(self.gmma):
             # (the accumulators, c_tile and acc_to_smem below then take its partitions)
-            tiled_mma = _wg_tiled(ab, BV, True)
-            tiled_t = _wg_tiled(ab, BV, False)          # Kt^T Delta: A read M-major
+            tiled_mma = wg_tiled(ab, BV, True)
+            tiled_t = wg_tiled(ab, BV, False)           # Kt^T Delta: A read M-major
         thr_mma = tiled_mma.get_slice(tidx)
         acc_S = make_acc(thr_mma, (K, BV))
         acc_D = make_acc(thr_mma, (C, BV))
@@ -159,10 +158,10 @@ class ChunkFwdSm90:
         first, second = [], []
         if cutlass.const_expr(self.gmma):
             thr_t = tiled_t.get_slice(tidx)
-            a_op = lambda tiled, thr, t, rows, cols, k_major: tiled.make_fragment_A(
-                thr.partition_A(_gmma_view(t, rows, cols, k_major, ab)))
-            b_op = lambda tiled, thr, t, rows, cols: tiled.make_fragment_B(
-                thr.partition_B(_gmma_view(t, rows, cols, False, ab)))
+            a_op = lambda tiled, thr, t, rows, cols, k_major: wg_operand(
+                tiled, thr, t, rows, cols, k_major, True, ab)
+            b_op = lambda tiled, thr, t, rows, cols: wg_operand(
+                tiled, thr, t, rows, cols, False, False, ab)
             W = a_op(tiled_mma, thr_mma, sW, C, K, True)                  # [C, K]
             KtT = a_op(tiled_t, thr_t, sKt, C, K, False)                  # Kt^T: [K, C]
             S = b_op(tiled_mma, thr_mma, sS, K, BV)                       # S: [K, BV]
@@ -240,28 +239,28 @@ class ChunkFwdSm90:
                 u = c_tile_or_zero(thr_mma, mU[b, c, hv, None, None], (C, BV), vt,
                                    self.u_cols // BV)
             cute.arch.cp_async_wait_group(0)
-            _barrier(self.gmma)
+            barrier(self.gmma)
 
             # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
             acc_D.fill(0.0)
             for acc, _ in first:
                 acc.fill(0.0)
             if cutlass.const_expr(self.gmma):
-                _wg_products(tiled_mma, K // MMA_K, [(acc_D, W, S)]
-                             + [(acc, a, S) for acc, a in first])
+                wg_products([(tiled_mma, K // MMA_K, [(acc_D, W, S)]
+                              + [(acc, a, S) for acc, a in first])])
             else:
                 mma_split_b(tiled_mma, K // MMA_K, [(acc_D, W)] + first, S, Sl, self.split)
             if cutlass.const_expr(self.readout and R < C):
                 acc_O.fill(0.0)
                 mma_split_b(tiled_mma_o, K // MMA_K, [(acc_O, Q_o)], S_o, Sl_o, self.split)
             toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
-            _barrier(self.gmma)
+            barrier(self.gmma)
 
             # ---- S <- decay S + Kt^T Delta ;  o += P Delta  (shared B operand Delta)
             acc_S.store(acc_S.load() * decay)
             if cutlass.const_expr(self.gmma):
-                _wg_products(tiled_t, C // MMA_K, [(acc_S, KtT, D_t)])
-                _wg_products(tiled_mma, C // MMA_K, [(acc, a, D) for acc, a in second])
+                wg_products([(tiled_t, C // MMA_K, [(acc_S, KtT, D_t)]),
+                             (tiled_mma, C // MMA_K, [(acc, a, D) for acc, a in second])])
             else:
                 mma_split_b(tiled_mma, C // MMA_K, [(acc_S, KtT)] + second, D, Dl, self.split)
 
@@ -445,50 +444,6 @@ def _storage_pipelined(ab, sK_layout, sS_layout, sD_layout, sP_layout, split, sQ
     if split:
         fields.update(sSl=smem_tile(ab, sS_layout), sDl=smem_tile(ab, sD_layout))
     return cute.struct(type("Storage", (), {"__annotations__": fields}))
-
-
-def _wg_tiled(ab, BV: int, a_k_major: bool):
-    """The walk's warpgroup MMA (one 4-warp group, m64 nBV k16, float32 accumulators): A
-    [64-row blocks, K] K-major (w, qg, P) or M-major (Kt^T, read from the [C, K] tile), B
-    [BV, K] N-major (S, Delta: their [K, BV] / [C, BV] tiles read transposed)."""
-    mode = OperandMajorMode.K if a_k_major else OperandMajorMode.MN
-    t = sm90_utils.make_trivial_tiled_mma(ab, ab, mode, OperandMajorMode.MN,
-                                          cutlass.Float32, (1, 1, 1), tiler_mn=(C, BV))
-    t.set(warpgroup.Field.ACCUMULATE, True)          # every product adds to its acc
-    return t
-
-
-def _gmma_view(t, rows: int, cols: int, k_major: bool, ab):
-    """The 16-bit smem tile ``t`` [rows, cols] (``sm90.smem_layout``: rows of ``cols``
-    elements, 128 / 64 / 32-byte swizzle by the row width) as a wgmma operand tensor:
-    [rows, cols] K-major, else [cols, rows] (read transposed: M- or N-major) - the same
-    bytes, the swizzle moved onto the pointer where the descriptors read it."""
-    w = 64 if cols % 64 == 0 else 32 if cols % 32 == 0 else 16
-    K_, MN_ = warpgroup.SmemLayoutAtomKind, warpgroup.SmemLayoutAtomKind
-    kind = ({64: K_.K_SW128, 32: K_.K_SW64, 16: K_.K_SW32} if k_major
-            else {64: MN_.MN_SW128, 32: MN_.MN_SW64, 16: MN_.MN_SW32})[w]
-    shape, order = ((rows, cols), (0, 1)) if k_major else ((cols, rows), (1, 0))
-    lay = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, ab), shape, order)
-    return cute.make_tensor(cute.recast_ptr(t.iterator, lay.inner, ab), lay.outer)
-
-
-def _wg_products(tiled, k_blocks: int, products):
-    """acc += A B for each (acc, A fragment, B fragment), issued as one committed group
-    and waited for (the accumulators' last writes by other instructions fenced first)."""
-    warpgroup.fence()
-    for acc, a, b in products:
-        for kb in range(k_blocks):          # (a trace-time helper: unrolled)
-            cute.gemm(tiled, acc, a[None, None, kb], b[None, None, kb], acc)
-    warpgroup.commit_group()
-    warpgroup.wait_group(0)
-
-
-def _barrier(gmma: bool):
-    """A CTA barrier; with ``gmma`` a proxy fence first, so that what cp.async and the
-    threads' stores wrote to smem is what the wgmma descriptors read (async proxy)."""
-    if gmma:
-        cute.arch.fence_view_async_shared()
-    cute.arch.sync_threads()
 
 
 _KERNELS = {}

@@ -66,13 +66,14 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
 
 
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None,
-                   ds_dtype=None, fuse_ddo=False, write_ds=True, stages=1, pairs=1):
+                   ds_dtype=None, fuse_ddo=False, write_ds=True, stages=1, pairs=1,
+                   gmma=None):
     """The reverse kernel's contract (``StateGradKernel.raw_call``): dS_end in
     ``ds_dtype`` (rounded once, as stored; the walk carries the accumulator dtype; a NaN
     [1] placeholder with ``write_ds=False``); with
     ``fuse_ddo`` ``ddo`` is the readout matrix P and ddo = P^T dO (in the accumulator
     dtype: P and dO are exact 16-bit values)."""
-    del BV, split, stages, pairs
+    del BV, split, stages, pairs, gmma
     B, NC, HV, C, K = kt.shape
     acc = dfinal.dtype
     f = lambda x: x.astype(acc)

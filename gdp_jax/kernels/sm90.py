@@ -20,7 +20,8 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
 C = 64             # chunk length (steps); equals gdp_jax.grid.CHUNK
 NUM_THREADS = 128  # 4 warps per CTA
@@ -426,3 +427,62 @@ def load_chunk_scalars(scalars, mSeq, mReset, mLast, mDecay, b, c, hv):
     si[1] = mReset[b, c]
     si[2] = mLast[b, c]
     sf[0] = mDecay[b, c, hv]
+
+
+# ------------------------------------------------- warpgroup MMAs (wgmma) of the walks
+def wg_tiled(ab, BV: int, a_k_major: bool):
+    """A walk's warpgroup MMA (the CTA's 4 warps as one warpgroup, m64 nBV k16, float32
+    accumulators): A [64-row blocks, K] K-major (read as stored) or M-major (the [K', M]
+    tile read transposed), B [BV, K] N-major (a [K, BV] tile read transposed). Its
+    accumulator partition is the same for both A modes, so one set of accumulators, c_tile
+    and acc_to_smem serves both."""
+    mode = OperandMajorMode.K if a_k_major else OperandMajorMode.MN
+    t = sm90_utils.make_trivial_tiled_mma(ab, ab, mode, OperandMajorMode.MN,
+                                          cutlass.Float32, (1, 1, 1), tiler_mn=(C, BV))
+    t.set(warpgroup.Field.ACCUMULATE, True)          # every product adds to its acc
+    return t
+
+
+def gmma_view(t, rows: int, cols: int, k_major: bool, ab):
+    """The 16-bit smem tile ``t`` [rows, cols] (:func:`smem_layout`: rows of ``cols``
+    elements, 128 / 64 / 32-byte swizzle by the row width) as a wgmma operand tensor:
+    [rows, cols] K-major, else [cols, rows] (read transposed: M- or N-major) - the same
+    bytes, the swizzle moved onto the pointer where the descriptors read it."""
+    w = 64 if cols % 64 == 0 else 32 if cols % 32 == 0 else 16
+    A = warpgroup.SmemLayoutAtomKind
+    kind = ({64: A.K_SW128, 32: A.K_SW64, 16: A.K_SW32} if k_major
+            else {64: A.MN_SW128, 32: A.MN_SW64, 16: A.MN_SW32})[w]
+    shape, order = ((rows, cols), (0, 1)) if k_major else ((cols, rows), (1, 0))
+    lay = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, ab), shape, order)
+    return cute.make_tensor(cute.recast_ptr(t.iterator, lay.inner, ab), lay.outer)
+
+
+def wg_operand(tiled, thr, t, rows: int, cols: int, k_major: bool, is_a: bool, ab):
+    """The wgmma fragment (descriptors) of the ``ab`` smem tile ``t`` [rows, cols] as the
+    A (``is_a``) or B operand of ``tiled`` (its slice ``thr``); ``k_major`` as
+    :func:`gmma_view`."""
+    v = gmma_view(t, rows, cols, k_major, ab)
+    if is_a:
+        return tiled.make_fragment_A(thr.partition_A(v))
+    return tiled.make_fragment_B(thr.partition_B(v))
+
+
+def wg_products(groups):
+    """acc += A B for each (tiled, k_blocks, [(acc, A fragment, B fragment), ...]) group,
+    all issued as one committed wgmma group and waited for (the accumulators' last writes
+    by other instructions fenced first)."""
+    warpgroup.fence()
+    for tiled, k_blocks, products in groups:
+        for acc, a, b in products:
+            for kb in range(k_blocks):          # (a trace-time helper: unrolled)
+                cute.gemm(tiled, acc, a[None, None, kb], b[None, None, kb], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+def barrier(gmma: bool):
+    """A CTA barrier; with ``gmma`` a proxy fence first, so that what cp.async and the
+    threads' stores wrote to smem is what the wgmma descriptors read (async proxy)."""
+    if gmma:
+        cute.arch.fence_view_async_shared()
+    cute.arch.sync_threads()

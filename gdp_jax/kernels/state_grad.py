@@ -20,6 +20,13 @@ from gdp_jax.grid import CHUNK, READOUT_ROWS
 from gdp_jax.kernels import binding
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
+# Opt-in, NOT yet run on a GPU (s39: written and compiled for sm_90a): the reverse walk's
+# products (Kt dS, P^T dO; w^T dDelta, qg^T dO) as Hopper warpgroup MMAs instead of
+# ldmatrix + mma.sync (``gmma`` of ``ChunkBwdDhSm90``; the forward walk's
+# ``chunk_forward.GMMA``) - for walks of one operand set and one value tile without the
+# hi + lo split; other walks keep warp MMAs. Turn on after ``test_walk_gmma_matches``
+# (its reverse cases) passes on a GPU and the A/B pays (``+wgb``).
+GMMA = False
 
 class StateGradKernel:
     """Limits and the (vmappable) call of the reverse state-gradient kernel."""
@@ -56,7 +63,7 @@ class StateGradKernel:
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
                  split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False,
-                 write_ds: bool = True, stages: int = 1, pairs: int = 1):
+                 write_ds: bool = True, stages: int = 1, pairs: int = 1, gmma=None):
         """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
         or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
         MMAs anyway) - a [1] placeholder with ``write_ds=False`` (the walk for dh0 alone) -,
@@ -71,7 +78,9 @@ class StateGradKernel:
         for sequences without chunks stay unwritten. ``stages`` = 2: the next chunk's
         operands load while a chunk computes (``ChunkForwardKernel.pick_stages``; the same
         results). ``pairs`` = 2: a CTA walks two value tiles
-        (``ChunkForwardKernel.pick_pairs``; the same results).
+        (``ChunkForwardKernel.pick_pairs``; the same results). ``gmma``: the products as
+        warpgroup MMAs (None: :data:`GMMA` where the walk allows it - stages = pairs = 1,
+        no split; True where it does not is a ValueError).
         """
         B, NC, HV, C, K = kt.shape
         V, Vo = dfinal.shape[-1], do.shape[-1]
@@ -94,6 +103,11 @@ class StateGradKernel:
             raise ValueError(f"{'P' if fuse_ddo else 'ddo'}: expected {jnp.dtype(want[1]).name}"
                              f" {want[0]}; got {jnp.dtype(ddo.dtype).name} {ddo.shape}")
         split = ChunkForwardKernel.default_split(kt.dtype) if split is None else bool(split)
+        can_gmma = stages == 1 and pairs == 1 and not split
+        if gmma and not can_gmma:
+            raise ValueError(f"gmma (warpgroup MMAs) needs stages=1, pairs=1, split=False; "
+                             f"got stages={stages}, pairs={pairs}, split={split}")
+        gmma = bool(GMMA) and can_gmma if gmma is None else bool(gmma)
         ds_dtype = jnp.dtype(jnp.float32 if ds_dtype is None else ds_dtype)
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
             raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
@@ -110,7 +124,8 @@ class StateGradKernel:
                                    **({} if write_ds else {"write_ds": False}),
                                    **({"stages": 2} if stages == 2 else {}),
                                    **({"pairs": 2} if pairs == 2 else {}),
-                                   **({"rows": R} if R != C else {}))
+                                   **({"rows": R} if R != C else {}),
+                                   **({"gmma": True} if gmma else {}))
 
     @classmethod
     def variants(cls):
@@ -179,9 +194,10 @@ def _launcher():
                ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0,
                write_ds: cutlass.Constexpr = True, stages: cutlass.Constexpr = 1,
-               pairs: cutlass.Constexpr = 1, rows: cutlass.Constexpr = CHUNK):
+               pairs: cutlass.Constexpr = 1, rows: cutlass.Constexpr = CHUNK,
+               gmma: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds, stages,
-                       pairs, rows)(
+                       pairs, rows, gmma)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
