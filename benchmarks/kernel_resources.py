@@ -8,7 +8,8 @@ thread fits floor(65536 / (4 * 32 * ceil8(R))) times. This compiles each prebuil
 (``gdp_jax.kernels.aot``'s list, K = V = 128 unless ``--dims``) with the CuTe DSL keeping its
 cubin, and reads the register count the assembler recorded in the cubin's ``.nv.info``
 (attribute 0x2f, EIATTR_REGCOUNT; 0x11, the frame: spills), the launch's thread count,
-how many CTAs an SM's registers hold, and the size of the machine code.
+how many CTAs an SM's registers hold, and the size of the machine code with a hash of it
+(:func:`cubin_code_hash`).
 """
 from __future__ import annotations
 
@@ -86,6 +87,20 @@ def cubin_code_bytes(path) -> int:
     """Bytes of machine code (the .text sections) in a cubin: the instructions an SM
     fetches while a CTA runs (straight-line kernels fetch all of them once a CTA)."""
     return sum(size for name, _, size in _sections(path)[1] if name.startswith(".text"))
+
+
+def cubin_code_hash(path) -> str:
+    """A short hash of the machine code (the .text sections' bytes): equal hashes, the same
+    instructions. The compile is not byte-reproducible: a kernel comes out as one of two or
+    three instruction orders from run to run, so check a refactor that should not change a
+    kernel on the sets of hashes of a few runs before and after."""
+    import hashlib
+    b, secs = _sections(path)
+    h = hashlib.sha256()
+    for name, start, size in secs:
+        if name.startswith(".text"):
+            h.update(b[start:start + size])
+    return h.hexdigest()[:12]
 
 
 def object_cubin(obj: bytes) -> bytes:
@@ -167,7 +182,8 @@ def main(argv=None):
                 break
         print(f"{v.what}: {regs} registers x {threads} threads, frame {frame} B -> "
               f"{ctas_by_registers(regs, threads)} CTAs / SM by registers; "
-              f"{cubin_code_bytes(cubins[0]) // 1024} KB of code", flush=True)
+              f"{cubin_code_bytes(cubins[0]) // 1024} KB of code "
+              f"({cubin_code_hash(cubins[0])})", flush=True)
 
 if __name__ == "__main__":
     main()

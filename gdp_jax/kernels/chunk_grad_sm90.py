@@ -77,7 +77,7 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, ac
                                   c_tile, g2s, g2s_copy, l2_normalize_rows,
                                   ldmatrix_copies, make_acc, offsets32,
                                   mma_split_b, operand, pick, smem_layout, smem_tile,
-                                  transpose_view, warp_mma)
+                                  transpose_view, warp_mma, barrier, gmma_view)
 
 F32 = cutlass.Float32
 PAD = C * (C + 1)          # elements of a padded float32 [C, C] tile (row stride C + 1)
@@ -226,7 +226,7 @@ class ChunkGradSm90:
         probe = "probe" in self.ablate
         # a CTA barrier; with wgmma also a proxy fence: smem the threads wrote (cp.async,
         # stores) becomes visible to the wgmma descriptors' (async proxy) reads
-        bar = lambda: _barrier(self.gmma)
+        bar = lambda: barrier(self.gmma)
         marks = [cute.arch.clock()] if cutlass.const_expr(probe) else []
         mma_split_b_ = mma_split_b if on else _skip
         # acc += A B over k-blocks of ldmatrix operands, unrolled (as a dynamic k-loop,
@@ -798,14 +798,6 @@ class ChunkGradSm90:
 # Plain functions run at trace time inside the kernel (as sm90's helpers): their loops are
 # unrolled Python loops and they hold no dynamic control flow.
 
-def _barrier(gmma: bool):
-    """A CTA barrier; with ``gmma`` a proxy fence first, so that the smem the threads wrote
-    (cp.async, stores) is what the wgmma descriptors read (through the async proxy)."""
-    if gmma:
-        cute.arch.fence_view_async_shared()
-    cute.arch.sync_threads()
-
-
 @dataclasses.dataclass(frozen=True)
 class _SmemOp:
     """A 16-bit smem tile ``t`` stored [rows, cols] row-major (``sm90.smem_layout``) as an
@@ -854,16 +846,10 @@ class _Sync:
                 self.mma_(self.tiled, kd // MMA_K, acc, a, b)
 
 
-def _gmma_view(op: _SmemOp, ab):
-    """The tile of ``op`` as a wgmma operand tensor [MN, K]: the same bytes, its swizzle
-    (128-byte rows of eight 16-byte units XORed with the row mod 8, which
-    ``sm90.smem_layout`` builds into the layout) moved onto the pointer, where the
-    descriptors read it."""
-    kind = (warpgroup.SmemLayoutAtomKind.K_SW128 if op.k_major
-            else warpgroup.SmemLayoutAtomKind.MN_SW128)
-    shape, order = ((op.rows, op.cols), (0, 1)) if op.k_major else ((op.cols, op.rows), (1, 0))
-    lay = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, ab), shape, order)
-    return cute.make_tensor(cute.recast_ptr(op.t.iterator, lay.inner, ab), lay.outer)
+def _view(op: _SmemOp, ab):
+    """The tile of ``op`` as a wgmma operand tensor (``sm90.gmma_view``; every tile of
+    this kernel is a multiple of 64 columns: the 128-byte swizzle)."""
+    return gmma_view(op.t, op.rows, op.cols, op.k_major, ab)
 
 
 class _Gmma:
@@ -917,12 +903,12 @@ class _Gmma:
             reg = isinstance(a, _RegA)
             tiled = self.tiled(n, reg, True if reg else a.k_major, b.k_major)
             thr = tiled.get_slice(self.tidx)
-            fb = tiled.make_fragment_B(thr.partition_B(_gmma_view(b, self.ab)))
+            fb = tiled.make_fragment_B(thr.partition_B(_view(b, self.ab)))
             if reg:
                 fas = [o.frag for o in _reg(thr, a.view, True, self.ab, self.split, a.value,
                                             a.plus_transpose)]
             else:
-                fas = [tiled.make_fragment_A(thr.partition_A(_gmma_view(a, self.ab)))]
+                fas = [tiled.make_fragment_A(thr.partition_A(_view(a, self.ab)))]
             # after the registers (accumulator, A) were last written by other instructions
             warpgroup.fence()
             for fa in fas:
