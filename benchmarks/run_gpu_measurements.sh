@@ -51,10 +51,8 @@
 #   TOTAL=250 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 39  # mode 38's benchmark alone
 #   TOTAL=400 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 40  # s38's fixes: float16 wgmma tests,
 #                                               # "all" without overlap (kernel alone), mma_rate's RS mode
-#   TOTAL=500 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 41  # chunk_forward.GMMA: GPU test,
-#                                               # forward and fwd+bwd A/B beside tuned FLA, one long row
-#   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 42  # state_grad.GMMA: GPU test,
-#                                               # both walks alone, fwd+bwd A/B (+wgb, +wg+wgb) beside tuned FLA
+#   TOTAL=500 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 41  # the walks on wgmma (+wg, +wgb):
+#                                               # fwd+bwd A/B beside tuned FLA, walks alone, GPU test, one long row
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -371,27 +369,20 @@ case "${1:-2}" in
   step 60 mma64 python -m benchmarks.mma_rate --kd 64 --n 128 --reps 1,8 --ctas 132
   grep -hE "cycles|Error|error:" $M/mma64.log | cut -c1-200 ;;
 41)
-  # s38, NOT run: the forward walk's products as warpgroup MMAs (chunk_forward.GMMA, +wg):
-  # its GPU test, forward and fwd+bwd A/B at the main shapes beside tuned FLA, one long row
-  step 220 t_wg $P tests/test_cutedsl_gpu.py -k "walk_gmma"
-  grep -hE "^(FAILED|ERROR)|passed|failed|forward|Error" $M/t_wg.log | tail -20 | cut -c1-250
-  step 150 wg python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+wg,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 130 --out $M/wg
+  # s38-s39, NOT run: the walks' products as warpgroup MMAs (chunk_forward.GMMA +wg,
+  # state_grad.GMMA +wgb): fwd+bwd A/B beside tuned FLA, both walks alone, their GPU test
+  # (both walks), one long row's forward
+  step 150 wg python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+wg,cutedsl+wg+wgb,fla \
+    --shapes "8,4096,16,2;2,16384,16,2" --deadline 130 --out $M/wg
   rows $M/wg.log
-  step 100 wglong python -m benchmarks.run fwd --impl cutedsl-cpauto,cutedsl-cpauto+wg,fla \
-    --shapes "1,65536,16,2" --deadline 80 --out $M/wglong
-  rows $M/wglong.log ;;
-42)
-  # s39, NOT run: the reverse walk's products as warpgroup MMAs (state_grad.GMMA, +wgb):
-  # its GPU test cases, both walks alone (warp / warpgroup MMAs), fwd+bwd A/B beside FLA
-  step 200 t_wgb $P tests/test_cutedsl_gpu.py -k "walk_gmma and reverse"
-  grep -hE "^(FAILED|ERROR)|passed|failed|Error" $M/t_wgb.log | tail -12 | cut -c1-250
-  step 100 walks python -m benchmarks.prep_probe --skip-prep-probe --bv 64,16 \
+  step 70 walks python -m benchmarks.prep_probe --skip-prep-probe --bv 64,16 \
     --shape 8,4096,16,2 --json $M/walks.json
   grep -hE "s\] (fwd|rev)|Error" $M/walks.log | cut -c1-200
-  step 200 wgb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+wgb,cutedsl+wg+wgb,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 180 --out $M/wgb
-  rows $M/wgb.log ;;
+  step 230 t_wg $P tests/test_cutedsl_gpu.py -k "walk_gmma"
+  grep -hE "^(FAILED|ERROR)|passed|failed|forward|Error" $M/t_wg.log | tail -24 | cut -c1-250
+  step 80 wglong python -m benchmarks.run fwd --impl cutedsl-cpauto,cutedsl-cpauto+wg,fla \
+    --shapes "1,65536,16,2" --deadline 70 --out $M/wglong
+  rows $M/wglong.log ;;
 39)
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
     --deadline 195 --out $M/op
