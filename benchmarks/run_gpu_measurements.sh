@@ -53,6 +53,8 @@
 #                                               # "all" without overlap (kernel alone), mma_rate's RS mode
 #   TOTAL=500 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 41  # the walks on wgmma (+wg, +wgb):
 #                                               # fwd+bwd A/B beside tuned FLA, walks alone, GPU test, one long row
+#   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 43  # s39's defaults (walks on wgmma):
+#                                               # main table vs +mmaf+mmab and tuned FLA, then mode 4's tests
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -73,6 +75,19 @@ n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 # BUILD_ONLY=bfloat16: prebuild only the variants naming it (the rest compile when traced)
 # NO_BUILD=1: no prebuild (each variant compiles when first traced: a few seconds each)
 [ "$n" -lt 200 ] && [ -z "$NO_BUILD" ] && step 150 build python ffi/build.py --jobs 15 ${BUILD_ONLY:+--only $BUILD_ONLY}
+# mode 4's GPU tests: five pytest processes at once (one GPU, no preallocation; s20-3's
+# split), one time limit (SUITE_S, default 420 s)
+suite() {
+  local F=tests/test_cutedsl_gpu.py; el "suite (${SUITE_S:-420} s)"
+  job() { local name=$1; shift; ( timeout ${SUITE_S:-420} "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
+  job grad2 $P $F -k "gradients_match and not token_major and not packed"
+  job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
+  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
+  job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  wait
+  for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+}
 # modes 29, 30: the GPU tests that read or write u, three pytest processes at once for $1 s
 u_tests() {
   local t=$1 F=tests/test_cutedsl_gpu.py; el "tests ($t s)"
@@ -126,16 +141,7 @@ case "${1:-2}" in
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed" $M/split_test.log | tail -8
   rows $M/long*.log; grep -h NOTE $M/long*.log ;;
 4)
-  # five pytest processes at once (one GPU, no preallocation; s20-3's split), one time limit
-  F=tests/test_cutedsl_gpu.py
-  job() { local name=$1; shift; ( timeout ${SUITE_S:-420} "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
-  job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
-  job grad2 $P $F -k "gradients_match and not token_major and not packed"
-  job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
-  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
-  job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
-  wait
-  for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
+  suite ;;
 5)
   # s27-2/3 (H100): "auto" picked S within 1% of the best at both shapes (S = 4 at 16
   # heads, 8 at 8); rerun after a kernel or rule change
@@ -383,6 +389,14 @@ case "${1:-2}" in
   step 80 wglong python -m benchmarks.run fwd --impl cutedsl-cpauto,cutedsl-cpauto+wg,fla \
     --shapes "1,65536,16,2" --deadline 70 --out $M/wglong
   rows $M/wglong.log ;;
+43)
+  # s39: the walks on warpgroup MMAs by default (float16's local gradients too): the main
+  # table beside the walks on warp MMAs (+mmaf+mmab) and tuned FLA, then mode 4's GPU test
+  # groups in five processes for what time is left
+  step 200 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mmaf+mmab,fla --shapes main \
+    --deadline 180 --out $M/op
+  rows $M/op.log
+  SUITE_S=$(( $(left) - 15 )) suite ;;
 39)
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
     --deadline 195 --out $M/op

@@ -1046,9 +1046,9 @@ def test_gmma_local_grad_kernel_compiles(monkeypatch, match, mode):
 def test_gmma_default_steps_down(monkeypatch):
     """``local_grad.GMMA`` (the default, "all") applies where the other settings allow it:
     with ``split`` the kernel takes True's products (phases 9, 10 as warp MMAs), with
-    ``warps_n`` != 2 or float16 operands warp MMAs throughout (an explicit ``gmma`` is
-    kept); only the constexprs of what is on reach the launchers (so the warp-MMA variants
-    keep their keys)."""
+    ``warps_n`` != 2 warp MMAs throughout (an explicit ``gmma`` is kept); only the
+    constexprs of what is on reach the launchers (so the warp-MMA variants keep their
+    keys)."""
     from gdp_jax.kernels import local_grad
     monkeypatch.setattr(local_grad, "SPLIT", False)
     monkeypatch.setattr(local_grad, "WARPS_N", 2)
@@ -1060,9 +1060,8 @@ def test_gmma_default_steps_down(monkeypatch):
     assert kind(1, None, None) == dict(split=False, warps_n=1)
     assert kind(None, False, None) == dict(split=False, warps_n=2)
     assert kind(None, "overlap", True) == dict(split=True, warps_n=2, gmma=True, overlap=True)
-    assert kind(None, None, None, "float16") == dict(split=False, warps_n=2)  # not yet on
-    assert kind(None, "all", None, "float16") == dict(split=False, warps_n=2, gmma=True,
-                                                      overlap=True, gmma_all=True)
+    assert kind(None, "all", None) == dict(split=False, warps_n=2, gmma=True, overlap=True,
+                                          gmma_all=True)
     monkeypatch.setattr(local_grad, "SPLIT", True)
     assert kind(None, None, None) == dict(split=True, warps_n=2, gmma=True)
     monkeypatch.setattr(local_grad, "GMMA", False)

@@ -49,13 +49,14 @@ PIPELINE = False
 # one-set walk with an even number of value tiles; False: never. Off: within noise (fwd
 # 1.94 -> 1.93 ms at (8, 4096, 16, 2), 2.87 -> 2.84 at n = 3; H100, s32-1).
 PAIR_TILES = False
-# Opt-in, NOT yet run on a GPU (s38: written and compiled for sm_90a): the forward walk's
-# recursion products (w S, Kt^T Delta; qg S, P Delta on all rows) as Hopper warpgroup
-# MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkFwdSm90``) - for walks of one
-# operand set and one tile group without the hi + lo split (stages = pairs = 1, split
-# off); other walks keep warp MMAs. Turn on after ``test_walk_gmma_matches`` passes
-# on a GPU and the A/B pays (``+wg`` in the benchmarks).
-GMMA = False
+# The forward walk's recursion products (w S, Kt^T Delta; qg S, P Delta on all rows) as
+# Hopper warpgroup MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkFwdSm90``) - for
+# walks of one operand set and one tile group without the hi + lo split (stages = pairs =
+# 1, split off); other walks keep warp MMAs. The same bits as the warp MMAs (GPU test
+# ``test_walk_gmma_matches``); the walk alone 0.738 -> 0.659 ms (BV = 64) and 1.167 ->
+# 1.062 (BV = 16) at (8, 4096, 16, 2), forward at (1, 65536, 16, 2) 5.76 -> 5.28 ms
+# (H100, s39-2: benchmarks/results/CURRENT.md). False: warp MMAs (``+mmaf``).
+GMMA = True
 
 
 class ChunkForwardKernel:

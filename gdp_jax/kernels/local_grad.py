@@ -46,9 +46,8 @@ SPLIT = False
 # the kernel alone 4.45 -> 4.04 ms (H100, benchmarks/results/CURRENT.md). It needs 8 warps
 # (WARPS_N = 2) and, for "all", one 16-bit rounding of the [C, C] factors (not SPLIT): this
 # default steps down where those settings ask (SPLIT: True; WARPS_N != 2: False); an
-# explicit ``gmma=`` argument that cannot run is a ValueError. float16 kernels keep warp
-# MMAs by default: their wgmma path has not passed its GPU tests yet (s38-2 found its
-# phases 9, 10 wrong - the 16-bit X, dX stored as bfloat16 - fixed, not yet rerun).
+# explicit ``gmma=`` argument that cannot run is a ValueError. Both 16-bit dtypes (float16
+# since s39-1: its GPU tests pass, H100).
 GMMA = "all"
 
 
@@ -121,7 +120,7 @@ class LocalGradKernel:
             _launcher, "gdp_chunk_grad_sm90", outputs,
             _kernel_args(q, k, w, doc, v, g, beta, scale, X, u, S0, ds_end, ab),
             tile_dims=(2, 2, 2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 1, 1),
-            K=K, V=V, ab_name=ab.name, ablate=ablate, **_mma_kind(warps_n, gmma, split, ab.name))
+            K=K, V=V, ab_name=ab.name, ablate=ablate, **_mma_kind(warps_n, gmma, split))
 
     @staticmethod
     def can_write_tokens(spec, ch) -> bool:
@@ -241,7 +240,7 @@ class LocalGradKernel:
             + (1, 1, 1, 1, 1),
             K=K, V=V, ab_name=ab.name,
             head_major=bool(TOKEN_HEAD_MAJOR) and NC <= binding.MAX_GRID_Y,
-            **_mma_kind(warps_n, gmma, split, ab.name),
+            **_mma_kind(warps_n, gmma, split),
             **({"tokens_in": True} if tokens_in else {}),
             **({"do_tokens": True} if do_tokens else {}),
             **({"l2norm": True} if l2norm else {}))
@@ -311,16 +310,15 @@ class LocalGradKernel:
         return out
 
 
-def _mma_kind(warps_n, gmma, split, ab_name="bfloat16") -> dict:
+def _mma_kind(warps_n, gmma, split) -> dict:
     """The launchers' split, warps_n and (only when on, so the warp-MMA variants' keys stay
     as they were) gmma, from the call's arguments or :data:`SPLIT`, :data:`WARPS_N`,
-    :data:`GMMA` (the default steps down to what split / warps_n / the operand dtype
-    allow; an explicit ``gmma`` does not)."""
+    :data:`GMMA` (the default steps down to what split / warps_n allow; an explicit
+    ``gmma`` does not)."""
     split = SPLIT if split is None else bool(split)
     wn = int(WARPS_N if warps_n is None else warps_n)
     if gmma is None:
-        gm = (False if wn != 2 or ab_name != "bfloat16"
-              else True if GMMA == "all" and split else GMMA)
+        gm = False if wn != 2 else True if GMMA == "all" and split else GMMA
     else:
         gm = gmma
     if gm not in (False, True, "overlap", "all"):

@@ -20,13 +20,15 @@ from gdp_jax.grid import CHUNK, READOUT_ROWS
 from gdp_jax.kernels import binding
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
-# Opt-in, NOT yet run on a GPU (s39: written and compiled for sm_90a): the reverse walk's
-# products (Kt dS, P^T dO; w^T dDelta, qg^T dO) as Hopper warpgroup MMAs instead of
-# ldmatrix + mma.sync (``gmma`` of ``ChunkBwdDhSm90``; the forward walk's
+# The reverse walk's products (Kt dS, P^T dO; w^T dDelta, qg^T dO) as Hopper warpgroup
+# MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkBwdDhSm90``; the forward walk's
 # ``chunk_forward.GMMA``) - for walks of one operand set and one value tile without the
-# hi + lo split; other walks keep warp MMAs. Turn on after ``test_walk_gmma_matches``
-# (its reverse cases) passes on a GPU and the A/B pays (``+wgb``).
-GMMA = False
+# hi + lo split; other walks keep warp MMAs. Gradients within ~1e-4 relative of the warp
+# MMAs' (another summation order) and as far from float64 (GPU test
+# ``test_walk_gmma_matches``); the walk alone (ddo formed inside) 0.929 -> 0.842 ms
+# (BV = 64), 1.386 -> 1.237 (BV = 16) at (8, 4096, 16, 2) (H100, s39-2:
+# benchmarks/results/CURRENT.md). False: warp MMAs (``+mmab``).
+GMMA = True
 
 class StateGradKernel:
     """Limits and the (vmappable) call of the reverse state-gradient kernel."""
