@@ -121,9 +121,13 @@ def _kernel_class():
                 tB = tiled.make_fragment_B(thr.partition_B(wB))
                 if cutlass.const_expr(self.mode == "wgmma_rs"):
                     tA = tiled.make_fragment_A(thr.partition_shape_A((M, kd)))
-                    # through the layout-swizzled view: threads' loads do not apply a
-                    # swizzle carried on the pointer (s38-1: results wrong that way)
-                    cute.autovec_copy(thr.partition_A(sA), tA)
+                    # element by element through the layout-swizzled view, as the
+                    # local-gradient kernel fills its register A operands (s38-1 read the
+                    # pointer-swizzled view, s39-1 vector copies of the swizzled one: both
+                    # wrong on the GPU, max rel error ~0.9)
+                    src = thr.partition_A(sA)
+                    for e in cutlass.range_constexpr(cute.size(tA)):
+                        tA[e] = src[e]
                 else:
                     tA = tiled.make_fragment_A(thr.partition_A(wA))
                 # cp.async wrote the tiles through the generic proxy; wgmma reads them

@@ -15,7 +15,8 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
   (``fuse_ddo``);
 - with ``--tokens``: the operands kernel reading q, k, v from token-major tensors
   (``ChunkPrepKernel.raw_call_tokens``, what the plain forward runs on 16-bit inputs), with
-  and without its in-kernel L2 norm, and its probe;
+  and without its in-kernel L2 norm, on the read-out rows (n >= 2: the op's forward, and
+  with X its backward's pass), and its probe;
 - with ``--local-grad``: the backward's chunk-local gradient kernel (``LocalGradKernel``)
   alone on those factors and random dO, S0, dS_end, with chunk-major float32 results and
   with token-major 16-bit ones (``raw_call_tokens``), and its probe
@@ -128,6 +129,14 @@ def main(argv=None):
             timed(f"prep tokens l2norm={int(l2)}", lambda *x, l2=l2:
                   ChunkPrepKernel.raw_call_tokens(*x, ab_dtype="bfloat16", l2norm=l2),
                   *targs)
+        if n >= 2:
+            # what the op runs at n >= 2: qg, P on the read-out rows (the plain forward;
+            # with X, the backward's operands pass)
+            for inv in (False, True):
+                timed(f"prep tokens l2norm=1 readout rows{' +X' if inv else ''}",
+                      lambda *x, inv=inv: ChunkPrepKernel.raw_call_tokens(
+                          *x, ab_dtype="bfloat16", l2norm=True, inverse=inv,
+                          readout_rows=True), *targs)
         if not a.skip_prep_probe:
             res = timed("probe tokens l2norm=1", lambda *x: ChunkPrepKernel.raw_call_tokens(
                 *x, ab_dtype="bfloat16", l2norm=True, probe=True), *targs)

@@ -55,6 +55,8 @@
 #                                               # fwd+bwd A/B beside tuned FLA, walks alone, GPU test, one long row
 #   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 43  # s39's defaults (walks on wgmma):
 #                                               # main table vs +mmaf+mmab and tuned FLA, then mode 4's tests
+#   TOTAL=330 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
+#                                               # traces of the forward and fwd+bwd (s39's defaults)
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -397,6 +399,17 @@ case "${1:-2}" in
     --deadline 180 --out $M/op
   rows $M/op.log
   SUITE_S=$(( $(left) - 15 )) suite ;;
+44)
+  # s39, NOT run: where the time goes on s39's defaults at (8, 4096, 16, 2) - every kernel
+  # alone (the operands kernel's variants and probe, both walks, the local gradients and
+  # their probe), then traces of the op's forward and fwd+bwd
+  step 130 probe python -m benchmarks.prep_probe --tokens --local-grad --bv 64,16 \
+    --shape 8,4096,16,2 --json $M/probe.json
+  grep -hE "s\] (prep|probe|fwd|rev|local grad)|cycles \(|CTA latency|Error" $M/probe.log | cut -c1-200
+  step 90 trace_fwd python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --mode fwd
+  head -14 $M/trace_fwd.log | cut -c1-160
+  step 90 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl
+  head -16 $M/trace.log | cut -c1-160 ;;
 39)
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
     --deadline 195 --out $M/op
