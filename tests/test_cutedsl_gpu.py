@@ -154,20 +154,32 @@ def _rows_or_pack(seed, packed, n, H, HV, K, V, dtype):
     return make(seed, 1, int(cu[-1]), n, H, HV, K, V, jnp.dtype(dtype), N=len(lens)), cu
 
 
-def _local_grad_case(monkeypatch, seed, B, n, H, HV, K, V, packed, seen):
-    """(bf16 inputs, cu_seqlens) of a local-gradient kernel test - B rows of T = 203, or
-    :func:`_rows_or_pack`'s packed row - and a spy on the token-major kernel call that
-    appends ``seen(kwargs)`` to the returned list at each call."""
-    from gdp_jax.kernels.local_grad import LocalGradKernel
+def _case(seed, B, n, H, HV, K, V, dtype, packed, T=203):
+    """(inputs, cu_seqlens) of a kernel test: B rows of T steps, or with ``packed``
+    :func:`_rows_or_pack`'s packed row."""
     if packed:
-        args, cu = _rows_or_pack(seed, True, n, H, HV, K, V, "bfloat16")
-    else:
-        args, cu = make(seed, B, 203, n, H, HV, K, V, jnp.bfloat16), None
+        return _rows_or_pack(seed, True, n, H, HV, K, V, dtype)
+    return make(seed, B, T, n, H, HV, K, V, jnp.dtype(dtype)), None
+
+
+def _spy(monkeypatch, cls, name, seen):
+    """Wrap the kernel call ``cls.name`` (a staticmethod) for the rest of the test: each
+    call appends ``seen(args, kwargs)`` to the list returned (in a dry run the spy wraps
+    the emulated call)."""
     calls = []
-    raw = LocalGradKernel.raw_call_tokens
-    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **k: calls.append(seen(k)) or raw(*a, **k)))
-    return args, cu, calls
+    raw = getattr(cls, name)
+    monkeypatch.setattr(cls, name, staticmethod(
+        lambda *a, **k: calls.append(seen(a, k)) or raw(*a, **k)))
+    return calls
+
+
+def _local_grad_case(monkeypatch, seed, B, n, H, HV, K, V, packed, seen):
+    """(bf16 inputs, cu_seqlens) of a local-gradient kernel test (:func:`_case`) and a spy
+    on the token-major kernel call that appends ``seen(kwargs)`` at each call."""
+    from gdp_jax.kernels.local_grad import LocalGradKernel
+    args, cu = _case(seed, B, n, H, HV, K, V, "bfloat16", packed)
+    return args, cu, _spy(monkeypatch, LocalGradKernel, "raw_call_tokens",
+                          lambda a, k: seen(k))
 
 
 @pytest.mark.parametrize("dtype,K,V,n,H,HV,l2norm,packed", [
@@ -189,10 +201,7 @@ def test_token_major_operands_kernel(monkeypatch, dtype, K, V, n, H, HV, l2norm,
             x.astype(jnp.float32), axis=-1, keepdims=True)).astype(x.dtype)
         q, k = unit(q), unit(k)
     args = (q, k, v, g, beta, s0)
-    calls = []
-    raw = ChunkPrepKernel.raw_call_tokens
-    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
+    calls = _spy(monkeypatch, ChunkPrepKernel, "raw_call_tokens", lambda a, k: 1)
 
     def fwd():
         return jax.jit(lambda q, k, v, g, beta, s0: gated_delta_product(
@@ -328,10 +337,7 @@ def test_token_major_gradients_kernel(monkeypatch, dtype, K, V, n, H, HV, packed
     from gdp_jax.kernels import local_grad
     from gdp_jax.kernels.local_grad import LocalGradKernel
     args, cu = _rows_or_pack(5, packed, n, H, HV, K, V, dtype)
-    calls = []
-    raw = LocalGradKernel.raw_call_tokens
-    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **kw: calls.append(1) or raw(*a, **kw)))
+    calls = _spy(monkeypatch, LocalGradKernel, "raw_call_tokens", lambda a, k: 1)
     _grad_fn.cache_clear()
     got = grads("cutedsl", args, cu=cu, N=0)
     assert calls
@@ -378,10 +384,8 @@ def test_token_backward_same_bits(monkeypatch, K, V, n, H, HV, packed):
     from gdp_jax.kernels.local_grad import LocalGradKernel
     monkeypatch.setattr(pipeline, "NORM_IN_KERNELS", False)      # XLA's norm both ways
     args, cu = _rows_or_pack(7, packed, n, H, HV, K, V, "bfloat16")
-    calls = []
-    raw = LocalGradKernel.raw_call_tokens
-    monkeypatch.setattr(LocalGradKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **kw: calls.append(kw.get("tokens_in", False)) or raw(*a, **kw)))
+    calls = _spy(monkeypatch, LocalGradKernel, "raw_call_tokens",
+                 lambda a, k: k.get("tokens_in", False))
     base, got = grads_off_on(monkeypatch, pipeline, "TOKEN_BACKWARD", args, cu)
     assert calls == [False, True]
     # dg is summed in XLA around the kernels: another graph may reassociate (CPU dry run)
@@ -481,14 +485,8 @@ def test_pair_tiles_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, packed,
     from gdp_jax.kernels import chunk_forward, pipeline
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     monkeypatch.setattr(pipeline, "READOUT_ONLY", readout_only)
-    if packed:
-        args, cu = _rows_or_pack(23, True, n, H, HV, K, V, dtype)
-    else:
-        args, cu = make(23, B, T, n, H, HV, K, V, jnp.dtype(dtype)), None
-    pairs = []
-    raw = ChunkForwardKernel.raw_call
-    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
-        lambda *a, **k: pairs.append(k.get("pairs", 1)) or raw(*a, **k)))
+    args, cu = _case(23, B, n, H, HV, K, V, dtype, packed, T)
+    pairs = _spy(monkeypatch, ChunkForwardKernel, "raw_call", lambda a, k: k.get("pairs", 1))
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True, backend="cutedsl")
     segments = min(d for d in range(2, T + 1) if T % d == 0) if not packed else None
@@ -526,14 +524,8 @@ def test_walk_gmma_matches(monkeypatch, walk, B, T, n, H, HV, K, V, dtype, packe
     from gdp_jax.kernels.state_grad import StateGradKernel
     module, kernel = ((chunk_forward, ChunkForwardKernel) if walk == "forward"
                       else (state_grad, StateGradKernel))
-    if packed:
-        args, cu = _rows_or_pack(29, True, n, H, HV, K, V, dtype)
-    else:
-        args, cu = make(29, B, T, n, H, HV, K, V, jnp.dtype(dtype)), None
-    seen = []
-    raw = kernel.raw_call
-    monkeypatch.setattr(kernel, "raw_call", staticmethod(
-        lambda *a, **k: seen.append(module.GMMA) or raw(*a, **k)))
+    args, cu = _case(29, B, n, H, HV, K, V, dtype, packed, T)
+    seen = _spy(monkeypatch, kernel, "raw_call", lambda a, k: module.GMMA)
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True, backend="cutedsl")
     tag = f"{walk} walk gmma B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}"
@@ -579,20 +571,15 @@ def test_readout_only_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, l2norm
         monkeypatch.setattr(chunk_forward, "PIPELINE", "auto")
         bv = chunk_forward.ChunkForwardKernel.pick_bv(1, HV, V)
         assert chunk_forward.ChunkForwardKernel.pick_stages(1, HV, V, bv) == 2
-    if packed:
-        args, cu = _rows_or_pack(21, True, n, H, HV, K, V, dtype)
-    else:
-        args, cu = make(21, B, T, n, H, HV, K, V, jnp.dtype(dtype)), None
+    args, cu = _case(21, B, n, H, HV, K, V, dtype, packed, T)
     if not l2norm:
         unit = lambda x: (x.astype(jnp.float32) / jnp.linalg.norm(
             x.astype(jnp.float32), axis=-1, keepdims=True)).astype(x.dtype)
         args = (unit(args[0]), unit(args[1])) + tuple(args[2:])
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=l2norm, backend="cutedsl", intra_cp=S)
-    calls = []
-    raw = ChunkPrepKernel.raw_call_tokens
-    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **k: calls.append(k.get("readout_rows", False)) or raw(*a, **k)))
+    calls = _spy(monkeypatch, ChunkPrepKernel, "raw_call_tokens",
+                 lambda a, k: k.get("readout_rows", False))
     out = {}
     for on in (False, True):
         monkeypatch.setattr(pipeline, "READOUT_ONLY", on)
@@ -628,14 +615,9 @@ def test_readout_only_grad_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, pack
     # the chunk-major operands kernel (TOKEN_BACKWARD, on since s33, reads tokens instead:
     # its read-out rows are test_token_backward_same_bits')
     monkeypatch.setattr(pipeline, "TOKEN_BACKWARD", False)
-    if packed:
-        args, cu = _rows_or_pack(25, True, n, H, HV, K, V, dtype)
-    else:
-        args, cu = make(25, B, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
-    calls = []
-    raw = ChunkPrepKernel.raw_call
-    monkeypatch.setattr(ChunkPrepKernel, "raw_call", staticmethod(
-        lambda *a, **k: calls.append(k.get("readout_rows", False)) or raw(*a, **k)))
+    args, cu = _case(25, B, n, H, HV, K, V, dtype, packed)
+    calls = _spy(monkeypatch, ChunkPrepKernel, "raw_call",
+                 lambda a, k: k.get("readout_rows", False))
     base, got = grads_off_on(monkeypatch, pipeline, "READOUT_ONLY_GRAD", args, cu)
     assert True in calls and False in calls, calls
     # dg is summed in XLA around the kernels; the forward's changed graph (q's compact
@@ -658,16 +640,11 @@ def test_save_operands_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
     recomputing backward (dg to float32 rounding: XLA's sums around the kernels)."""
     from gdp_jax.kernels import pipeline
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    if packed:
-        args, cu = _rows_or_pack(33, True, n, H, HV, K, V, dtype)
-    else:
-        args, cu = make(33, B, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
-    calls = []
-    for name in ("raw_call", "raw_call_tokens"):
-        raw = getattr(ChunkPrepKernel, name)
-        monkeypatch.setattr(ChunkPrepKernel, name, staticmethod(
-            lambda *a, _raw=raw, **k: calls.append(k.get("inverse", False)) or _raw(*a, **k)))
+    args, cu = _case(33, B, n, H, HV, K, V, dtype, packed)
+    spies = [_spy(monkeypatch, ChunkPrepKernel, name, lambda a, k: k.get("inverse", False))
+             for name in ("raw_call", "raw_call_tokens")]
     base, got = grads_off_on(monkeypatch, pipeline, "SAVE_OPERANDS", args, cu)
+    calls = spies[0] + spies[1]
     assert sorted(calls) == [False, True, True], calls      # recompute: 2 passes, save: 1
     compare("save operands vs recompute", got, base, 1e-6)
     assert_same_bits(got, base, but=("dg",))
@@ -688,14 +665,8 @@ def test_readout_only_bwd_matches(monkeypatch, B, n, H, HV, K, V, dtype, packed)
     float64."""
     from gdp_jax.kernels import pipeline
     from gdp_jax.kernels.state_grad import StateGradKernel
-    if packed:
-        args, cu = _rows_or_pack(27, True, n, H, HV, K, V, dtype)
-    else:
-        args, cu = make(27, B, 203, n, H, HV, K, V, jnp.dtype(dtype)), None
-    rows = []
-    raw = StateGradKernel.raw_call
-    monkeypatch.setattr(StateGradKernel, "raw_call", staticmethod(
-        lambda *a, **k: rows.append(a[2].shape[-2]) or raw(*a, **k)))
+    args, cu = _case(27, B, n, H, HV, K, V, dtype, packed)
+    rows = _spy(monkeypatch, StateGradKernel, "raw_call", lambda a, k: a[2].shape[-2])
     base, got = grads_off_on(monkeypatch, pipeline, "READOUT_ONLY_BWD", args, cu)
     assert 32 in rows and 64 in rows, rows
     assert_same_bits(got[:2], base[:2])            # o, the final state
