@@ -41,11 +41,14 @@ NARROW_TILES = True
 # at most one CTA an SM anyway (few rows x heads: long sequences), True for every launch
 # of value tiles <= 32 (A/B only), False never (the default until measured: the GPU test
 # ``test_pipelined_walk_same_bits`` and ``bash benchmarks/run_gpu_measurements.sh 6``).
+# Walks with two operand sets keep warp MMAs (:data:`GMMA`): the same bits as the warp-MMA
+# walks; the reverse walk's sums then differ from the default's by float32 rounding.
 PIPELINE = False
 # Opt-in: a forward walk CTA of 8 warps walks two adjacent value tiles, its two 4-warp
 # groups sharing one copy of each chunk's w, Kt, qg, P in shared memory (``pairs`` = 2 of
 # ``ChunkFwdSm90``): half the operand loads of two one-tile CTAs, the same products in the
-# same order (the same bits: GPU test ``test_pair_tiles_same_bits`` passes). True: every
+# same order (the same bits as the warp-MMA walks - tile pairs keep warp MMAs, :data:`GMMA`
+# - GPU test ``test_pair_tiles_same_bits`` passes). True: every
 # one-set walk with an even number of value tiles; False: never. Off: within noise (fwd
 # 1.94 -> 1.93 ms at (8, 4096, 16, 2), 2.87 -> 2.84 at n = 3; H100, s32-1).
 PAIR_TILES = False
