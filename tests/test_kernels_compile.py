@@ -1092,6 +1092,38 @@ def test_walk_gmma_compiles(monkeypatch, match):
             jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)
 
 
+@pytest.mark.parametrize("walk", ["forward", "reverse"])
+def test_walk_gmma_default_steps_down(monkeypatch, walk):
+    """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39) reach the launcher as
+    ``gmma=True`` only for walks that can take warpgroup MMAs (one operand set, one value
+    tile a CTA, no hi + lo split; all rows or the read-out rows); two operand sets, tile
+    pairs and the split keep warp MMAs (and the warp-MMA variants their keys: no ``gmma``
+    constexpr at all); with the switch off no walk gets it."""
+    from gdp_jax.kernels import binding, chunk_forward, state_grad
+    module = chunk_forward if walk == "forward" else state_grad
+    kernel = (chunk_forward.ChunkForwardKernel if walk == "forward"
+              else state_grad.StateGradKernel)
+    name = ("gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=32" if walk == "forward"
+            else "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo BV=32")
+    (v,) = [v for v in kernel.variants() if v.what == name]
+    seen = []
+    monkeypatch.setattr(binding, "custom_call", lambda *a, **k: seen.append(
+        k.get("gmma", False)) or tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in a[2]))
+
+    def gmma(**kw):
+        seen.clear()
+        jax.eval_shape(lambda *a: v.fn(*a, **kw), *v.avals)
+        return seen[-1]
+
+    assert module.GMMA is True
+    assert gmma() is True
+    assert gmma(stages=2) is False and gmma(split=True) is False
+    assert gmma(pairs=2) is False
+    monkeypatch.setattr(module, "GMMA", False)
+    assert gmma() is False
+    assert gmma(gmma=True) is True                    # an explicit request is kept
+
+
 @pytest.mark.parametrize("match", [
     "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo BV=64 rows=32",
     "gdp_chunk_bwd_dh_sm90 bfloat16 K=64 V=64 dS_end bfloat16 fused ddo BV=16",   # all rows
