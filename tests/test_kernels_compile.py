@@ -1072,22 +1072,34 @@ def test_gmma_default_steps_down(monkeypatch):
         kind(None, "all", None)
 
 
-@pytest.mark.parametrize("match", [
-    "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32",   # the op's forward
-    "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=1 BV=16",           # checkpoints, 16 wide
-    "gdp_chunk_fwd_sm90 float16 K=64 V=192 ckpt=0 summary BV=32",     # CP summary walk
+def _walk(walk: str):
+    """(module with the walk's GMMA switch, its kernel class) of "forward" / "reverse"."""
+    from gdp_jax.kernels import chunk_forward, state_grad
+    return ((chunk_forward, chunk_forward.ChunkForwardKernel) if walk == "forward"
+            else (state_grad, state_grad.StateGradKernel))
+
+
+@pytest.mark.parametrize("walk,match", [
+    ("forward", "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32"),  # the op's
+    ("forward", "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=1 BV=16"),    # checkpoints
+    ("forward", "gdp_chunk_fwd_sm90 float16 K=64 V=192 ckpt=0 summary BV=32"),    # CP summary
+    ("reverse", "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo BV=64 "
+                "rows=32"),
+    ("reverse", "gdp_chunk_bwd_dh_sm90 bfloat16 K=64 V=64 dS_end bfloat16 fused ddo BV=16"),
+    ("reverse", "gdp_chunk_bwd_dh_sm90 float16 K=128 V=192 summary BV=32"),   # CP, ddo read
 ])
-def test_walk_gmma_compiles(monkeypatch, match):
-    """``chunk_forward.GMMA`` (opt-in): the forward walk with its recursion products as
-    warpgroup MMAs (wgmma descriptors on the walk's own 128 / 64 / 32-byte swizzled tiles)
-    compiles to sm_90a - another object than the warp-MMA walk's; an explicit ``gmma``
-    on a walk that cannot take it (two operand sets, tile pairs, the hi + lo split) is
-    refused."""
-    from gdp_jax.kernels import chunk_forward
-    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-    (v,) = [v for v in ChunkForwardKernel.variants() if v.what == match]
-    _assert_switch_changes_object(monkeypatch, chunk_forward, "GMMA", True, v)
-    for bad in (dict(split=True), dict(stages=2)):
+def test_walk_gmma_compiles(monkeypatch, walk, match):
+    """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39): a walk with its
+    recursion products as warpgroup MMAs (wgmma descriptors on the walk's own 128 / 64 /
+    32-byte swizzled tiles) compiles to sm_90a - another object than the warp-MMA walk's -
+    on all rows and the read-out rows, the CP summary walks included; an explicit ``gmma``
+    on a walk that cannot take it (two operand sets, the hi + lo split) is refused."""
+    module, kernel = _walk(walk)
+    (v,) = [v for v in kernel.variants() if v.what == match]
+    _assert_switch_changes_object(monkeypatch, module, "GMMA", True, v)
+    # (the reverse walk's read-out rows refuse two operand sets for their own reason first)
+    for bad in (dict(split=True),) + (() if "rows=" in match and walk == "reverse"
+                                      else (dict(stages=2),)):
         with pytest.raises(ValueError, match="gmma .*needs stages=1, pairs=1, split=False"):
             jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)
 
@@ -1099,10 +1111,8 @@ def test_walk_gmma_default_steps_down(monkeypatch, walk):
     tile a CTA, no hi + lo split; all rows or the read-out rows); two operand sets, tile
     pairs and the split keep warp MMAs (and the warp-MMA variants their keys: no ``gmma``
     constexpr at all); with the switch off no walk gets it."""
-    from gdp_jax.kernels import binding, chunk_forward, state_grad
-    module = chunk_forward if walk == "forward" else state_grad
-    kernel = (chunk_forward.ChunkForwardKernel if walk == "forward"
-              else state_grad.StateGradKernel)
+    from gdp_jax.kernels import binding
+    module, kernel = _walk(walk)
     name = ("gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=32" if walk == "forward"
             else "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo BV=32")
     (v,) = [v for v in kernel.variants() if v.what == name]
@@ -1122,23 +1132,3 @@ def test_walk_gmma_default_steps_down(monkeypatch, walk):
     monkeypatch.setattr(module, "GMMA", False)
     assert gmma() is False
     assert gmma(gmma=True) is True                    # an explicit request is kept
-
-
-@pytest.mark.parametrize("match", [
-    "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo BV=64 rows=32",
-    "gdp_chunk_bwd_dh_sm90 bfloat16 K=64 V=64 dS_end bfloat16 fused ddo BV=16",   # all rows
-    "gdp_chunk_bwd_dh_sm90 float16 K=128 V=192 summary BV=32",                  # CP, ddo read
-])
-def test_reverse_walk_gmma_compiles(monkeypatch, match):
-    """``state_grad.GMMA`` (opt-in): the reverse walk with its products as warpgroup MMAs
-    compiles to sm_90a - another object than the warp-MMA walk's - on the read-out rows
-    and all rows, with ddo formed or read; an explicit ``gmma`` on a walk that cannot
-    take it (two operand sets, the hi + lo split) is refused."""
-    from gdp_jax.kernels import state_grad
-    from gdp_jax.kernels.state_grad import StateGradKernel
-    (v,) = [v for v in StateGradKernel.variants() if v.what == match]
-    _assert_switch_changes_object(monkeypatch, state_grad, "GMMA", True, v)
-    # (the read-out rows refuse two operand sets for their own reason first)
-    for bad in (dict(split=True),) + (() if "rows=" in match else (dict(stages=2),)):
-        with pytest.raises(ValueError, match="gmma .*needs stages=1, pairs=1, split=False"):
-            jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)
