@@ -288,7 +288,8 @@ class OursStep:
 # ``+gmma``: as warpgroup MMAs on phases 1-8, 11-13; ``+gmmao``: and its independent
 # products issued together; ``+gmmaa``: and its phases 9, 10 too (the default); ``+wg``:
 # the forward walk's recursion products as warpgroup MMAs, ``+wgb``: the reverse walk's
-# (both the default since s39), ``+mmaf`` / ``+mmab``: those walks on warp MMAs)
+# (both the default since s39), ``+mmaf`` / ``+mmab``: those walks on warp MMAs; ``+wgp``:
+# the operands kernel's products as warpgroup MMAs)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -305,6 +306,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "wgb": ("kernels.state_grad", "GMMA", True),
             "mmaf": ("kernels.chunk_forward", "GMMA", False),
             "mmab": ("kernels.state_grad", "GMMA", False),
+            "wgp": ("kernels.chunk_prep", "GMMA", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),

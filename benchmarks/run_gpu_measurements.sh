@@ -55,6 +55,8 @@
 #                                               # fwd+bwd A/B beside tuned FLA, walks alone, GPU test, one long row
 #   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 43  # s39's defaults (walks on wgmma):
 #                                               # main table vs +mmaf+mmab and tuned FLA, then mode 4's tests
+#   TOTAL=480 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 45  # chunk_prep.GMMA (+wgp): A/B
+#                                               # beside tuned FLA, its GPU test and the walks'
 #   TOTAL=330 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults)
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
@@ -399,6 +401,15 @@ case "${1:-2}" in
     --deadline 180 --out $M/op
   rows $M/op.log
   SUITE_S=$(( $(left) - 15 )) suite ;;
+45)
+  # s39, NOT run: the operands kernel's products as warpgroup MMAs (chunk_prep.GMMA, +wgp):
+  # fwd+bwd A/B beside tuned FLA, then its GPU test and the walks' (their wgmma issue order
+  # changed to the warp MMAs' after s39-2)
+  step 180 wgp python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+wgp,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 160 --out $M/wgp
+  rows $M/wgp.log
+  step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
+  grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
 44)
   # s39, NOT run: where the time goes on s39's defaults at (8, 4096, 16, 2) - every kernel
   # alone (the operands kernel's variants and probe, both walks, the local gradients and

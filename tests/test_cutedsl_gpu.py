@@ -513,6 +513,37 @@ def test_pair_tiles_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, packed,
             GRAD_TOL)
 
 
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False),   # the op's: tokens, norm, read-out rows
+    (2, 3, 1, 3, 64, 128, "bfloat16", True),       # GVA, K != V, packed
+    (2, 1, 2, 2, 128, 64, "float16", False),       # all rows, V = 64
+])
+def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
+    """``chunk_prep.GMMA`` (opt-in: the operands kernel's K K^T, Q K^T and w, u products
+    as warpgroup MMAs, issued in the warp MMAs' order): the same bits as the warp-MMA
+    kernel for the forward nothing differentiates (token-major, in-kernel norm, read-out
+    rows) and the differentiated call (the forward's operands, the backward's with X) -
+    o, the final state and every gradient; within GRAD_TOL of float64."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    args, cu = _case(31, B, n, H, HV, K, V, dtype, packed)
+    seen = [_spy(monkeypatch, ChunkPrepKernel, name, lambda a, k: chunk_prep.GMMA)
+            for name in ("raw_call", "raw_call_tokens")]
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl")
+    fw = []
+    for on in (False, True):
+        monkeypatch.setattr(chunk_prep, "GMMA", on)
+        fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
+    assert_same_bits(fw[1], fw[0])          # (o, final: the first two of grads' names)
+    base, got = grads_off_on(monkeypatch, chunk_prep, "GMMA", args, cu)
+    calls = seen[0] + seen[1]
+    assert True in calls and False in calls, calls
+    assert_same_bits(got, base)
+    compare(f"operands gmma B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} vs ref",
+            got, grads("reference", args, cu=cu), GRAD_TOL)
+
+
 @pytest.mark.parametrize("walk", ["forward", "reverse"])
 @pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,packed", [
     (8, 203, 2, 16, 16, 128, 128, "bfloat16", False),   # value tiles of 64, read-out rows

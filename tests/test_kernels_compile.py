@@ -1104,6 +1104,26 @@ def test_walk_gmma_compiles(monkeypatch, walk, match):
             jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)
 
 
+@pytest.mark.parametrize("match", [
+    "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows",   # the forward's
+    "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm inverse readout_rows",  # bwd
+    "gdp_chunk_prep_sm90 float16 K=64 V=128 inverse",                       # chunk-major
+])
+def test_operands_gmma_compiles(monkeypatch, match):
+    """``chunk_prep.GMMA`` (opt-in): the operands kernel with its products as warpgroup
+    MMAs (K K^T, Q K^T from the smem tiles; w, u with X's parts from registers) compiles
+    to sm_90a - another object than the warp-MMA kernel's; a value other than True /
+    False is refused."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
+    _assert_switch_changes_object(monkeypatch, chunk_prep, "GMMA", True, v)
+    monkeypatch.setattr(chunk_prep, "GMMA", "all")
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="chunk_prep.GMMA='all'; expected True or False"):
+        jax.eval_shape(v.fn, *v.avals)
+
+
 @pytest.mark.parametrize("walk", ["forward", "reverse"])
 def test_walk_gmma_default_steps_down(monkeypatch, walk):
     """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39) reach the launcher as

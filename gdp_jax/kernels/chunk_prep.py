@@ -45,6 +45,13 @@ TOKEN_LAYOUT = True
 # float32 u either way: |u| may pass float16's 65504 where the inputs fit (X reaches ~1e2
 # at beta ~ 2). The kernels take either dtype.
 U16 = False
+# Opt-in, NOT yet run on a GPU (s39: written and compiled for sm_90a): the operands
+# kernel's products - K K^T, Q K^T (phase 2) and w, u from X's hi + lo parts in registers
+# (phase 4) - as Hopper warpgroup MMAs instead of ldmatrix + mma.sync (``gmma`` of
+# ``ChunkPrepSm90``), in the warp MMAs' order (the same bits expected, as the forward walk
+# gave). Turn on after ``test_operands_gmma_same_bits`` passes on a GPU and the A/B pays
+# (``+wgp``; ``benchmarks/prep_probe.py`` times the kernel alone).
+GMMA = False
 
 
 def u_dtype(ab_dtype):
@@ -166,7 +173,7 @@ class ChunkPrepKernel:
                 (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta), f32(scale), rows),
                 tile_dims=(2, 2, 2, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 2 if inverse else 1),
                 K=K, V=V, ab_name=ab.name, l2norm=False, readout_rows=True, tokens=False,
-                **({"inverse": True} if inverse else {}))
+                **({"inverse": True} if inverse else {}), **_gmma())
         outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),
@@ -174,7 +181,7 @@ class ChunkPrepKernel:
                                    tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1,
                                               2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, inverse=inverse,
-                                   **({"probe": True} if probe else {}))
+                                   **({"probe": True} if probe else {}), **_gmma())
 
     @staticmethod
     def can_read_tokens(spec, q, k, v) -> bool:
@@ -258,7 +265,8 @@ class ChunkPrepKernel:
                                    K=K, V=V, ab_name=ab.name, l2norm=l2norm,
                                    **({"inverse": True} if inverse else {}),
                                    **({"probe": True} if probe else {}),
-                                   **({"readout_rows": True} if readout_rows else {}))
+                                   **({"readout_rows": True} if readout_rows else {}),
+                                   **_gmma())
 
     @classmethod
     def variants(cls):
@@ -347,6 +355,14 @@ def token_rows(layout, n: int, T: int):
     return jnp.stack([base, count, base // n, jnp.full_like(base, n)], axis=-1)
 
 
+def _gmma() -> dict:
+    """The launchers' ``gmma`` constexpr where :data:`GMMA` is on (absent when off, so the
+    warp-MMA variants keep their keys)."""
+    if GMMA not in (True, False):
+        raise ValueError(f"chunk_prep.GMMA={GMMA!r}; expected True or False")
+    return {"gmma": True} if GMMA else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher():
     binding.import_cutlass()
@@ -357,9 +373,10 @@ def _launcher():
     @cute.jit
     def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
-               inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False):
+               inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False,
+               gmma: cutlass.Constexpr = False):
         # (no row table: ``scale`` fills its slot, unread)
-        mod.get_kernel(K, V, ab_name, inverse, probe)(
+        mod.get_kernel(K, V, ab_name, inverse, probe, gmma=gmma)(
             stream, q, k, v, g, beta, scale, scale, w, kt, qg, p, u, decay, bad, X)
 
     return launch
@@ -377,10 +394,10 @@ def _launcher_tokens():
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
                probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
-               tokens: cutlass.Constexpr = True):
+               tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False):
         # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
         mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
-                       readout_rows=readout_rows)(
+                       readout_rows=readout_rows, gmma=gmma)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

@@ -58,7 +58,7 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperan
                                   c_tile, g2s, l2_normalize_rows,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
                                   offsets32, operand, smem_layout, smem_tile, transpose_view,
-                                  warp_mma)
+                                  warp_mma, wg_operand, wg_products, wg_tiled)
 from gdp_jax.kernels.sm90 import pick as _pick
 
 F32 = cutlass.Float32
@@ -110,7 +110,8 @@ class ChunkPrepSm90:
     """Static configuration: head dims K, V and the 16-bit operand dtype."""
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
-                 tokens: bool = False, l2norm: bool = False, readout_rows: bool = False):
+                 tokens: bool = False, l2norm: bool = False, readout_rows: bool = False,
+                 gmma: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -128,6 +129,10 @@ class ChunkPrepSm90:
         # (qg, P are [READOUT_ROWS, *]; q's tile rows from READOUT_ROWS on are zeros too).
         # Chunk-major (not ``tokens``): q arrives compact, [B, NC, HV, READOUT_ROWS, K]
         self.readout_rows = readout_rows
+        # the products of phases 2 (K K^T, Q K^T from the smem tiles) and 4 (w, u: X's hi
+        # and lo parts from registers) as Hopper warpgroup MMAs (the CTA's 4 warps are one
+        # warpgroup) instead of ldmatrix + mma.sync, in the warp MMAs' order
+        self.gmma = gmma
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -256,6 +261,10 @@ class ChunkPrepSm90:
         self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
                               mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ, n)
         self._rows_of_v(cpV, tV, fV)
+        if cutlass.const_expr(self.gmma):
+            # what cp.async and the threads wrote to the tiles is what wgmma reads (the
+            # async proxy) after the barrier
+            cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -263,18 +272,33 @@ class ChunkPrepSm90:
         # ---- phase 2: K K^T, Q K^T -> A (smem, in place of Gam), P
         thr_mma = tiled_mma.get_slice(tidx)
         cA, _, cBt = ldmatrix_copies(tiled_mma, ab, tidx)
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), ab)
-        cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)   # B from [N, K] tiles
-        acc_kk = make_acc(thr_mma, (C, C))
-        acc_qk = make_acc(thr_mma, (C, C))
-        acc_kk.fill(0.0)
-        acc_qk.fill(0.0)
-        mma_split_b(tiled_mma, K // MMA_K,
-                    [(acc_kk, operand(thr_mma, cA, sK, True)),
-                     (acc_qk, operand(thr_mma, cA, sQ, True))],
-                    operand(thr_mma, cB, sK, False), None, False)
+        # thr_c: the accumulators' partition of phase 2 (with gmma the warpgroup MMA's; a
+        # thread holds the same rows either way)
+        thr_c = thr_mma
+        if cutlass.const_expr(self.gmma):
+            tiled_kk = wg_tiled(ab, C, True, b_k_major=True)      # [C, K] x [C, K]^T
+            thr_c = tiled_kk.get_slice(tidx)
+            acc_kk = make_acc(thr_c, (C, C))
+            acc_qk = make_acc(thr_c, (C, C))
+            acc_kk.fill(0.0)
+            acc_qk.fill(0.0)
+            op = lambda t, is_a: wg_operand(tiled_kk, thr_c, t, C, K, True, is_a, ab)
+            wg_products([(tiled_kk, K // MMA_K, [(acc_kk, op(sK, True), op(sK, False)),
+                                                 (acc_qk, op(sQ, True), op(sK, False))])])
+        else:
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False,
+                                                              num_matrices=4), ab)
+            cB = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)  # B: [N, K] tiles
+            acc_kk = make_acc(thr_mma, (C, C))
+            acc_qk = make_acc(thr_mma, (C, C))
+            acc_kk.fill(0.0)
+            acc_qk.fill(0.0)
+            mma_split_b(tiled_mma, K // MMA_K,
+                        [(acc_kk, operand(thr_mma, cA, sK, True)),
+                         (acc_qk, operand(thr_mma, cA, sQ, True))],
+                        operand(thr_mma, cB, sK, False), None, False)
         # an accumulator row lives in one quad of lanes: this thread's rows r0 and r0 + 8
-        crd = thr_mma.partition_C(cute.make_identity_tensor((C, C)))
+        crd = thr_c.partition_C(cute.make_identity_tensor((C, C)))
         r0, _ = crd[0]
         r1 = r0 + 8
         # P's row of accumulator row r: chunk row r, or with readout_rows n r + n - 1 (read
@@ -327,9 +351,9 @@ class ChunkPrepSm90:
             gP = cute.make_tensor(mP[b, c, hv, None, None].iterator,
                                   cute.make_layout((C, C), stride=(C, 1)))
             if tidx < 32 * (READOUT_ROWS // 16):       # 16 rows a warp
-                c_tile(thr_mma, gP, (C, C), (0, 0)).store(acc_qk.load().to(ab))
+                c_tile(thr_c, gP, (C, C), (0, 0)).store(acc_qk.load().to(ab))
         else:
-            c_tile(thr_mma, mP[b, c, hv, None, None], (C, C), (0, 0)).store(
+            c_tile(thr_c, mP[b, c, hv, None, None], (C, C), (0, 0)).store(
                 acc_qk.load().to(ab))
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -346,11 +370,9 @@ class ChunkPrepSm90:
                 gX[idx // C, idx % C] = sX[idx // C, idx % C]
 
         # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
-        tXs = thr_mma.partition_A(sX)
-        crd_x = thr_mma.partition_A(cute.make_identity_tensor((C, C)))
-        w_bad = self._product(thr_mma, tiled_mma, cBt, tXs, crd_x, sK, K, sb, sgam, True,
+        w_bad = self._product(tidx, tiled_mma, cBt, sX, sK, K, sb, sgam, True,
                              mW[b, c, hv, None, None], r0)
-        u_bad = self._product(thr_mma, tiled_mma, cBt, tXs, crd_x, sV, V, sb, sgam, False,
+        u_bad = self._product(tidx, tiled_mma, cBt, sX, sV, V, sb, sgam, False,
                              mU[b, c, hv, None, None], r0)
         if tidx % 4 == 0:                         # one lane of the quad holding the rows
             fWU[r0] = w_bad[0] | u_bad[0]
@@ -584,14 +606,22 @@ class ChunkPrepSm90:
         cute.arch.sync_threads()
 
     @cute.jit
-    def _product(self, thr_mma, tiled_mma, cBt, tXs, crd_x, sR, N: cutlass.Constexpr,
+    def _product(self, tidx, tiled_mma, cBt, sX, sR, N: cutlass.Constexpr,
                  sb, sgam, with_gam: cutlass.Constexpr, gOut, r0):
         """out = (X diag(s))_hi+lo R (s = beta gam or beta; a column with a non-finite s
-        enters as zeros) on warp MMAs with float32 accumulation, stored to ``gOut``
-        (w 16-bit, u in ``gOut``'s dtype: 16-bit or float32); returns the non-finite flags
-        of this thread's rows r0, r0 + 8 (as stored), reduced over their quads."""
+        enters as zeros; X: the float32 smem tile ``sX``) on warp MMAs (``tiled_mma``, its
+        B operand by ``cBt``) or with ``gmma`` warpgroup MMAs with A from registers, float32
+        accumulation, stored to ``gOut`` (w 16-bit, u in ``gOut``'s dtype: 16-bit or
+        float32); returns the non-finite flags of this thread's rows r0, r0 + 8 (as
+        stored), reduced over their quads."""
         ab = self.ab
         narrow = cutlass.const_expr(with_gam or gOut.element_type != F32)
+        tiled = tiled_mma
+        if cutlass.const_expr(self.gmma):
+            tiled = wg_tiled(ab, N, True, reg_a=True)
+        thr_mma = tiled.get_slice(tidx)
+        tXs = thr_mma.partition_A(sX)
+        crd_x = thr_mma.partition_A(cute.make_identity_tensor((C, C)))
         xh = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
         xl = thr_mma.make_fragment_A(thr_mma.partition_shape_A((C, C)))
         for e in cutlass.range_constexpr(cute.size(xh)):
@@ -603,9 +633,13 @@ class ChunkPrepSm90:
             xl[e] = (y - hi.to(F32)).to(ab)
         acc = make_acc(thr_mma, (C, N))
         acc.fill(0.0)
-        R = operand(thr_mma, cBt, transpose_view(sR, C, N), False)     # R^T: [N, C]
-        mma_split_b(tiled_mma, C // MMA_K, [(acc, RegOperand(xh)), (acc, RegOperand(xl))],
-                    R, None, False)
+        if cutlass.const_expr(self.gmma):
+            R = wg_operand(tiled, thr_mma, sR, C, N, False, False, ab)   # R^T: [N, C]
+            wg_products([(tiled, C // MMA_K, [(acc, xh, R), (acc, xl, R)])])
+        else:
+            R = operand(thr_mma, cBt, transpose_view(sR, C, N), False)     # R^T: [N, C]
+            mma_split_b(tiled_mma, C // MMA_K, [(acc, RegOperand(xh)), (acc, RegOperand(xl))],
+                        R, None, False)
         crd = thr_mma.partition_C(cute.make_identity_tensor((C, N)))
         z0, z1 = F32(0.0), F32(0.0)
         for e in cutlass.range_constexpr(cute.size(acc)):
@@ -641,9 +675,10 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                probe: bool = False, tokens: bool = False,
-               l2norm: bool = False, readout_rows: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows)
+               l2norm: bool = False, readout_rows: bool = False,
+               gmma: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, readout_rows)
+                                      l2norm, readout_rows, gmma)
     return _KERNELS[key]

@@ -430,15 +430,19 @@ def load_chunk_scalars(scalars, mSeq, mReset, mLast, mDecay, b, c, hv):
 
 
 # ------------------------------------------------- warpgroup MMAs (wgmma) of the walks
-def wg_tiled(ab, BV: int, a_k_major: bool):
-    """A walk's warpgroup MMA (the CTA's 4 warps as one warpgroup, m64 nBV k16, float32
+def wg_tiled(ab, BV: int, a_k_major: bool, b_k_major: bool = False, reg_a: bool = False):
+    """A CTA's warpgroup MMA (its 4 warps as one warpgroup, m64 nBV k16, float32
     accumulators): A [64-row blocks, K] K-major (read as stored) or M-major (the [K', M]
-    tile read transposed), B [BV, K] N-major (a [K, BV] tile read transposed). Its
-    accumulator partition is the same for both A modes, so one set of accumulators, c_tile
-    and acc_to_smem serves both."""
-    mode = OperandMajorMode.K if a_k_major else OperandMajorMode.MN
-    t = sm90_utils.make_trivial_tiled_mma(ab, ab, mode, OperandMajorMode.MN,
-                                          cutlass.Float32, (1, 1, 1), tiler_mn=(C, BV))
+    tile read transposed), from registers with ``reg_a``; B [BV, K] N-major (a [K, BV]
+    tile read transposed) or with ``b_k_major`` K-major (a [BV, K] tile as stored). Its
+    accumulator partition is the same for every operand mode and source, so one set of
+    accumulators, c_tile and acc_to_smem serves them all (and it gives a thread the rows
+    of the 4-warp warp MMAs' accumulators: rows r and r + 8 of its warp's 16)."""
+    mode = lambda k: OperandMajorMode.K if k else OperandMajorMode.MN
+    t = sm90_utils.make_trivial_tiled_mma(
+        ab, ab, mode(a_k_major), mode(b_k_major), cutlass.Float32, (1, 1, 1),
+        tiler_mn=(C, BV),
+        a_source=warpgroup.OperandSource.RMEM if reg_a else warpgroup.OperandSource.SMEM)
     t.set(warpgroup.Field.ACCUMULATE, True)          # every product adds to its acc
     return t
 
@@ -469,12 +473,14 @@ def wg_operand(tiled, thr, t, rows: int, cols: int, k_major: bool, is_a: bool, a
 
 def wg_products(groups):
     """acc += A B for each (tiled, k_blocks, [(acc, A fragment, B fragment), ...]) group,
-    all issued as one committed wgmma group and waited for (the accumulators' last writes
-    by other instructions fenced first)."""
+    all issued as one committed wgmma group and waited for (the accumulators' and register
+    A operands' last writes by other instructions fenced first). Groups in turn; within a
+    group per k-block, the products in order - :func:`mma_split_b`'s order, so that an
+    accumulator sums its terms as the warp MMAs do (the same bits)."""
     warpgroup.fence()
     for tiled, k_blocks, products in groups:
-        for acc, a, b in products:
-            for kb in range(k_blocks):          # (a trace-time helper: unrolled)
+        for kb in range(k_blocks):              # (a trace-time helper: unrolled)
+            for acc, a, b in products:
                 cute.gemm(tiled, acc, a[None, None, kb], b[None, None, kb], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
