@@ -57,8 +57,9 @@
 #                                               # main table vs +mmaf+mmab and tuned FLA, then mode 4's tests
 #   TOTAL=480 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 45  # chunk_prep.GMMA (+wgp): A/B
 #                                               # beside tuned FLA, its GPU test and the walks'
-#   TOTAL=330 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
-#                                               # traces of the forward and fwd+bwd (s39's defaults)
+#   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
+#                                               # traces of the forward and fwd+bwd (s39's defaults),
+#                                               # one long row's forward traced
 #   bash benchmarks/run_gpu_measurements.sh 5   # intra_cp's forward at S = 2, 4, 8 beside unsplit and tuned FLA at
 #                                               # two long shapes, for "auto"'s rule (SWEEP_S: its limit, default 300 s)
 # Logs and raw files under $OUT/m; a summary is printed last. Each step has its own
@@ -420,7 +421,11 @@ case "${1:-2}" in
   step 90 trace_fwd python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --mode fwd
   head -14 $M/trace_fwd.log | cut -c1-160
   step 90 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl
-  head -16 $M/trace.log | cut -c1-160 ;;
+  head -16 $M/trace.log | cut -c1-160
+  # one long row's forward (issue 20): the split's operands, summary and apply walks, fold
+  step 80 trace_long python -m benchmarks.trace --shape 1,65536,16,2 --impl cutedsl-cpauto \
+    --mode fwd
+  head -16 $M/trace_long.log | cut -c1-160 ;;
 39)
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
     --deadline 195 --out $M/op

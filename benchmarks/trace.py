@@ -82,7 +82,10 @@ def _write_hlo(fn, args, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8,4096,16,2", help="B,T,H,n[,K,V]")
-    ap.add_argument("--impl", default="cutedsl", help="cutedsl, cutedsl-n<N> or xla")
+    ap.add_argument("--impl", default="cutedsl",
+                    help="a registry implementation of ours: cutedsl, cutedsl-n<N>, "
+                         "cutedsl-cpauto (intra_cp='auto'), xla, ... (--mode bwd: cutedsl "
+                         "or xla)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default="/tmp/gdp_trace")
