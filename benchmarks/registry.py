@@ -289,7 +289,8 @@ class OursStep:
 # products issued together; ``+gmmaa``: and its phases 9, 10 too (the default); ``+wg``:
 # the forward walk's recursion products as warpgroup MMAs, ``+wgb``: the reverse walk's
 # (both the default since s39), ``+mmaf`` / ``+mmab``: those walks on warp MMAs; ``+wgp``:
-# the operands kernel's products as warpgroup MMAs)
+# the operands kernel's products as warpgroup MMAs; ``+wga``: the forward walk's read-out
+# rows' o products too)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -303,6 +304,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "save": ("kernels.pipeline", "SAVE_OPERANDS"),
             "mma": ("kernels.local_grad", "GMMA", False),
             "wg": ("kernels.chunk_forward", "GMMA", True),
+            "wga": ("kernels.chunk_forward", "GMMA", "all"),
             "wgb": ("kernels.state_grad", "GMMA", True),
             "mmaf": ("kernels.chunk_forward", "GMMA", False),
             "mmab": ("kernels.state_grad", "GMMA", False),

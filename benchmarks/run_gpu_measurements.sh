@@ -55,8 +55,9 @@
 #                                               # fwd+bwd A/B beside tuned FLA, walks alone, GPU test, one long row
 #   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 43  # s39's defaults (walks on wgmma):
 #                                               # main table vs +mmaf+mmab and tuned FLA, then mode 4's tests
-#   TOTAL=480 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 45  # chunk_prep.GMMA (+wgp): A/B
-#                                               # beside tuned FLA, its GPU test and the walks'
+#   TOTAL=500 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 45  # chunk_prep.GMMA (+wgp),
+#                                               # chunk_forward.GMMA="all" (+wga): A/B beside tuned
+#                                               # FLA, their GPU tests and the walks'
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -403,11 +404,13 @@ case "${1:-2}" in
   rows $M/op.log
   SUITE_S=$(( $(left) - 15 )) suite ;;
 45)
-  # s39, NOT run: the operands kernel's products as warpgroup MMAs (chunk_prep.GMMA, +wgp):
-  # fwd+bwd A/B beside tuned FLA, then its GPU test and the walks' (their wgmma issue order
-  # changed to the warp MMAs' after s39-2)
-  step 180 wgp python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+wgp,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 160 --out $M/wgp
+  # s39, NOT run: the operands kernel's products as warpgroup MMAs (chunk_prep.GMMA, +wgp)
+  # and the forward walk's read-out rows' o products too (chunk_forward.GMMA="all", +wga):
+  # fwd+bwd A/B beside tuned FLA, then their GPU tests and the walks' (their wgmma issue
+  # order changed to the warp MMAs' after s39-2)
+  step 190 wgp python -m benchmarks.run fwdbwd \
+    --impl cutedsl,cutedsl+wgp,cutedsl+wga,cutedsl+wga+wgp,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 170 --out $M/wgp
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;

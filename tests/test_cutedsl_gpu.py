@@ -272,12 +272,12 @@ def grads(backend, args, cu=None, N=None, seed=9):
 NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def grads_off_on(monkeypatch, module, switch, args, cu=None, N=0):
-    """(:func:`grads` with ``module.switch`` False, with it True) on the cutedsl backend,
-    each through a fresh jit (the switches are read at trace time); the switch stays True
-    for the rest of the test."""
+def grads_off_on(monkeypatch, module, switch, args, cu=None, N=0, value=True):
+    """(:func:`grads` with ``module.switch`` False, with it ``value``) on the cutedsl
+    backend, each through a fresh jit (the switches are read at trace time); the switch
+    keeps ``value`` for the rest of the test."""
     out = []
-    for on in (False, True):
+    for on in (False, value):
         monkeypatch.setattr(module, switch, on)
         _grad_fn.cache_clear()
         out.append(grads("cutedsl", args, cu=cu, N=N))
@@ -544,32 +544,35 @@ def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
             got, grads("reference", args, cu=cu), GRAD_TOL)
 
 
-@pytest.mark.parametrize("walk", ["forward", "reverse"])
+@pytest.mark.parametrize("walk", ["forward", "forward-all", "reverse"])
 @pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,packed", [
     (8, 203, 2, 16, 16, 128, 128, "bfloat16", False),   # value tiles of 64, read-out rows
     (2, 203, 3, 1, 3, 64, 128, "bfloat16", True),       # 16, GVA, packed
     (2, 203, 1, 2, 2, 128, 64, "float16", False),       # 16, V = 64, all rows (n = 1)
 ])
 def test_walk_gmma_matches(monkeypatch, walk, B, T, n, H, HV, K, V, dtype, packed):
-    """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (opt-ins: the forward / reverse walk's
-    recursion products as warpgroup MMAs): the forward nothing differentiates (o, final
+    """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (the forward / reverse walk's
+    recursion products as warpgroup MMAs; "forward-all": ``chunk_forward.GMMA = "all"``,
+    the read-out rows' o products too): the forward nothing differentiates (o, final
     state; read-out rows for n >= 2) and the differentiated call (o, final, every
-    gradient) within a few 16-bit roundings of the warp-MMA walk's (the products sum in
-    another order), no farther from float64 (x 1.25), within GRAD_TOL of it."""
+    gradient) within a few 16-bit roundings of the warp-MMA walk's (s39-2: the same bits,
+    but for the reverse walk's sums then in another order), no farther from float64
+    (x 1.25), within GRAD_TOL of it."""
     from gdp_jax.kernels import chunk_forward, state_grad
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     from gdp_jax.kernels.state_grad import StateGradKernel
-    module, kernel = ((chunk_forward, ChunkForwardKernel) if walk == "forward"
+    module, kernel = ((chunk_forward, ChunkForwardKernel) if walk.startswith("forward")
                       else (state_grad, StateGradKernel))
+    value = "all" if walk == "forward-all" else True
     args, cu = _case(29, B, n, H, HV, K, V, dtype, packed, T)
     seen = _spy(monkeypatch, kernel, "raw_call", lambda a, k: module.GMMA)
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True, backend="cutedsl")
     tag = f"{walk} walk gmma B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}"
     ref = grads("reference", args, cu=cu)
-    if walk == "forward":
+    if walk.startswith("forward"):
         fw = []
-        for on in (False, True):
+        for on in (False, value):
             monkeypatch.setattr(module, "GMMA", on)
             fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
         for nm, a, b, r in zip(("o", "final"), fw[1], fw[0], ref):
@@ -578,9 +581,9 @@ def test_walk_gmma_matches(monkeypatch, walk, B, T, n, H, HV, K, V, dtype, packe
                   f"(warp MMAs {e_br:.2e})")
             assert np.isfinite(np.asarray(a, np.float32)).all(), nm
             assert e_ab < 1e-2 and e_ar < 1.25 * e_br + 1e-4, (nm, e_ab, e_ar, e_br)
-    base, got = grads_off_on(monkeypatch, module, "GMMA", args, cu)
+    base, got = grads_off_on(monkeypatch, module, "GMMA", args, cu, value=value)
     # (the emulated kernels of a dry run replace raw_call: no spy there)
-    assert DRY_RUN or (True in seen and False in seen), seen
+    assert DRY_RUN or (value in seen and False in seen), seen
     compare(tag + " vs warp MMAs", got, base, 1e-2)
     assert_no_farther(tag, got, base, ref, ("wgmma walk", "warp MMAs"))
     compare(tag + " vs ref", got, ref, GRAD_TOL)

@@ -1073,9 +1073,10 @@ def test_gmma_default_steps_down(monkeypatch):
 
 
 def _walk(walk: str):
-    """(module with the walk's GMMA switch, its kernel class) of "forward" / "reverse"."""
+    """(module with the walk's GMMA switch, its kernel class) of "forward" (or
+    "forward-all") / "reverse"."""
     from gdp_jax.kernels import chunk_forward, state_grad
-    return ((chunk_forward, chunk_forward.ChunkForwardKernel) if walk == "forward"
+    return ((chunk_forward, chunk_forward.ChunkForwardKernel) if walk.startswith("forward")
             else (state_grad, state_grad.StateGradKernel))
 
 
@@ -1083,6 +1084,8 @@ def _walk(walk: str):
     ("forward", "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32"),  # the op's
     ("forward", "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=1 BV=16"),    # checkpoints
     ("forward", "gdp_chunk_fwd_sm90 float16 K=64 V=192 ckpt=0 summary BV=32"),    # CP summary
+    ("forward-all", "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32"),
+    ("forward-all", "gdp_chunk_fwd_sm90 float16 K=64 V=128 ckpt=1 BV=16 rows=32"),
     ("reverse", "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo BV=64 "
                 "rows=32"),
     ("reverse", "gdp_chunk_bwd_dh_sm90 bfloat16 K=64 V=64 dS_end bfloat16 fused ddo BV=16"),
@@ -1092,11 +1095,17 @@ def test_walk_gmma_compiles(monkeypatch, walk, match):
     """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39): a walk with its
     recursion products as warpgroup MMAs (wgmma descriptors on the walk's own 128 / 64 /
     32-byte swizzled tiles) compiles to sm_90a - another object than the warp-MMA walk's -
-    on all rows and the read-out rows, the CP summary walks included; an explicit ``gmma``
-    on a walk that cannot take it (two operand sets, the hi + lo split) is refused."""
+    on all rows and the read-out rows, the CP summary walks included, and with
+    ``chunk_forward.GMMA = "all"`` the forward's read-out rows' o products too; an
+    explicit ``gmma`` on a walk that cannot take it (two operand sets, the hi + lo split)
+    or an unknown value is refused."""
     module, kernel = _walk(walk)
     (v,) = [v for v in kernel.variants() if v.what == match]
-    _assert_switch_changes_object(monkeypatch, module, "GMMA", True, v)
+    _assert_switch_changes_object(monkeypatch, module, "GMMA",
+                                  "all" if walk == "forward-all" else True, v)
+    if walk == "forward-all":
+        with pytest.raises(ValueError, match="gmma: False, True or 'all'; got 'rows'"):
+            jax.eval_shape(lambda *a: v.fn(*a, gmma="rows"), *v.avals)
     # (the reverse walk's read-out rows refuse two operand sets for their own reason first)
     for bad in (dict(split=True),) + (() if "rows=" in match and walk == "reverse"
                                       else (dict(stages=2),)):

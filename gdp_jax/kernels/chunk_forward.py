@@ -58,7 +58,10 @@ PAIR_TILES = False
 # 1, split off); other walks keep warp MMAs. The same bits as the warp MMAs (GPU test
 # ``test_walk_gmma_matches``); the walk alone 0.738 -> 0.659 ms (BV = 64) and 1.167 ->
 # 1.062 (BV = 16) at (8, 4096, 16, 2), forward at (1, 65536, 16, 2) 5.76 -> 5.28 ms
-# (H100, s39-2: benchmarks/results/CURRENT.md). False: warp MMAs (``+mmaf``).
+# (H100, s39-2: benchmarks/results/CURRENT.md). False: warp MMAs (``+mmaf``). "all"
+# (opt-in, compiled, NOT yet run on a GPU): the read-out rows' o products too, on qg, P
+# tiles of C rows (zeros past the read-out rows; the walk at BV = 64 then needs 240
+# registers instead of 255 and a 40-byte spill frame; ``+wga``).
 GMMA = True
 
 
@@ -203,8 +206,9 @@ class ChunkForwardKernel:
         ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
         the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
         same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
-        same results). ``gmma``: the recursion's products as warpgroup MMAs (None:
-        :data:`GMMA`, where the walk allows it; True where it does not is a ValueError).
+        same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
+        the read-out rows' o products too (None: :data:`GMMA`, where the walk allows it;
+        an explicit one where it does not is a ValueError).
         """
         B, NC, HV, C_, K = w.shape
         V, Vu = h0.shape[-1], u.shape[-1]
@@ -221,10 +225,13 @@ class ChunkForwardKernel:
         ab_name = jnp.dtype(w.dtype).name
         split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
         can_gmma = stages == 1 and pairs == 1 and not split
+        if gmma is None:
+            gmma = GMMA if can_gmma else False
+        if gmma not in (False, True, "all"):
+            raise ValueError(f"gmma: False, True or 'all'; got {gmma!r}")
         if gmma and not can_gmma:
             raise ValueError(f"gmma (warpgroup MMAs) needs stages=1, pairs=1, split=False; "
                              f"got stages={stages}, pairs={pairs}, split={split}")
-        gmma = bool(GMMA) and can_gmma if gmma is None else bool(gmma)
         n_ckpt = ChunkForwardKernel.num_checkpoints(NC, ckpt)
         states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
         if states_dtype.name not in ("float32", ab_name):
@@ -242,7 +249,9 @@ class ChunkForwardKernel:
                                    stages=int(stages),
                                    **({"rows": R} if R != C_ else {}),
                                    **({"pairs": 2} if pairs == 2 else {}),
-                                   **({"gmma": True} if gmma else {}))
+                                   **({"gmma": True} if gmma else {}),
+                                   **({"gmma_rows": True} if gmma == "all" and R < C_
+                                      else {}))
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -326,9 +335,9 @@ def _launcher():
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
                rows: cutlass.Constexpr = C, pairs: cutlass.Constexpr = 1,
-               gmma: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, gmma_rows: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       pairs, gmma)(
+                       pairs, gmma, gmma_rows)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

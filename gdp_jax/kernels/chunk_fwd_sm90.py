@@ -49,7 +49,7 @@ class ChunkFwdSm90:
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
                  readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C,
-                 pairs: int = 1, gmma: bool = False):
+                 pairs: int = 1, gmma: bool = False, gmma_rows: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
         # 2: a CTA of two 4-warp groups walks two adjacent value tiles (group g: tile
@@ -80,8 +80,12 @@ class ChunkFwdSm90:
         # one warpgroup; operands read from the smem tiles through descriptors, S and
         # Delta as they are already copied there) instead of ldmatrix + mma.sync; the
         # read-out rows' o products (rows < C) stay warp MMAs. One operand set, one tile
-        # group, one 16-bit rounding of S and Delta.
+        # group, one 16-bit rounding of S and Delta. ``gmma_rows``: the read-out rows' o
+        # products too, as [C, *] products on qg, P tiles of C rows whose rows past the
+        # read-out ones are zero (wgmma's M is 64; 255 -> 240 registers, no spills at
+        # BV = 64)
         self.gmma = gmma
+        self.gmma_rows = gmma and gmma_rows and rows < C
         assert not gmma or (stages == 1 and pairs == 1 and not split)
 
     # ------------------------------------------------------------------ host side
@@ -92,8 +96,11 @@ class ChunkFwdSm90:
         sK_layout = smem_layout(C, K)         # w, Kt, qg: [C, K]
         sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
         sD_layout = smem_layout(C, BV)        # Delta (16-bit): [C, BV]
-        sQ_layout = smem_layout(self.rows, K)     # qg: [rows, K]
-        sPr_layout = smem_layout(self.rows, C)    # P: [rows, C]
+        # qg: [rows, K], P: [rows, C]; with gmma C rows (wgmma's M is 64: the read-out
+        # rows fill the top, zeros below)
+        tile_rows = C if self.gmma_rows else self.rows
+        sQ_layout = smem_layout(tile_rows, K)
+        sPr_layout = smem_layout(tile_rows, C)
 
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
@@ -180,7 +187,8 @@ class ChunkFwdSm90:
         if cutlass.const_expr(self.readout):
             sQ = st.sQ.get_tensor(sQ_layout)
             sP = st.sP.get_tensor(sP_layout)
-            if cutlass.const_expr(R == C and self.gmma):
+            if cutlass.const_expr(self.gmma and (R == C or self.gmma_rows)):
+                # (R < C: rows R.. of the qg, P tiles stay zero, their o rows unstored)
                 acc_O = make_acc(thr_mma, (C, BV))
                 first = [(acc_O, a_op(tiled_mma, thr_mma, sQ, C, K, True))]
                 second = [(acc_O, a_op(tiled_mma, thr_mma, sP, C, C, True))]
@@ -205,7 +213,15 @@ class ChunkFwdSm90:
         # (copy_K, copy_P are built for all the CTA's threads)
         gK, gP = g2s(copy_K, tidx_cta), g2s(copy_P, tidx_cta)
         tKsW, tKsKt = gK.dest(sW), gK.dest(sKt)
-        if cutlass.const_expr(self.readout):
+        if cutlass.const_expr(self.readout and self.gmma_rows):
+            # the read-out rows load into the tiles' top R rows; the rows below are zeros
+            top = lambda t, cols, i: cute.local_tile(t, (R, cols), (i, 0))
+            tKsQ, tPsP = gK.dest(top(sQ, K, 0)), gP.dest(top(sP, C, 0))
+            for t, cols, g in ((sQ, K, gK), (sP, C, gP)):
+                bottom = g.dest(top(t, cols, 1))
+                for e in cutlass.range_constexpr(cute.size(bottom)):
+                    bottom[e] = cutlass.Float32(0.0).to(ab)
+        elif cutlass.const_expr(self.readout):
             tKsQ, tPsP = gK.dest(sQ), gP.dest(sP)
 
         for c in cutlass.range(NC, unroll=1):
@@ -250,7 +266,7 @@ class ChunkFwdSm90:
                               + [(acc, a, S) for acc, a in first])])
             else:
                 mma_split_b(tiled_mma, K // MMA_K, [(acc_D, W)] + first, S, Sl, self.split)
-            if cutlass.const_expr(self.readout and R < C):
+            if cutlass.const_expr(self.readout and R < C and not self.gmma_rows):
                 acc_O.fill(0.0)
                 mma_split_b(tiled_mma_o, K // MMA_K, [(acc_O, Q_o)], S_o, Sl_o, self.split)
             toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
@@ -264,10 +280,19 @@ class ChunkFwdSm90:
             else:
                 mma_split_b(tiled_mma, C // MMA_K, [(acc_S, KtT)] + second, D, Dl, self.split)
 
-            for acc, _ in first:
-                c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
-                    acc.load().to(ab))
-            if cutlass.const_expr(self.readout and R < C):
+            if cutlass.const_expr(self.gmma_rows):
+                # o's R rows: the warps holding accumulator rows < R store them,
+                # through a [C, V] view of the chunk's rows (rows >= R are never touched)
+                if tidx < 32 * (R // 16):
+                    gO = cute.make_tensor(mO[b, c, hv, None, None].iterator,
+                                          cute.make_layout((C, self.V), stride=(self.V, 1)))
+                    for acc, _ in first:
+                        c_tile(thr_mma, gO, (C, BV), (0, vt)).store(acc.load().to(ab))
+            else:
+                for acc, _ in first:
+                    c_tile(thr_mma, mO[b, c, hv, None, None], (C, BV), (0, vt)).store(
+                        acc.load().to(ab))
+            if cutlass.const_expr(self.readout and R < C and not self.gmma_rows):
                 mma_split_b(tiled_mma_o, C // MMA_K, [(acc_O, P_o)], D_o, Dl_o, self.split)
                 c_tile(thr_o, mO[b, c, hv, None, None], (R, BV), (0, vt)).store(
                     acc_O.load().to(ab))
@@ -452,9 +477,10 @@ _KERNELS = {}
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
                stages: int = 1, rows: int = C, pairs: int = 1,
-               gmma: bool = False) -> ChunkFwdSm90:
-    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs, gmma)
+               gmma: bool = False, gmma_rows: bool = False) -> ChunkFwdSm90:
+    key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs, gmma,
+           gmma_rows)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols, stages, rows, pairs, gmma)
+                                     u_cols, stages, rows, pairs, gmma, gmma_rows)
     return _KERNELS[key]
