@@ -635,7 +635,7 @@ class ChunkPrepSm90:
         acc.fill(0.0)
         if cutlass.const_expr(self.gmma):
             R = wg_operand(tiled, thr_mma, sR, C, N, False, False, ab)   # R^T: [N, C]
-            wg_products([(tiled, C // MMA_K, [(acc, xh, R), (acc, xl, R)])])
+            wg_products([(tiled, C // MMA_K, [(acc, xh, R), (acc, xl, R)])], kb_outer=True)
         else:
             R = operand(thr_mma, cBt, transpose_view(sR, C, N), False)     # R^T: [N, C]
             mma_split_b(tiled_mma, C // MMA_K, [(acc, RegOperand(xh)), (acc, RegOperand(xl))],

@@ -471,17 +471,23 @@ def wg_operand(tiled, thr, t, rows: int, cols: int, k_major: bool, is_a: bool, a
     return tiled.make_fragment_B(thr.partition_B(v))
 
 
-def wg_products(groups):
+def wg_products(groups, kb_outer: bool = False):
     """acc += A B for each (tiled, k_blocks, [(acc, A fragment, B fragment), ...]) group,
     all issued as one committed wgmma group and waited for (the accumulators' and register
     A operands' last writes by other instructions fenced first). Groups in turn; within a
-    group per k-block, the products in order - :func:`mma_split_b`'s order, so that an
-    accumulator sums its terms as the warp MMAs do (the same bits)."""
+    group product after product, or with ``kb_outer`` per k-block the products in order -
+    :func:`mma_split_b`'s order, so that an accumulator two products share sums its terms
+    as the warp MMAs do (the same bits)."""
     warpgroup.fence()
     for tiled, k_blocks, products in groups:
-        for kb in range(k_blocks):              # (a trace-time helper: unrolled)
+        if kb_outer:
+            for kb in range(k_blocks):          # (a trace-time helper: unrolled)
+                for acc, a, b in products:
+                    cute.gemm(tiled, acc, a[None, None, kb], b[None, None, kb], acc)
+        else:
             for acc, a, b in products:
-                cute.gemm(tiled, acc, a[None, None, kb], b[None, None, kb], acc)
+                for kb in range(k_blocks):
+                    cute.gemm(tiled, acc, a[None, None, kb], b[None, None, kb], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
 
