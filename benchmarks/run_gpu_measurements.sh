@@ -406,8 +406,7 @@ case "${1:-2}" in
 45)
   # s39, NOT run: the operands kernel's products as warpgroup MMAs (chunk_prep.GMMA, +wgp)
   # and the forward walk's read-out rows' o products too (chunk_forward.GMMA="all", +wga):
-  # fwd+bwd A/B beside tuned FLA, then their GPU tests and the walks' (their wgmma issue
-  # order changed to the warp MMAs' after s39-2)
+  # fwd+bwd A/B beside tuned FLA, then their GPU tests and the walks'
   step 190 wgp python -m benchmarks.run fwdbwd \
     --impl cutedsl,cutedsl+wgp,cutedsl+wga,cutedsl+wga+wgp,fla \
     --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 170 --out $M/wgp

@@ -555,9 +555,9 @@ def test_walk_gmma_matches(monkeypatch, walk, B, T, n, H, HV, K, V, dtype, packe
     recursion products as warpgroup MMAs; "forward-all": ``chunk_forward.GMMA = "all"``,
     the read-out rows' o products too): the forward nothing differentiates (o, final
     state; read-out rows for n >= 2) and the differentiated call (o, final, every
-    gradient) within a few 16-bit roundings of the warp-MMA walk's (s39-2: the same bits,
-    but for the reverse walk's sums then in another order), no farther from float64
-    (x 1.25), within GRAD_TOL of it."""
+    gradient) within a few 16-bit roundings of the warp-MMA walk's (s39-2: the same bits
+    but for the reverse walk's, whose two dS products sum in another order), no farther
+    from float64 (x 1.25), within GRAD_TOL of it."""
     from gdp_jax.kernels import chunk_forward, state_grad
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     from gdp_jax.kernels.state_grad import StateGradKernel
