@@ -155,6 +155,22 @@ class ChunkForwardKernel:
         return cls.pick_bv(rows_operand.shape[0], rows_operand.shape[2], state.shape[-1])
 
     @staticmethod
+    def resolve_gmma(gmma, default, *, stages: int, pairs: int, split: bool, kinds):
+        """A walk's products as warpgroup MMAs (one of ``kinds``): ``gmma``, or None for
+        ``default`` (a module's GMMA switch) where the walk can take them - one operand set,
+        one value tile a CTA, no hi + lo split - and False where it cannot; an explicit
+        value the walk cannot take, or a value not in ``kinds``, is a ValueError."""
+        can = stages == 1 and pairs == 1 and not split
+        if gmma is None:
+            gmma = default if can else False
+        if gmma not in kinds:
+            raise ValueError(f"gmma: one of {kinds}; got {gmma!r}")
+        if gmma and not can:
+            raise ValueError(f"gmma (warpgroup MMAs) needs stages=1, pairs=1, split=False; "
+                             f"got stages={stages}, pairs={pairs}, split={split}")
+        return gmma
+
+    @staticmethod
     def default_split(dtype) -> bool:
         """Split the recurrent operands into hi + lo parts for bfloat16 (8-bit mantissa)
         while ``BF16_SPLIT`` is on; float16 (11-bit) is accurate enough without."""
@@ -224,14 +240,8 @@ class ChunkForwardKernel:
                              f"{READOUT_ROWS} read-out rows")
         ab_name = jnp.dtype(w.dtype).name
         split = ChunkForwardKernel.default_split(w.dtype) if split is None else bool(split)
-        can_gmma = stages == 1 and pairs == 1 and not split
-        if gmma is None:
-            gmma = GMMA if can_gmma else False
-        if gmma not in (False, True, "all"):
-            raise ValueError(f"gmma: False, True or 'all'; got {gmma!r}")
-        if gmma and not can_gmma:
-            raise ValueError(f"gmma (warpgroup MMAs) needs stages=1, pairs=1, split=False; "
-                             f"got stages={stages}, pairs={pairs}, split={split}")
+        gmma = ChunkForwardKernel.resolve_gmma(gmma, GMMA, stages=stages, pairs=pairs,
+                                               split=split, kinds=(False, True, "all"))
         n_ckpt = ChunkForwardKernel.num_checkpoints(NC, ckpt)
         states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
         if states_dtype.name not in ("float32", ab_name):

@@ -105,11 +105,8 @@ class StateGradKernel:
             raise ValueError(f"{'P' if fuse_ddo else 'ddo'}: expected {jnp.dtype(want[1]).name}"
                              f" {want[0]}; got {jnp.dtype(ddo.dtype).name} {ddo.shape}")
         split = ChunkForwardKernel.default_split(kt.dtype) if split is None else bool(split)
-        can_gmma = stages == 1 and pairs == 1 and not split
-        if gmma and not can_gmma:
-            raise ValueError(f"gmma (warpgroup MMAs) needs stages=1, pairs=1, split=False; "
-                             f"got stages={stages}, pairs={pairs}, split={split}")
-        gmma = bool(GMMA) and can_gmma if gmma is None else bool(gmma)
+        gmma = ChunkForwardKernel.resolve_gmma(gmma, GMMA, stages=stages, pairs=pairs,
+                                               split=split, kinds=(False, True))
         ds_dtype = jnp.dtype(jnp.float32 if ds_dtype is None else ds_dtype)
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
             raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
