@@ -429,7 +429,7 @@ def load_chunk_scalars(scalars, mSeq, mReset, mLast, mDecay, b, c, hv):
     sf[0] = mDecay[b, c, hv]
 
 
-# ------------------------------------------------- warpgroup MMAs (wgmma) of the walks
+# ------------------------------ warpgroup MMAs (wgmma): the walks, the operands kernel
 def wg_tiled(ab, BV: int, a_k_major: bool, b_k_major: bool = False, reg_a: bool = False):
     """A CTA's warpgroup MMA (its 4 warps as one warpgroup, m64 nBV k16, float32
     accumulators): A [64-row blocks, K] K-major (read as stored) or M-major (the [K', M]
