@@ -289,8 +289,8 @@ class OursStep:
 # products issued together; ``+gmmaa``: and its phases 9, 10 too (the default); ``+wg``:
 # the forward walk's recursion products as warpgroup MMAs, ``+wgb``: the reverse walk's
 # (both the default since s39), ``+mmaf`` / ``+mmab``: those walks on warp MMAs; ``+wgp``:
-# the operands kernel's products as warpgroup MMAs; ``+wga``: the forward walk's read-out
-# rows' o products too)
+# the operands kernel's products as warpgroup MMAs, ``+mmap``: on warp MMAs; ``+wga``: the
+# forward walk's read-out rows' o products too (both the default since s40))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -309,6 +309,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "mmaf": ("kernels.chunk_forward", "GMMA", False),
             "mmab": ("kernels.state_grad", "GMMA", False),
             "wgp": ("kernels.chunk_prep", "GMMA", True),
+            "mmap": ("kernels.chunk_prep", "GMMA", False),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),

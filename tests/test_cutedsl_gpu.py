@@ -519,8 +519,8 @@ def test_pair_tiles_same_bits(monkeypatch, B, T, n, H, HV, K, V, dtype, packed,
     (2, 1, 2, 2, 128, 64, "float16", False),       # all rows, V = 64
 ])
 def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
-    """``chunk_prep.GMMA`` (opt-in: the operands kernel's K K^T, Q K^T and w, u products
-    as warpgroup MMAs, issued in the warp MMAs' order): the same bits as the warp-MMA
+    """``chunk_prep.GMMA`` (on since s40: the operands kernel's K K^T, Q K^T and w, u
+    products as warpgroup MMAs, issued in the warp MMAs' order): the same bits as the warp-MMA
     kernel for the forward nothing differentiates (token-major, in-kernel norm, read-out
     rows) and the differentiated call (the forward's operands, the backward's with X) -
     o, the final state and every gradient; within GRAD_TOL of float64."""

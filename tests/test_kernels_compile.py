@@ -1120,7 +1120,7 @@ def test_walk_gmma_compiles(monkeypatch, walk, match):
     "gdp_chunk_prep_sm90 float16 K=64 V=128 inverse",                       # chunk-major
 ])
 def test_operands_gmma_compiles(monkeypatch, match):
-    """``chunk_prep.GMMA`` (opt-in): the operands kernel with its products as warpgroup
+    """``chunk_prep.GMMA`` (on since s40): the operands kernel with its products as warpgroup
     MMAs (K K^T, Q K^T from the smem tiles; w, u with X's parts from registers) compiles
     to sm_90a - another object than the warp-MMA kernel's; a value other than True /
     False is refused."""
@@ -1136,9 +1136,9 @@ def test_operands_gmma_compiles(monkeypatch, match):
 
 @pytest.mark.parametrize("walk", ["forward", "reverse"])
 def test_walk_gmma_default_steps_down(monkeypatch, walk):
-    """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39) reach the launcher as
-    ``gmma=True`` only for walks that can take warpgroup MMAs (one operand set, one value
-    tile a CTA, no hi + lo split; all rows or the read-out rows); two operand sets, tile
+    """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39; the forward's "all"
+    since s40) reach the launcher as ``gmma=True`` only for walks that can take warpgroup
+    MMAs (one operand set, one value tile a CTA, no hi + lo split; all rows or the read-out rows); two operand sets, tile
     pairs and the split keep warp MMAs (and the warp-MMA variants their keys: no ``gmma``
     constexpr at all); with the switch off no walk gets it."""
     from gdp_jax.kernels import binding
@@ -1155,8 +1155,8 @@ def test_walk_gmma_default_steps_down(monkeypatch, walk):
         jax.eval_shape(lambda *a: v.fn(*a, **kw), *v.avals)
         return seen[-1]
 
-    assert module.GMMA is True
-    assert gmma() is True
+    assert module.GMMA == ("all" if walk == "forward" else True)   # (forward: since s40)
+    assert gmma() is True           # (on all rows "all" is True: no read-out rows' tiles)
     assert gmma(stages=2) is False and gmma(split=True) is False
     assert gmma(pairs=2) is False
     monkeypatch.setattr(module, "GMMA", False)

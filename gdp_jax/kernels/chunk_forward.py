@@ -58,11 +58,13 @@ PAIR_TILES = False
 # 1, split off); other walks keep warp MMAs. The same bits as the warp MMAs (GPU test
 # ``test_walk_gmma_matches``); the walk alone 0.738 -> 0.659 ms (BV = 64) and 1.167 ->
 # 1.062 (BV = 16) at (8, 4096, 16, 2), forward at (1, 65536, 16, 2) 5.76 -> 5.28 ms
-# (H100, s39-2: benchmarks/results/CURRENT.md). False: warp MMAs (``+mmaf``). "all"
-# (opt-in, compiled, NOT yet run on a GPU): the read-out rows' o products too, on qg, P
-# tiles of C rows (zeros past the read-out rows; the walk at BV = 64 then needs 240
-# registers instead of 255 and a 40-byte spill frame; ``+wga``).
-GMMA = True
+# (H100, s39-2: benchmarks/results/CURRENT.md). "all" (the default since s40): the
+# read-out rows' o products too, on qg, P tiles of C rows (zeros past the read-out rows;
+# the walk at BV = 64 then needs 240 registers instead of 255 and a 40-byte spill frame;
+# the same bits - ``test_walk_gmma_matches[..forward-all]``); with the operands kernel's
+# GMMA the forward 2.03 -> 1.82 ms at (8, 4096, 16, 2) (H100, s40-1). True: the read-out
+# rows' o products on warp MMAs (``+wg``); False: every product on warp MMAs (``+mmaf``).
+GMMA = "all"
 
 
 class ChunkForwardKernel:

@@ -45,13 +45,13 @@ TOKEN_LAYOUT = True
 # float32 u either way: |u| may pass float16's 65504 where the inputs fit (X reaches ~1e2
 # at beta ~ 2). The kernels take either dtype.
 U16 = False
-# Opt-in, NOT yet run on a GPU (s39: written and compiled for sm_90a): the operands
-# kernel's products - K K^T, Q K^T (phase 2) and w, u from X's hi + lo parts in registers
-# (phase 4) - as Hopper warpgroup MMAs instead of ldmatrix + mma.sync (``gmma`` of
-# ``ChunkPrepSm90``), in the warp MMAs' order (the same bits expected, as the forward walk
-# gave). Turn on after ``test_operands_gmma_same_bits`` passes on a GPU and the A/B pays
-# (``+wgp``; ``benchmarks/prep_probe.py`` times the kernel alone).
-GMMA = False
+# The operands kernel's products - K K^T, Q K^T (phase 2) and w, u from X's hi + lo parts
+# in registers (phase 4) - as Hopper warpgroup MMAs instead of ldmatrix + mma.sync
+# (``gmma`` of ``ChunkPrepSm90``), in the warp MMAs' order: the same bits (GPU test
+# ``test_operands_gmma_same_bits``), 5-6 KB less code a variant and no spills. With the
+# forward walk's GMMA "all": forward 2.03 -> 1.82 ms at (8, 4096, 16, 2), fwd+bwd 7.86 ->
+# 7.68 (H100, s40-1: benchmarks/results/CURRENT.md). False: warp MMAs (``+mmap``).
+GMMA = True
 
 
 def u_dtype(ab_dtype):
