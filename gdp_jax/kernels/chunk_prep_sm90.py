@@ -65,6 +65,10 @@ F32 = cutlass.Float32
 I32 = cutlass.Int32
 INF = float("inf")
 HB = C // 2         # the inverse's block size
+# row stride of the float32 [C, C] tiles (Gam / A, X): rows 16 bytes aligned, so the
+# inverse reads 4 consecutive entries of a row in one shared load (its loads, not its
+# FMAs, bound it); 68 also spreads a column of rows and an MMA fragment over the banks
+PAD = C + 4
 # CTAs an SM runs at once: the ~70 KB of shared memory allow 3 and the registers are
 # capped to fit them (unbounded, the assembler took ~190 a thread: 2 CTAs); the kernel's
 # phases are latency-bound, so more CTAs in flight hide more of it
@@ -86,23 +90,40 @@ def _nonfinite(z, lanes: int):
     return I32(cutlass.select_((good & group) == group, I32(0), I32(1)))
 
 
+def _quad(sM, i, l0):
+    """sM[i, l0 .. l0 + 3] of a float32 [C, C] tile (rows PAD apart; ``l0`` a multiple of
+    4) as one 16-byte shared load: 4 registers."""
+    off = cute.assume(i * PAD + l0, divby=4)
+    v = cute.make_rmem_tensor((4,), F32)
+    cute.autovec_copy(cute.make_tensor(sM.iterator + off, cute.make_layout(4)), v)
+    return v
+
+
 def _t_row(sA, sT, col, i, j):
-    """T[i, j] = A21[i, :] X11[:, j] (``col``: X11[:, j] in registers; two partial sums)."""
+    """T[i, j] = A21[i, :] X11[:, j] (``col``: X11[:, j] in registers; two partial sums,
+    even and odd l)."""
     acc0, acc1 = F32(0.0), F32(0.0)
-    for l in range(0, HB, 2):
-        acc0 = acc0 + sA[HB + i, l] * col[l]
-    for l in range(1, HB, 2):
-        acc1 = acc1 + sA[HB + i, l] * col[l]
+    for l0 in range(0, HB, 4):
+        a = _quad(sA, HB + i, l0)
+        acc0 = acc0 + a[0] * col[l0]
+        acc1 = acc1 + a[1] * col[l0 + 1]
+        acc0 = acc0 + a[2] * col[l0 + 2]
+        acc1 = acc1 + a[3] * col[l0 + 3]
     sT[i, j] = acc0 + acc1
 
 
 def _x21_row(sX, col, i, j):
     """X21[i, j] = -X22[i, :] T[:, j] (``col``: T[:, j]; X22 lower: m <= i only)."""
     acc0, acc1 = F32(0.0), F32(0.0)
-    for m in range(0, HB, 2):
-        acc0 = acc0 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
-    for m in range(1, HB, 2):
-        acc1 = acc1 - _pick(m <= i, sX[HB + i, HB + m] * col[m], F32(0.0))
+    for m0 in range(0, HB, 4):
+        x = _quad(sX, HB + i, HB + m0)
+        for d in range(4):
+            m = m0 + d
+            t = _pick(m <= i, x[d] * col[m], F32(0.0))
+            if d % 2 == 0:
+                acc0 = acc0 - t
+            else:
+                acc1 = acc1 - t
     sX[HB + i, j] = acc0 + acc1
 
 
@@ -141,19 +162,19 @@ class ChunkPrepSm90:
         K, V, ab = self.K, self.V, self.ab
         sK_layout = smem_layout(C, K)
         sV_layout = smem_layout(C, V)
-        pad = cute.make_layout((C, C), stride=(C + 1, 1))        # float32, no conflicts
+        pad = cute.make_layout((C, C), stride=(PAD, 1))        # float32
         sT_layout = cute.make_layout((HB, HB), stride=(HB + 1, 1))
 
         # q's tile is dead after Q K^T: X (float32) reuses it (~70 KB in all at K = V =
         # 128: three CTAs an SM)
-        qx_elems = max(cute.cosize(sK_layout), 2 * C * (C + 1))
+        qx_elems = max(cute.cosize(sK_layout), 2 * C * PAD)
 
         @cute.struct
         class Storage:
             sK: smem_tile(ab, sK_layout)
             sQ: cute.struct.Align[cute.struct.MemRange[ab, qx_elems], 1024]   # q, then X
             sV: smem_tile(ab, sV_layout)
-            sA: cute.struct.Align[cute.struct.MemRange[F32, C * (C + 1)], 128]  # Gam, A
+            sA: cute.struct.Align[cute.struct.MemRange[F32, C * PAD], 128]  # Gam, A
             sT: cute.struct.Align[cute.struct.MemRange[F32, HB * (HB + 1)], 128]
             sg: cute.struct.MemRange[F32, C]        # g
             sb: cute.struct.MemRange[F32, C]        # beta
@@ -576,13 +597,16 @@ class ChunkPrepSm90:
             jc = tidx % HB                        # this thread's column of the block
             x = cute.make_rmem_tensor((HB,), F32)
             for i in cutlass.range_constexpr(HB):
-                # two partial sums: half the dependent FMA chain
+                # two partial sums (even, odd l): half the dependent FMA chain
                 acc0 = _pick(jc == i, F32(1.0), F32(0.0))
                 acc1 = F32(0.0)
-                for l in cutlass.range_constexpr(0, i, 2):
-                    acc0 = acc0 - sA[ob + i, ob + l] * x[l]
-                for l in cutlass.range_constexpr(1, i, 2):
-                    acc1 = acc1 - sA[ob + i, ob + l] * x[l]
+                for l0 in cutlass.range_constexpr(0, i, 4):
+                    a = _quad(sA, ob + i, ob + l0)
+                    for l in cutlass.range_constexpr(l0, min(l0 + 4, i)):
+                        if cutlass.const_expr(l % 2 == 0):
+                            acc0 = acc0 - a[l - l0] * x[l]
+                        else:
+                            acc1 = acc1 - a[l - l0] * x[l]
                 x[i] = acc0 + acc1
             for i in cutlass.range_constexpr(HB):
                 sX[ob + i, ob + jc] = x[i]
