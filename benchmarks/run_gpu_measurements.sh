@@ -58,6 +58,9 @@
 #   TOTAL=500 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 45  # chunk_prep.GMMA (+wgp),
 #                                               # chunk_forward.GMMA="all" (+wga): A/B beside tuned
 #                                               # FLA, their GPU tests and the walks'
+#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 46  # the inverse's 16-byte loads:
+#                                               # operands kernel + probe vs s39's source (carry
+#                                               # ".ab"), main table vs +mmap+wg and tuned FLA, tests
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -413,6 +416,31 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
+46)
+  # s40: the operands kernel's inverse on 16-byte shared loads - the kernel alone and its
+  # probe on this tree, then on s39's kernel source (.ab/chunk_prep_sm90_s39.py: carry
+  # ".ab"; a source other than the prebuilt objects' compiles when traced), then the main
+  # table on s40's defaults beside s39's operands kernel and walk (+mmap+wg) and tuned FLA,
+  # then the operands kernel's GPU tests in the time left
+  probe() { step 110 $1 python -m benchmarks.prep_probe --tokens --bv "" --shape 8,4096,16,2 \
+    --json $M/$1.json
+    grep -hE "s\] (prep|probe|  probe)|CTA latency|Error" $M/$1.log | cut -c1-160; }
+  probe probe_s40
+  if [ -f .ab/chunk_prep_sm90_s39.py ]; then
+    cp gdp_jax/kernels/chunk_prep_sm90.py /tmp/s40.py
+    cp .ab/chunk_prep_sm90_s39.py gdp_jax/kernels/chunk_prep_sm90.py
+    probe probe_s39
+    cp /tmp/s40.py gdp_jax/kernels/chunk_prep_sm90.py
+  fi
+  step 200 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mmap+wg,fla --shapes main \
+    --deadline 180 --out $M/op
+  rows $M/op.log
+  t=$(( $(left) - 10 )); el "tests ($t s)"
+  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job t_prep $P tests/test_chunk_prep_gpu.py
+  job t_ops $P tests/test_cutedsl_gpu.py -k "operands or inverse_kernel or forward_matches"
+  wait
+  for f in t_prep t_ops; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -8 | cut -c1-250; done ;;
 44)
   # s39, NOT run: where the time goes on s39's defaults at (8, 4096, 16, 2) - every kernel
   # alone (the operands kernel's variants and probe, both walks, the local gradients and
