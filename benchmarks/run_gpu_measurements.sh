@@ -61,6 +61,8 @@
 #   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 46  # the inverse's 16-byte loads:
 #                                               # operands kernel + probe vs s39's source (carry
 #                                               # ".ab"), main table vs +mmap+wg and tuned FLA, tests
+#   TOTAL=590 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 47  # +gram A/B beside tuned FLA,
+#                                               # its GPU test beside mode 4's groups
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -416,6 +418,24 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
+47)
+  # s40: k's norms from K K^T's diagonal (chunk_prep.GRAM_NORM, +gram): fwd+bwd A/B beside
+  # tuned FLA, then its GPU test beside mode 4's five test groups (s40's defaults), six
+  # pytest processes at once for the time left
+  step 100 gram python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+gram,fla \
+    --shapes "8,4096,16,2;2,16384,16,2" --deadline 85 --out $M/gram
+  rows $M/gram.log
+  F=tests/test_cutedsl_gpu.py; t=$(( $(left) - 10 )); el "tests ($t s)"
+  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  job t_gram $P $F -k "gram_norm"
+  job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
+  job grad2 $P $F -k "gradients_match and not token_major and not packed"
+  job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
+  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel and not gram_norm"
+  job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  wait
+  grep -hE "forward (o|final)|vs normalise-first\]|vs float64: gram" $M/t_gram.log | cut -c1-230 | head -40
+  for f in t_gram grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
 46)
   # s40: the operands kernel's inverse on 16-byte shared loads - the kernel alone and its
   # probe on this tree, then on s39's kernel source (.ab/chunk_prep_sm90_s39.py: carry

@@ -544,6 +544,46 @@ def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
             got, grads("reference", args, cu=cu), GRAD_TOL)
 
 
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed,big", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False, False),   # the op's: read-out rows
+    (2, 3, 1, 3, 64, 128, "bfloat16", True, False),       # GVA, K != V, packed
+    (2, 1, 2, 2, 128, 64, "float16", False, False),       # all rows, V = 64
+    (2, 2, 2, 2, 128, 128, "bfloat16", False, True),      # k rows past GRAM_BIG
+])
+def test_gram_norm_matches(monkeypatch, B, n, H, HV, K, V, dtype, packed, big):
+    """``chunk_prep.GRAM_NORM`` (opt-in: the token-major operands kernel takes k's norms
+    from K K^T's diagonal, k raw in its products): the forward nothing differentiates
+    (o, final state) and the differentiated call (o, final, every gradient) within 1e-2 of
+    the normalise-first kernel's, no farther from float64 (x 1.25), within GRAD_TOL of it;
+    ``big``: every 7th step's keys x 1e30 (their warps normalise first) - still so."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    args, cu = _case(37, B, n, H, HV, K, V, dtype, packed)
+    if big:
+        args = (args[0], args[1].at[:, ::7].multiply(1e30)) + tuple(args[2:])
+    seen = _spy(monkeypatch, ChunkPrepKernel, "raw_call_tokens",
+                lambda a, k: chunk_prep.GRAM_NORM)
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl")
+    tag = f"gram norm B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} big={big}"
+    ref = grads("reference", args, cu=cu)
+    fw = []
+    for on in (False, True):
+        monkeypatch.setattr(chunk_prep, "GRAM_NORM", on)
+        fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
+    for nm, a, b, r in zip(("o", "final"), fw[1], fw[0], ref):
+        e_ab, e_ar, e_br = rel_rms(a, b), rel_rms(a, r), rel_rms(b, r)
+        print(f"[{tag}] forward {nm}: vs normalise-first {e_ab:.2e}, vs float64 {e_ar:.2e} "
+              f"(normalise-first {e_br:.2e})")
+        assert np.isfinite(np.asarray(a, np.float32)).all(), nm
+        assert e_ab < 1e-2 and e_ar < 1.25 * e_br + 1e-4, (nm, e_ab, e_ar, e_br)
+    base, got = grads_off_on(monkeypatch, chunk_prep, "GRAM_NORM", args, cu)
+    assert DRY_RUN or (True in seen and False in seen), seen
+    compare(tag + " vs normalise-first", got, base, 1e-2)
+    assert_no_farther(tag, got, base, ref, ("gram norm", "normalise first"))
+    compare(tag + " vs ref", got, ref, GRAD_TOL)
+
+
 @pytest.mark.parametrize("walk", ["forward", "forward-all", "reverse"])
 @pytest.mark.parametrize("B,T,n,H,HV,K,V,dtype,packed", [
     (8, 203, 2, 16, 16, 128, 128, "bfloat16", False),   # value tiles of 64, read-out rows

@@ -1134,6 +1134,32 @@ def test_operands_gmma_compiles(monkeypatch, match):
         jax.eval_shape(v.fn, *v.avals)
 
 
+@pytest.mark.parametrize("match", [
+    "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows",   # the forward's
+    "gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm",                 # all rows
+])
+def test_gram_norm_compiles(monkeypatch, match):
+    """``chunk_prep.GRAM_NORM`` (opt-in): the token-major operands kernel taking k's norms
+    from K K^T's diagonal compiles to sm_90a - another object than the normalise-first
+    kernel's; a kernel that does not normalise is the same object either way; a value
+    other than True / False is refused."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    variants = {v.what: v for v in ChunkPrepKernel.variants()}
+    _assert_switch_changes_object(monkeypatch, chunk_prep, "GRAM_NORM", True, variants[match])
+    plain = variants[match.replace(" l2norm", "")]
+    texts = []
+    for on in (False, True):
+        monkeypatch.setattr(chunk_prep, "GRAM_NORM", on)
+        jax.clear_caches()
+        texts.append(_lower(plain.fn, *plain.avals))
+    assert texts[0] == texts[1]
+    monkeypatch.setattr(chunk_prep, "GRAM_NORM", "on")
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="chunk_prep.GRAM_NORM=.on.; expected True or False"):
+        jax.eval_shape(variants[match].fn, *variants[match].avals)
+
+
 @pytest.mark.parametrize("walk", ["forward", "reverse"])
 def test_walk_gmma_default_steps_down(monkeypatch, walk):
     """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39; the forward's "all"

@@ -52,6 +52,13 @@ U16 = False
 # forward walk's GMMA "all": forward 2.03 -> 1.82 ms at (8, 4096, 16, 2), fwd+bwd 7.86 ->
 # 7.68 (H100, s40-1: benchmarks/results/CURRENT.md). False: warp MMAs (``+mmap``).
 GMMA = True
+# Opt-in (s40, compiled; GPU mode 47): with the in-kernel L2 norm, k's rows enter the
+# operands kernel's products raw and their norms come from the diagonal of K K^T, which
+# phase 2 forms anyway (``gram_norm`` of ``ChunkPrepSm90``): no normalising pass over k's
+# rows in registers (the norm took ~0.23 ms of the operands kernel on all rows, H100 s40-2)
+# and one 16-bit rounding of k fewer; bits differ from the XLA-normalised path by float32
+# rounding. ``+gram``.
+GRAM_NORM = False
 
 
 def u_dtype(ab_dtype):
@@ -266,6 +273,7 @@ class ChunkPrepKernel:
                                    **({"inverse": True} if inverse else {}),
                                    **({"probe": True} if probe else {}),
                                    **({"readout_rows": True} if readout_rows else {}),
+                                   **_gram_norm(l2norm),
                                    **_gmma())
 
     @classmethod
@@ -363,6 +371,14 @@ def _gmma() -> dict:
     return {"gmma": True} if GMMA else {}
 
 
+def _gram_norm(l2norm: bool) -> dict:
+    """The token launcher's ``gram_norm`` constexpr where :data:`GRAM_NORM` is on and the
+    kernel normalises (absent otherwise: the other variants keep their keys)."""
+    if GRAM_NORM not in (True, False):
+        raise ValueError(f"chunk_prep.GRAM_NORM={GRAM_NORM!r}; expected True or False")
+    return {"gram_norm": True} if GRAM_NORM and l2norm else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher():
     binding.import_cutlass()
@@ -394,10 +410,11 @@ def _launcher_tokens():
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
                probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
-               tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False):
+               tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False,
+               gram_norm: cutlass.Constexpr = False):
         # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
         mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
-                       readout_rows=readout_rows, gmma=gmma)(
+                       readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

@@ -54,7 +54,8 @@ import cutlass.memory
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand, ab_type,
+from gdp_jax.kernels.sm90 import (C, L2_EPS, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand,
+                                  ab_type,
                                   c_tile, g2s, l2_normalize_rows,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
                                   offsets32, operand, smem_layout, smem_tile, transpose_view,
@@ -73,6 +74,9 @@ PAD = C + 4
 # capped to fit them (unbounded, the assembler took ~190 a thread: 2 CTAs); the kernel's
 # phases are latency-bound, so more CTAs in flight hide more of it
 CTAS_PER_SM = 3
+# with ``gram_norm``: a k row with an entry of at least this size is normalised in
+# registers first (its squares could overflow float32 in K K^T); 2^56: 128 squares < 2^120
+GRAM_BIG = float(2 ** 56)
 
 
 def _finite(x):
@@ -132,7 +136,7 @@ class ChunkPrepSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
                  tokens: bool = False, l2norm: bool = False, readout_rows: bool = False,
-                 gmma: bool = False):
+                 gmma: bool = False, gram_norm: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -154,6 +158,13 @@ class ChunkPrepSm90:
         # and lo parts from registers) as Hopper warpgroup MMAs (the CTA's 4 warps are one
         # warpgroup) instead of ldmatrix + mma.sync, in the warp MMAs' order
         self.gmma = gmma
+        # with ``l2norm``: k's rows enter the products raw, their norms taken from the
+        # diagonal of K K^T (phase 2): rho_i = 1 / sqrt((K K^T)_ii + eps) scales A's rows and
+        # columns, P's columns, w's (X's column scales) and Kt's rows - no normalising pass
+        # over k in registers, and one 16-bit rounding fewer (k is exact). A warp whose k
+        # rows hold an entry >= GRAM_BIG normalises them first (rho is then ~1).
+        self.gram_norm = gram_norm
+        assert l2norm or not gram_norm
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -187,6 +198,7 @@ class ChunkPrepSm90:
             fP: cute.struct.MemRange[I32, C]        # P row (16-bit) not finite
             fQ: cute.struct.MemRange[I32, C]        # qg row (16-bit) not finite
             fWU: cute.struct.MemRange[I32, C]       # w (16-bit) or u row not finite
+            srho: cute.struct.MemRange[F32, C]      # gram_norm: 1 / |k row|
             ok: cute.struct.MemRange[I32, C]        # state row enters (causal_operands)
 
         (mQ, mK, mV, mG, mBeta, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad, mX) = (
@@ -224,6 +236,7 @@ class ChunkPrepSm90:
         sg, sb, sgam, send = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.send)
         fK, fV, fA, fP, fQ = vec(st.fK), vec(st.fV), vec(st.fA), vec(st.fP), vec(st.fQ)
         fWU, ok = vec(st.fWU), vec(st.ok)
+        srho = vec(st.srho)
 
         marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
 
@@ -322,6 +335,12 @@ class ChunkPrepSm90:
         crd = thr_c.partition_C(cute.make_identity_tensor((C, C)))
         r0, _ = crd[0]
         r1 = r0 + 8
+        if cutlass.const_expr(self.gram_norm):
+            for e in cutlass.range_constexpr(cute.size(acc_kk)):
+                i, j = crd[e]
+                if i == j:
+                    srho[i] = cute.math.rsqrt(acc_kk[e] + F32(L2_EPS))
+            cute.arch.sync_threads()
         # P's row of accumulator row r: chunk row r, or with readout_rows n r + n - 1 (read
         # out where < C; q was zero past them, and Gam is read in bounds)
         pr0, pr1, gr0, gr1 = r0, r1, r0, r1
@@ -333,15 +352,19 @@ class ChunkPrepSm90:
             i, j = crd[e]
             in0 = i == r0
             gm = sA[i, j]
-            a = _pick(j < i, (sb[i] * acc_kk[e]) * gm, F32(0.0))
+            kk, qk = acc_kk[e], acc_qk[e]
+            if cutlass.const_expr(self.gram_norm):
+                kk = kk * (srho[i] * srho[j])
+                qk = qk * srho[j]
+            a = _pick(j < i, (sb[i] * kk) * gm, F32(0.0))
             if cutlass.const_expr(self.readout_rows):
                 pi = I32(cutlass.select_(in0, pr0, pr1))
                 gp = sA[cutlass.select_(in0, gr0, gr1), j]
-                p = _pick((j <= pi) & (pi < C), (acc_qk[e] * gp) * scale, F32(0.0))
+                p = _pick((j <= pi) & (pi < C), (qk * gp) * scale, F32(0.0))
                 acc_kk[e] = a          # A enters sA after every thread read Gam (below)
             else:
                 sA[i, j] = a
-                p = _pick(j <= i, (acc_qk[e] * gm) * scale, F32(0.0))
+                p = _pick(j <= i, (qk * gm) * scale, F32(0.0))
             acc_qk[e] = p
             za = a * F32(0.0)
             zp = p.to(ab).to(F32) * F32(0.0)
@@ -376,6 +399,8 @@ class ChunkPrepSm90:
         else:
             c_tile(thr_c, mP[b, c, hv, None, None], (C, C), (0, 0)).store(
                 acc_qk.load().to(ab))
+        if cutlass.const_expr(self.gram_norm):
+            self._store_kt(cpK, tK, mKt[b, c, hv, None, None], send, srho)
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
 
@@ -391,9 +416,9 @@ class ChunkPrepSm90:
                 gX[idx // C, idx % C] = sX[idx // C, idx % C]
 
         # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
-        w_bad = self._product(tidx, tiled_mma, cBt, sX, sK, K, sb, sgam, True,
+        w_bad = self._product(tidx, tiled_mma, cBt, sX, sK, K, sb, sgam, srho, True,
                              mW[b, c, hv, None, None], r0)
-        u_bad = self._product(tidx, tiled_mma, cBt, sX, sV, V, sb, sgam, False,
+        u_bad = self._product(tidx, tiled_mma, cBt, sX, sV, V, sb, sgam, srho, False,
                              mU[b, c, hv, None, None], r0)
         if tidx % 4 == 0:                         # one lane of the quad holding the rows
             fWU[r0] = w_bad[0] | u_bad[0]
@@ -499,7 +524,17 @@ class ChunkPrepSm90:
             # pieces a step at a time (sm90.l2_normalize_rows): on all q rows 4 made this
             # variant 128 KiB of machine code (the suspected instruction-cache limit)
             group = 4 if self.readout_rows else 1
-            l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
+            if cutlass.const_expr(self.gram_norm):
+                # k's rows stay raw (phase 2 takes their norms) unless one of this warp's
+                # rows could overflow K K^T: then the warp's rows are normalised (a row
+                # lies in one warp; the branch is warp-uniform, as the shuffles need)
+                mx = F32(0.0)
+                for e in cutlass.range_constexpr(cute.size(rk)):
+                    mx = cute.arch.fmax(mx, cute.math.absf(rk[e].to(F32)))
+                if cute.arch.vote_any_sync(mx >= F32(GRAM_BIG)):
+                    l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
+            else:
+                l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
             l2_normalize_rows(rq, tQ, lanes, q_pieces, ab, group=group)
         for m in cutlass.range_constexpr(pieces):
             has_q = m < q_pieces
@@ -516,7 +551,8 @@ class ChunkPrepSm90:
             for e in cutlass.range_constexpr(8):
                 x = rk[8 * m + e].to(F32)
                 zk = zk + x * F32(0.0)
-                kt[e] = en * x
+                if cutlass.const_expr(not self.gram_norm):
+                    kt[e] = en * x
                 if cutlass.const_expr(has_q):
                     y = sc * rq[8 * m + e].to(F32)
                     qg[e] = y
@@ -534,13 +570,29 @@ class ChunkPrepSm90:
                 for e in cutlass.range_constexpr(8):
                     qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
             # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
-            # objects' row strides are run-time values)
-            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
+            # objects' row strides are run-time values); with gram_norm Kt waits for rho
+            if cutlass.const_expr(not self.gram_norm):
+                cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
             if cutlass.const_expr(has_q):
                 cute.local_tile(gQg[r, None], (8,), (col // 8,)).store(qg.load().to(ab))
             if bad_k != 0:                      # rare: keep it out of the MMAs
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                     tK[e] = F32(0.0).to(ab)
+
+    @cute.jit
+    def _store_kt(self, cpK, tK, gKt, send, srho):
+        """gram_norm: Kt = exp(G_last - G) rho k to global from the k tile (this thread's
+        cp.async pieces: 8 consecutive columns of a row, one 128-bit store each)."""
+        crd = cpK.thr.partition_D(cute.make_identity_tensor((C, self.K)))
+        for m in cutlass.range_constexpr(cute.size(tK) // 8):
+            r, col = crd[8 * m]
+            x = cute.make_fragment_like(tK[None, m, 0])
+            cute.autovec_copy(tK[None, m, 0], x)
+            en = send[r] * srho[r]
+            kt = cute.make_rmem_tensor((8,), F32)
+            for e in cutlass.range_constexpr(8):
+                kt[e] = en * x[e].to(F32)
+            cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(self.ab))
 
     @cute.jit
     def _row_rules(self, lane, sb, sgam, fA, fK, fV, fWU, fP, fQ, ok, gBad):
@@ -631,8 +683,9 @@ class ChunkPrepSm90:
 
     @cute.jit
     def _product(self, tidx, tiled_mma, cBt, sX, sR, N: cutlass.Constexpr,
-                 sb, sgam, with_gam: cutlass.Constexpr, gOut, r0):
-        """out = (X diag(s))_hi+lo R (s = beta gam or beta; a column with a non-finite s
+                 sb, sgam, srho, with_gam: cutlass.Constexpr, gOut, r0):
+        """out = (X diag(s))_hi+lo R (s = beta gam, with ``gram_norm`` beta gam rho, or
+        beta; a column with a non-finite s
         enters as zeros; X: the float32 smem tile ``sX``) on warp MMAs (``tiled_mma``, its
         B operand by ``cBt``) or with ``gmma`` warpgroup MMAs with A from registers, float32
         accumulation, stored to ``gOut`` (w 16-bit, u in ``gOut``'s dtype: 16-bit or
@@ -651,6 +704,8 @@ class ChunkPrepSm90:
         for e in cutlass.range_constexpr(cute.size(xh)):
             _, r = crd_x[e]
             s = sb[r] * sgam[r] if with_gam else sb[r]
+            if cutlass.const_expr(with_gam and self.gram_norm):
+                s = s * srho[r]
             y = _pick(_finite(s), tXs[e] * s, F32(0.0))
             hi = y.to(ab)
             xh[e] = hi
@@ -700,9 +755,9 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                probe: bool = False, tokens: bool = False,
                l2norm: bool = False, readout_rows: bool = False,
-               gmma: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma)
+               gmma: bool = False, gram_norm: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, readout_rows, gmma)
+                                      l2norm, readout_rows, gmma, gram_norm)
     return _KERNELS[key]
