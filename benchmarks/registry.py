@@ -291,7 +291,8 @@ class OursStep:
 # (both the default since s39), ``+mmaf`` / ``+mmab``: those walks on warp MMAs; ``+wgp``:
 # the operands kernel's products as warpgroup MMAs, ``+mmap``: on warp MMAs; ``+wga``: the
 # forward walk's read-out rows' o products too (both the default since s40); ``+gram``: k's
-# norms from the operands kernel's K K^T diagonal)
+# norms from the operands kernel's K K^T diagonal (the default since s40), ``+normk``: k
+# normalised first)
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -312,6 +313,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "wgp": ("kernels.chunk_prep", "GMMA", True),
             "mmap": ("kernels.chunk_prep", "GMMA", False),
             "gram": ("kernels.chunk_prep", "GRAM_NORM", True),
+            "normk": ("kernels.chunk_prep", "GRAM_NORM", False),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),

@@ -1139,7 +1139,7 @@ def test_operands_gmma_compiles(monkeypatch, match):
     "gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm",                 # all rows
 ])
 def test_gram_norm_compiles(monkeypatch, match):
-    """``chunk_prep.GRAM_NORM`` (opt-in): the token-major operands kernel taking k's norms
+    """``chunk_prep.GRAM_NORM`` (on since s40): the token-major operands kernel taking k's norms
     from K K^T's diagonal compiles to sm_90a - another object than the normalise-first
     kernel's; a kernel that does not normalise is the same object either way; a value
     other than True / False is refused."""

@@ -52,13 +52,14 @@ U16 = False
 # forward walk's GMMA "all": forward 2.03 -> 1.82 ms at (8, 4096, 16, 2), fwd+bwd 7.86 ->
 # 7.68 (H100, s40-1: benchmarks/results/CURRENT.md). False: warp MMAs (``+mmap``).
 GMMA = True
-# Opt-in (s40, compiled; GPU mode 47): with the in-kernel L2 norm, k's rows enter the
-# operands kernel's products raw and their norms come from the diagonal of K K^T, which
-# phase 2 forms anyway (``gram_norm`` of ``ChunkPrepSm90``): no normalising pass over k's
-# rows in registers (the norm took ~0.23 ms of the operands kernel on all rows, H100 s40-2)
-# and one 16-bit rounding of k fewer; bits differ from the XLA-normalised path by float32
-# rounding. ``+gram``.
-GRAM_NORM = False
+# With the in-kernel L2 norm, k's rows enter the operands kernel's products raw and their
+# norms come from the diagonal of K K^T, which phase 2 forms anyway (``gram_norm`` of
+# ``ChunkPrepSm90``): no normalising pass over k's rows in registers and one 16-bit
+# rounding of k fewer - closer to float64 (o 4.05e-3 -> 3.62e-3 at (8, 203, 16, 2)), bits
+# differ from the XLA-normalised path by rounding (GPU test ``test_gram_norm_matches``).
+# Forward 1.76 -> 1.69 ms, fwd+bwd 7.62 -> 7.54 at (8, 4096, 16, 2) (H100, s40-3:
+# benchmarks/results/CURRENT.md). False: k normalised first (``+normk``).
+GRAM_NORM = True
 
 
 def u_dtype(ab_dtype):

@@ -23,8 +23,11 @@ of beta, gam (X's entries reach ~1e2 when beta ~ 2).
 With ``tokens`` q, k, v come from the op's token-major tensors q [B, T, H, K],
 k [B, n T, H, K], v [B, n T, HV, V] instead (chunk row i = step base + i of the row table
 ``mRows``, q on the read-out rows i = n - 1 mod n, the key head hv // (HV / H)), and with
-``l2norm`` phase 1 first L2-normalises the q, k rows in registers (the lanes holding a row
-reduce by butterfly shuffles) and writes the 16-bit normalised rows back to smem.
+``l2norm`` phase 1 first L2-normalises the q rows in registers (the lanes holding a row
+reduce by butterfly shuffles) and writes the 16-bit normalised rows back to smem; k's rows
+likewise, or with ``gram_norm`` they stay raw and phase 2 takes rho_i = 1 / |k_i| from
+the diagonal of K K^T (scaling A, P, w's column scales and Kt; Kt is then stored after
+phase 2).
 
 Phases, separated by CTA barriers:
   0. cp.async of the q, k, v tiles (128-bit, swizzled smem), overlapped with the gates:
