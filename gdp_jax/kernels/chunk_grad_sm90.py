@@ -70,14 +70,13 @@ import dataclasses
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, RegOperand, ab_type, acc_to_smem,
                                   c_tile, g2s, g2s_copy, l2_normalize_rows,
                                   ldmatrix_copies, make_acc, offsets32,
                                   mma_split_b, operand, pick, smem_layout, smem_tile,
-                                  transpose_view, warp_mma, barrier, gmma_view)
+                                  transpose_view, warp_mma, barrier, gmma_view, wg_tiled)
 
 F32 = cutlass.Float32
 PAD = C * (C + 1)          # elements of a padded float32 [C, C] tile (row stride C + 1)
@@ -868,13 +867,7 @@ class _Gmma:
     def tiled(self, n: int, reg_a: bool = False, a_k: bool = True, b_k: bool = True):
         key = (n, reg_a, a_k, b_k)
         if key not in self._tiled:
-            mode = lambda k: OperandMajorMode.K if k else OperandMajorMode.MN
-            t = sm90_utils.make_trivial_tiled_mma(
-                self.ab, self.ab, mode(a_k), mode(b_k), cutlass.Float32, (1, 2, 1),
-                tiler_mn=(C, n // 2),
-                a_source=warpgroup.OperandSource.RMEM if reg_a else warpgroup.OperandSource.SMEM)
-            t.set(warpgroup.Field.ACCUMULATE, True)      # every product adds to acc
-            self._tiled[key] = t
+            self._tiled[key] = wg_tiled(self.ab, n, a_k, b_k, reg_a, warpgroups=2)
         return self._tiled[key]
 
     def thr(self, n: int):

@@ -430,18 +430,20 @@ def load_chunk_scalars(scalars, mSeq, mReset, mLast, mDecay, b, c, hv):
 
 
 # ------------------------------ warpgroup MMAs (wgmma): the walks, the operands kernel
-def wg_tiled(ab, BV: int, a_k_major: bool, b_k_major: bool = False, reg_a: bool = False):
+def wg_tiled(ab, BV: int, a_k_major: bool, b_k_major: bool = False, reg_a: bool = False,
+             warpgroups: int = 1):
     """A CTA's warpgroup MMA (its 4 warps as one warpgroup, m64 nBV k16, float32
     accumulators): A [64-row blocks, K] K-major (read as stored) or M-major (the [K', M]
     tile read transposed), from registers with ``reg_a``; B [BV, K] N-major (a [K, BV]
     tile read transposed) or with ``b_k_major`` K-major (a [BV, K] tile as stored). Its
     accumulator partition is the same for every operand mode and source, so one set of
     accumulators, c_tile and acc_to_smem serves them all (and it gives a thread the rows
-    of the 4-warp warp MMAs' accumulators: rows r and r + 8 of its warp's 16)."""
+    of the 4-warp warp MMAs' accumulators: rows r and r + 8 of its warp's 16).
+    ``warpgroups`` = 2: a CTA of two warpgroups, each taking half of BV (m64 n(BV/2))."""
     mode = lambda k: OperandMajorMode.K if k else OperandMajorMode.MN
     t = sm90_utils.make_trivial_tiled_mma(
-        ab, ab, mode(a_k_major), mode(b_k_major), cutlass.Float32, (1, 1, 1),
-        tiler_mn=(C, BV),
+        ab, ab, mode(a_k_major), mode(b_k_major), cutlass.Float32, (1, warpgroups, 1),
+        tiler_mn=(C, BV // warpgroups),
         a_source=warpgroup.OperandSource.RMEM if reg_a else warpgroup.OperandSource.SMEM)
     t.set(warpgroup.Field.ACCUMULATE, True)          # every product adds to its acc
     return t
