@@ -63,6 +63,8 @@
 #                                               # ".ab"), main table vs +mmap+wg and tuned FLA, tests
 #   TOTAL=590 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 47  # +gram A/B beside tuned FLA,
 #                                               # its GPU test beside mode 4's groups
+#   TOTAL=450 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 48  # +u16 A/B beside tuned FLA,
+#                                               # one long row on s40's defaults
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -418,6 +420,17 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
+48)
+  # s40, NOT run: u in bfloat16 again (chunk_prep.U16, +u16: 16 KB less a chunk-head out of
+  # the operands kernel and into each walk) now that the operands kernel moves ~2 TB/s;
+  # fwd+bwd A/B beside tuned FLA (its check column: o and the gradients vs float64), then
+  # one long row's forward and fwd+bwd on s40's defaults ("auto" split) beside tuned FLA
+  step 170 u16 python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+u16,fla \
+    --shapes "8,4096,16,2;8,4096,16,3;2,16384,16,2" --deadline 150 --out $M/u16
+  rows $M/u16.log
+  step 200 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,fla \
+    --shapes "1,65536,16,2" --deadline 180 --out $M/long
+  rows $M/long.log ;;
 47)
   # s40: k's norms from K K^T's diagonal (chunk_prep.GRAM_NORM, +gram): fwd+bwd A/B beside
   # tuned FLA, then its GPU test beside mode 4's five test groups (s40's defaults), six
