@@ -88,28 +88,35 @@ n=$(ls ffi/build/kernels 2>/dev/null | wc -l)
 # BUILD_ONLY=bfloat16: prebuild only the variants naming it (the rest compile when traced)
 # NO_BUILD=1: no prebuild (each variant compiles when first traced: a few seconds each)
 [ "$n" -lt 200 ] && [ -z "$NO_BUILD" ] && step 150 build python ffi/build.py --jobs 15 ${BUILD_ONLY:+--only $BUILD_ONLY}
-# mode 4's GPU tests: five pytest processes at once (one GPU, no preallocation; s20-3's
-# split), one time limit (SUITE_S, default 420 s)
-suite() {
-  local F=tests/test_cutedsl_gpu.py; el "suite (${SUITE_S:-420} s)"
-  job() { local name=$1; shift; ( timeout ${SUITE_S:-420} "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+# a pytest process in the background, its log $M/NAME.log ending with its exit status; each
+# stops after JOB_S seconds (set by the caller)
+job() { local name=$1; shift; ( timeout $JOB_S "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+# each named log's failures and summary lines
+results() { for f in "$@"; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done; }
+# mode 4's five test groups (s20-3's split: one GPU, no preallocation); $1: more of
+# rest's -k expression (" and not NAME" for a test another job runs)
+suite_jobs() {
+  local F=tests/test_cutedsl_gpu.py
   job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
   job grad2 $P $F -k "gradients_match and not token_major and not packed"
   job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
-  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
+  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel$1"
   job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
-  wait
-  for f in grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+}
+# mode 4's GPU tests: the five groups at once, one time limit (SUITE_S, default 420 s)
+suite() {
+  el "suite (${SUITE_S:-420} s)"; JOB_S=${SUITE_S:-420}
+  suite_jobs; wait; results grad1 grad2 fwd rest prep
 }
 # modes 29, 30: the GPU tests that read or write u, three pytest processes at once for $1 s
 u_tests() {
   local t=$1 F=tests/test_cutedsl_gpu.py; el "tests ($t s)"
-  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  JOB_S=$t
   job t_grad $P $F -k "local_grad_kernel_matches or token_major_gradients or norm_in_kernels or gradients_match"
   job t_fwd $P $F -k "forward_matches or token_major_operands or packed_matches or long_sequence"
   job t_prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
   wait
-  for f in t_grad t_fwd t_prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+  results t_grad t_fwd t_prep
 }
 # s37: what warpgroup MMA buys the local-gradient kernel's products (benchmarks/mma_rate.py):
 # [64, Kd] x [Kd, N] on one CTA of 8 warps an SM, mma.sync + ldmatrix vs wgmma SS / RS
@@ -439,16 +446,12 @@ case "${1:-2}" in
     --shapes "8,4096,16,2;2,16384,16,2" --deadline 85 --out $M/gram
   rows $M/gram.log
   F=tests/test_cutedsl_gpu.py; t=$(( $(left) - 10 )); el "tests ($t s)"
-  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  JOB_S=$t
   job t_gram $P $F -k "gram_norm"
-  job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
-  job grad2 $P $F -k "gradients_match and not token_major and not packed"
-  job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
-  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel and not gram_norm"
-  job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  suite_jobs " and not gram_norm"
   wait
   grep -hE "forward (o|final)|vs normalise-first\]|vs float64: gram" $M/t_gram.log | cut -c1-230 | head -40
-  for f in t_gram grad1 grad2 fwd rest prep; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done ;;
+  results t_gram grad1 grad2 fwd rest prep ;;
 46)
   # s40: the operands kernel's inverse on 16-byte shared loads - the kernel alone and its
   # probe on this tree, then on s39's kernel source (.ab/chunk_prep_sm90_s39.py: carry
@@ -469,11 +472,11 @@ case "${1:-2}" in
     --deadline 180 --out $M/op
   rows $M/op.log
   t=$(( $(left) - 10 )); el "tests ($t s)"
-  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  JOB_S=$t
   job t_prep $P tests/test_chunk_prep_gpu.py
   job t_ops $P tests/test_cutedsl_gpu.py -k "operands or inverse_kernel or forward_matches"
   wait
-  for f in t_prep t_ops; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -8 | cut -c1-250; done ;;
+  results t_prep t_ops ;;
 44)
   # s39, NOT run: where the time goes on s39's defaults at (8, 4096, 16, 2) - every kernel
   # alone (the operands kernel's variants and probe, both walks, the local gradients and
@@ -498,13 +501,13 @@ case "${1:-2}" in
   # and rest groups, the wgmma A/B test apart) in four pytest processes at once, then fwd+bwd
   # at the main shapes beside the warp-MMA kernel (+mma) and tuned FLA
   F=tests/test_cutedsl_gpu.py; t=$(( $(left) - 230 )); el "tests ($t s)"
-  job() { local name=$1; shift; ( timeout $t "$@" > $M/$name.log 2>&1; echo "rc=$?" >> $M/$name.log ) & }
+  JOB_S=$t
   job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
   job grad2 $P $F -k "gradients_match and not token_major and not packed and not gmma"
   job gmma $P $F -k "gmma_gradients_match"
   job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
   wait; el "tests done"
-  for f in grad1 grad2 gmma rest; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done
+  results grad1 grad2 gmma rest
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
     --deadline 195 --out $M/op
   rows $M/op.log ;;

@@ -310,6 +310,22 @@ def assert_no_farther(tag, got, base, ref, names=("on", "off")):
             assert e_on < 1.25 * e_off + 1e-4, (nm, e_on, e_off)
 
 
+def assert_forward_off_on(monkeypatch, module, switch, value, args, kw, ref, tag, base):
+    """The forward nothing differentiates (o, final state) with ``module.switch`` False and
+    ``value`` (a fresh jit each): finite, within 1e-2 of each other, no farther from the
+    float64 ``ref`` (x 1.25, + 1e-4); prints the errors (``base``: the off side's name)."""
+    fw = []
+    for on in (False, value):
+        monkeypatch.setattr(module, switch, on)
+        fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
+    for nm, a, b, r in zip(("o", "final"), fw[1], fw[0], ref):
+        e_ab, e_ar, e_br = rel_rms(a, b), rel_rms(a, r), rel_rms(b, r)
+        print(f"[{tag}] forward {nm}: vs {base} {e_ab:.2e}, vs float64 {e_ar:.2e} "
+              f"({base} {e_br:.2e})")
+        assert np.isfinite(np.asarray(a, np.float32)).all(), nm
+        assert e_ab < 1e-2 and e_ar < 1.25 * e_br + 1e-4, (nm, e_ab, e_ar, e_br)
+
+
 def compare(tag, got, want, tol):
     errs = {n: rel_rms(a, b) for n, a, b in zip(NAMES, got, want) if b is not None}
     print(f"[{tag}] " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
@@ -575,16 +591,8 @@ def test_gram_norm_matches(monkeypatch, B, n, H, HV, K, V, dtype, packed, big):
               use_qk_l2norm=True, backend="cutedsl")
     tag = f"gram norm B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} big={big}"
     ref = grads("reference", args, cu=cu)
-    fw = []
-    for on in (False, True):
-        monkeypatch.setattr(chunk_prep, "GRAM_NORM", on)
-        fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
-    for nm, a, b, r in zip(("o", "final"), fw[1], fw[0], ref):
-        e_ab, e_ar, e_br = rel_rms(a, b), rel_rms(a, r), rel_rms(b, r)
-        print(f"[{tag}] forward {nm}: vs normalise-first {e_ab:.2e}, vs float64 {e_ar:.2e} "
-              f"(normalise-first {e_br:.2e})")
-        assert np.isfinite(np.asarray(a, np.float32)).all(), nm
-        assert e_ab < 1e-2 and e_ar < 1.25 * e_br + 1e-4, (nm, e_ab, e_ar, e_br)
+    assert_forward_off_on(monkeypatch, chunk_prep, "GRAM_NORM", True, args, kw, ref, tag,
+                          "normalise-first")
     base, got = grads_off_on(monkeypatch, chunk_prep, "GRAM_NORM", args, cu)
     assert DRY_RUN or (True in seen and False in seen), seen
     compare(tag + " vs normalise-first", got, base, 1e-2)
@@ -619,16 +627,8 @@ def test_walk_gmma_matches(monkeypatch, walk, B, T, n, H, HV, K, V, dtype, packe
     tag = f"{walk} walk gmma B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}"
     ref = grads("reference", args, cu=cu)
     if walk.startswith("forward"):
-        fw = []
-        for on in (False, value):
-            monkeypatch.setattr(module, "GMMA", on)
-            fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
-        for nm, a, b, r in zip(("o", "final"), fw[1], fw[0], ref):
-            e_ab, e_ar, e_br = rel_rms(a, b), rel_rms(a, r), rel_rms(b, r)
-            print(f"[{tag}] forward {nm}: vs warp MMAs {e_ab:.2e}, vs float64 {e_ar:.2e} "
-                  f"(warp MMAs {e_br:.2e})")
-            assert np.isfinite(np.asarray(a, np.float32)).all(), nm
-            assert e_ab < 1e-2 and e_ar < 1.25 * e_br + 1e-4, (nm, e_ab, e_ar, e_br)
+        assert_forward_off_on(monkeypatch, module, "GMMA", value, args, kw, ref, tag,
+                              "warp MMAs")
     base, got = grads_off_on(monkeypatch, module, "GMMA", args, cu, value=value)
     # (the emulated kernels of a dry run replace raw_call: no spy there)
     assert DRY_RUN or (value in seen and False in seen), seen
