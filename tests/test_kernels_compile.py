@@ -1120,9 +1120,9 @@ def test_walk_gmma_compiles(monkeypatch, walk, match):
     "gdp_chunk_prep_sm90 float16 K=64 V=128 inverse",                       # chunk-major
 ])
 def test_operands_gmma_compiles(monkeypatch, match):
-    """``chunk_prep.GMMA`` (on since s40): the operands kernel with its products as warpgroup
-    MMAs (K K^T, Q K^T from the smem tiles; w, u with X's parts from registers) compiles
-    to sm_90a - another object than the warp-MMA kernel's; a value other than True /
+    """``chunk_prep.GMMA`` (on since s40): the operands kernel with its products as
+    warpgroup MMAs (K K^T, Q K^T from the smem tiles; w, u with X's parts from registers)
+    compiles to sm_90a - another object than the warp-MMA kernel's; a value other than True /
     False is refused."""
     from gdp_jax.kernels import chunk_prep
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
@@ -1139,8 +1139,8 @@ def test_operands_gmma_compiles(monkeypatch, match):
     "gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm",                 # all rows
 ])
 def test_gram_norm_compiles(monkeypatch, match):
-    """``chunk_prep.GRAM_NORM`` (on since s40): the token-major operands kernel taking k's norms
-    from K K^T's diagonal compiles to sm_90a - another object than the normalise-first
+    """``chunk_prep.GRAM_NORM`` (on since s40): the token-major operands kernel taking k's
+    norms from K K^T's diagonal compiles to sm_90a - another object than the normalise-first
     kernel's; a kernel that does not normalise is the same object either way; a value
     other than True / False is refused."""
     from gdp_jax.kernels import chunk_prep
@@ -1164,8 +1164,8 @@ def test_gram_norm_compiles(monkeypatch, match):
 def test_walk_gmma_default_steps_down(monkeypatch, walk):
     """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39; the forward's "all"
     since s40) reach the launcher as ``gmma=True`` only for walks that can take warpgroup
-    MMAs (one operand set, one value tile a CTA, no hi + lo split; all rows or the read-out rows); two operand sets, tile
-    pairs and the split keep warp MMAs (and the warp-MMA variants their keys: no ``gmma``
+    MMAs (one operand set, one value tile a CTA, no hi + lo split; all rows or the read-out
+    rows); two operand sets, tile pairs and the split keep warp MMAs (and the warp-MMA variants their keys: no ``gmma``
     constexpr at all); with the switch off no walk gets it."""
     from gdp_jax.kernels import binding
     module, kernel = _walk(walk)

@@ -364,20 +364,24 @@ def token_rows(layout, n: int, T: int):
     return jnp.stack([base, count, base // n, jnp.full_like(base, n)], axis=-1)
 
 
+def _switch(name: str, key: str, applies: bool = True) -> dict:
+    """The launchers' ``key`` constexpr where the module's bool switch ``name`` is on and
+    ``applies`` (absent otherwise, so the other variants keep their keys); a value other
+    than True / False is a ValueError."""
+    value = globals()[name]
+    if value not in (True, False):
+        raise ValueError(f"chunk_prep.{name}={value!r}; expected True or False")
+    return {key: True} if value and applies else {}
+
+
 def _gmma() -> dict:
-    """The launchers' ``gmma`` constexpr where :data:`GMMA` is on (absent when off, so the
-    warp-MMA variants keep their keys)."""
-    if GMMA not in (True, False):
-        raise ValueError(f"chunk_prep.GMMA={GMMA!r}; expected True or False")
-    return {"gmma": True} if GMMA else {}
+    """:data:`GMMA` as the launchers' ``gmma``."""
+    return _switch("GMMA", "gmma")
 
 
 def _gram_norm(l2norm: bool) -> dict:
-    """The token launcher's ``gram_norm`` constexpr where :data:`GRAM_NORM` is on and the
-    kernel normalises (absent otherwise: the other variants keep their keys)."""
-    if GRAM_NORM not in (True, False):
-        raise ValueError(f"chunk_prep.GRAM_NORM={GRAM_NORM!r}; expected True or False")
-    return {"gram_norm": True} if GRAM_NORM and l2norm else {}
+    """:data:`GRAM_NORM` as the token launcher's ``gram_norm`` (only where it normalises)."""
+    return _switch("GRAM_NORM", "gram_norm", l2norm)
 
 
 @functools.lru_cache(maxsize=None)

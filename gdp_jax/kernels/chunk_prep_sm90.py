@@ -58,8 +58,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from gdp_jax.kernels.sm90 import (C, L2_EPS, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand,
-                                  ab_type,
-                                  c_tile, g2s, l2_normalize_rows,
+                                  ab_type, c_tile, g2s, l2_normalize_rows,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
                                   offsets32, operand, smem_layout, smem_tile, transpose_view,
                                   warp_mma, wg_operand, wg_products, wg_tiled)
