@@ -1165,8 +1165,9 @@ def test_walk_gmma_default_steps_down(monkeypatch, walk):
     """``chunk_forward.GMMA`` / ``state_grad.GMMA`` (on since s39; the forward's "all"
     since s40) reach the launcher as ``gmma=True`` only for walks that can take warpgroup
     MMAs (one operand set, one value tile a CTA, no hi + lo split; all rows or the read-out
-    rows); two operand sets, tile pairs and the split keep warp MMAs (and the warp-MMA variants their keys: no ``gmma``
-    constexpr at all); with the switch off no walk gets it."""
+    rows); two operand sets, tile pairs and the split keep warp MMAs (and the warp-MMA
+    variants their keys: no ``gmma`` constexpr at all); with the switch off no walk gets
+    it."""
     from gdp_jax.kernels import binding
     module, kernel = _walk(walk)
     name = ("gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=32" if walk == "forward"
