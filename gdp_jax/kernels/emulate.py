@@ -179,7 +179,9 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
     the chunk inputs gathered from q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] by the
     row table ``rows`` [B, NC, 4] = (base, count, tok, n), q and k L2-normalised in
     float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`;
-    ``readout_rows``: qg, p on their read-out rows (:func:`_readout_rows_of`)."""
+    ``readout_rows``: qg, p on their read-out rows (:func:`_readout_rows_of`). (The kernel
+    under ``chunk_prep.GRAM_NORM`` skips k's rounding after the norm: the same to one
+    16-bit rounding of k.)"""
     from gdp_jax.reference import l2_normalize
     HV, C = g.shape[2:]
     H = k.shape[2]
