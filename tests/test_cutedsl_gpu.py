@@ -575,11 +575,12 @@ def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
 ])
 def test_gram_norm_matches(monkeypatch, B, n, H, HV, K, V, dtype, packed, big):
     """``chunk_prep.GRAM_NORM`` (on since s40: the token-major operands kernel takes k's
-    norms from K K^T's diagonal, k raw in its products; at n = 1 the op normalises in XLA,
-    so that case checks it changes nothing there): the forward nothing differentiates
-    (o, final state) and the differentiated call (o, final, every gradient) within 1e-2 of
-    the normalise-first kernel's, no farther from float64 (x 1.25), within GRAD_TOL of it;
-    ``big``: every 7th step's keys x 1e30 (their warps normalise first) - still so."""
+    norms from K K^T's diagonal, k raw in its products; at n = 1 the differentiated op
+    normalises in XLA, so there its part checks that nothing changes): the forward nothing
+    differentiates (o, final state) and the differentiated call (o, final, every gradient)
+    within 1e-2 of the normalise-first kernel's, no farther from float64 (x 1.25), within
+    GRAD_TOL of it; ``big``: every 7th step's keys x 1e30 (their warps normalise first) -
+    still so."""
     from gdp_jax.kernels import chunk_prep
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     args, cu = _case(37, B, n, H, HV, K, V, dtype, packed)
