@@ -40,8 +40,8 @@ from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
                                   g2s_copy, ldmatrix_copies, load_chunk_scalars, make_acc,
                                   mma_split_b, operand, own_tile, readout_operands,
                                   recurrent, smem_layout, smem_tile, tile_group,
-                                  transpose_view, warp_mma, warp_mma_rows, wg_operand,
-                                  wg_products, wg_tiled, barrier)
+                                  top_rows_view, transpose_view, warp_mma, warp_mma_rows,
+                                  wg_operand, wg_products, wg_tiled, barrier, zero_below)
 
 
 class ChunkFwdSm90:
@@ -215,12 +215,7 @@ class ChunkFwdSm90:
         tKsW, tKsKt = gK.dest(sW), gK.dest(sKt)
         if cutlass.const_expr(self.readout and self.gmma_rows):
             # the read-out rows load into the tiles' top R rows; the rows below are zeros
-            top = lambda t, cols, i: cute.local_tile(t, (R, cols), (i, 0))
-            tKsQ, tPsP = gK.dest(top(sQ, K, 0)), gP.dest(top(sP, C, 0))
-            for t, cols, g in ((sQ, K, gK), (sP, C, gP)):
-                bottom = g.dest(top(t, cols, 1))
-                for e in cutlass.range_constexpr(cute.size(bottom)):
-                    bottom[e] = cutlass.Float32(0.0).to(ab)
+            tKsQ, tPsP = zero_below(gK, sQ, R, K, ab), zero_below(gP, sP, R, C, ab)
         elif cutlass.const_expr(self.readout):
             tKsQ, tPsP = gK.dest(sQ), gP.dest(sP)
 
@@ -284,8 +279,7 @@ class ChunkFwdSm90:
                 # o's R rows: the warps holding accumulator rows < R store them,
                 # through a [C, V] view of the chunk's rows (rows >= R are never touched)
                 if tidx < 32 * (R // 16):
-                    gO = cute.make_tensor(mO[b, c, hv, None, None].iterator,
-                                          cute.make_layout((C, self.V), stride=(self.V, 1)))
+                    gO = top_rows_view(mO[b, c, hv, None, None], self.V)
                     for acc, _ in first:
                         c_tile(thr_mma, gO, (C, BV), (0, vt)).store(acc.load().to(ab))
             else:

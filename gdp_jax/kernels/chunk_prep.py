@@ -237,10 +237,10 @@ class ChunkPrepKernel:
         int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs for the chunk inputs those
         tensors lay out to, with q, k L2-normalised (then rounded to ``ab_dtype``) when
         ``l2norm`` (under :data:`GRAM_NORM` k's normalised rows are not rounded: the
-        kernel scales the raw rows' products by their norms); ``inverse``, ``probe``: as :meth:`raw_call`'s. ``readout_rows``
-        (every row table's n >= 2 with C // (C // n) = n, ``grid.readout_every``): qg
-        [B, NC, HV, R, K] and p [B, NC, HV, R, C], R = ``grid.READOUT_ROWS``, hold the
-        read-out rows n - 1, 2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero),
+        kernel scales the raw rows' products by their norms); ``inverse``, ``probe``: as
+        :meth:`raw_call`'s. ``readout_rows`` (every row table's n >= 2 with
+        C // (C // n) = n, ``grid.readout_every``): qg [B, NC, HV, R, K] and p
+        [B, NC, HV, R, C], R = ``grid.READOUT_ROWS``, hold the read-out rows n - 1, 2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero),
         the same values as those rows of the full tensors."""
         if readout_rows and probe:
             raise ValueError("readout_rows: not with probe")

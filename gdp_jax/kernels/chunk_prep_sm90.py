@@ -60,7 +60,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 from gdp_jax.kernels.sm90 import (C, L2_EPS, MMA_K, NUM_THREADS, READOUT_ROWS, RegOperand,
                                   ab_type, c_tile, g2s, l2_normalize_rows,
                                   g2s_copy, ldmatrix_copies, make_acc, mma_split_b,
-                                  offsets32, operand, smem_layout, smem_tile, transpose_view,
+                                  offsets32, operand, smem_layout, smem_tile,
+                                  top_rows_view, transpose_view,
                                   warp_mma, wg_operand, wg_products, wg_tiled)
 from gdp_jax.kernels.sm90 import pick as _pick
 
@@ -394,8 +395,7 @@ class ChunkPrepSm90:
         if cutlass.const_expr(self.readout_rows):
             # accumulator rows 0 .. READOUT_ROWS - 1 (warps 0, 1) are P's rows; a [C, C]
             # view of P's [READOUT_ROWS, C] rows, stored by those warps only
-            gP = cute.make_tensor(mP[b, c, hv, None, None].iterator,
-                                  cute.make_layout((C, C), stride=(C, 1)))
+            gP = top_rows_view(mP[b, c, hv, None, None], C)
             if tidx < 32 * (READOUT_ROWS // 16):       # 16 rows a warp
                 c_tile(thr_c, gP, (C, C), (0, 0)).store(acc_qk.load().to(ab))
         else:

@@ -90,6 +90,23 @@ def warp_mma_rows(ab, BV: int):
 
 
 # ---------------------------------------------------------------- device side (in @cute.kernel)
+def zero_below(copy, t, rows: int, cols: int, ab):
+    """``copy``'s (:func:`g2s`) partition of the top ``rows`` rows of the smem tile ``t``
+    [2 rows, cols], after this thread zeroed its share of the rows below: a tile that a
+    [C, *] warpgroup MMA reads whole, of which only ``rows`` rows are loaded."""
+    top, bottom = (copy.dest(cute.local_tile(t, (rows, cols), (i, 0))) for i in (0, 1))
+    for e in range(cute.size(bottom)):
+        bottom[e] = cutlass.Float32(0.0).to(ab)
+    return top
+
+
+def top_rows_view(g, cols: int):
+    """A [C, cols] view of the row-major gmem rows ``g`` [rows, cols] (rows < C) for a
+    [C, *] accumulator's :func:`c_tile`: only the warps holding accumulator rows < rows
+    (warps < rows // 16) may store through it."""
+    return cute.make_tensor(g.iterator, cute.make_layout((C, cols), stride=(cols, 1)))
+
+
 def own_tile(field, layout, grp, pairs: int):
     """The tile of ``layout`` that 4-warp group ``grp`` owns in the smem ``field`` (a
     ``smem_tile`` of ``pairs`` tiles; each a multiple of the 1024-byte swizzle atom, so
