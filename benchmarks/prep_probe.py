@@ -66,7 +66,12 @@ def main(argv=None):
                         "(';' list of ablate strings whose results are right, e.g. roundtrip; "
                         "'gmma' / 'gmmao' / 'gmmaa' in one: warpgroup MMAs, overlapped, "
                         "all phases)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a gdp_jax module switch first (as benchmarks.run's --set), "
+                        "e.g. kernels.chunk_prep.U16=True")
     a = p.parse_args(argv)
+    from benchmarks.run import apply_settings
+    apply_settings(a.set)
 
     import jax
     import jax.numpy as jnp
@@ -82,7 +87,7 @@ def main(argv=None):
     NC = -(-T * n // grid.CHUNK)
     ch = chunk_inputs(B, NC, H, K, V)
     sync = jax.block_until_ready
-    out = {"shape": a.shape, "chunks": [B, NC, H]}
+    out = {"shape": a.shape, "chunks": [B, NC, H], "set": a.set}
 
     def timed(name, fn, *args):
         f = jax.jit(fn)

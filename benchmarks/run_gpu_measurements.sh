@@ -65,6 +65,9 @@
 #                                               # its GPU test beside mode 4's groups
 #   TOTAL=450 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 48  # +u16 A/B beside tuned FLA,
 #                                               # one long row on s40's defaults
+#   TOTAL=480 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 49  # the operands kernel and
+#                                               # walk alone +/- u16 (bytes or latency?), +u16
+#                                               # A/B beside tuned FLA, a forward trace, a long row
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -427,6 +430,26 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
+49)
+  # s41: where the bytes go. The operands kernel and the forward walk alone (token-major,
+  # read-out rows: the op's forward; BV = 64) on s40's defaults and with u in bfloat16
+  # (chunk_prep.U16: 16 KB less a chunk-head written and read) - if the operands kernel's
+  # time falls with its bytes it is bandwidth-bound and the next byte levers pay; then
+  # the op's fwd+bwd A/B (+u16) beside tuned FLA, a trace of the default forward, one long
+  # row on s40's defaults beside tuned FLA
+  probe() { step 80 $1 python -m benchmarks.prep_probe --tokens --skip-prep-probe --bv 64 \
+    --shape 8,4096,16,2 --json $M/$1.json "${@:2}"
+    grep -hE "s\] (prep tok|probe|  probe tok|fwd BV=64 split=0 wgmma)|Error" $M/$1.log | cut -c1-160; }
+  probe probe_f32u
+  probe probe_u16 --set kernels.chunk_prep.U16=True
+  step 150 u16 python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+u16,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 140 --out $M/u16
+  rows $M/u16.log
+  step 70 trace_fwd python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --mode fwd
+  head -14 $M/trace_fwd.log | cut -c1-160
+  step 100 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,fla \
+    --shapes "1,65536,16,2" --deadline 90 --out $M/long
+  rows $M/long.log ;;
 48)
   # s40, NOT run: u in bfloat16 again (chunk_prep.U16, +u16: 16 KB less a chunk-head out of
   # the operands kernel and into each walk) now that the operands kernel moves ~2 TB/s;
