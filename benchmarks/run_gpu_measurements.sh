@@ -68,6 +68,9 @@
 #   TOTAL=480 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 49  # the operands kernel and
 #                                               # walk alone +/- u16 (bytes or latency?), +u16
 #                                               # A/B beside tuned FLA, a forward trace, a long row
+#   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 50  # K_ROWS (+krows): GPU
+#                                               # test, kernels alone, forward A/B beside +u16
+#                                               # and tuned FLA, mode 4's forward tests
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -430,6 +433,26 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
+50)
+  # s41: the plain forward's walk forming Kt from k's token-major rows (chunk_forward.K_ROWS,
+  # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head): its GPU
+  # test (the same bits), the two kernels alone beside the defaults, the op's forward
+  # A/B beside u in bfloat16 (+u16) and tuned FLA, then mode 4's forward test group
+  step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230
+  step 80 kprobe python -m benchmarks.prep_probe --tokens --k-rows --skip-prep-probe --bv 64 \
+    --shape 8,4096,16,2 --json $M/kprobe.json
+  grep -hE "s\] (prep tok|fwd tok)|same bits|Error" $M/kprobe.log | cut -c1-160
+  step 200 krows python -m benchmarks.run fwdbwd \
+    --impl ${KROWS_IMPLS:-cutedsl,cutedsl+krows,cutedsl+u16,cutedsl+u16+krows,fla} \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 185 --out $M/krows
+  rows $M/krows.log
+  t=$(( $(left) - 10 )); el "tests ($t s)"
+  JOB_S=$t
+  job fwd $P tests/test_cutedsl_gpu.py -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
+  job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
+  wait
+  results fwd prep ;;
 49)
   # s41: where the bytes go. The operands kernel and the forward walk alone (token-major,
   # read-out rows: the op's forward; BV = 64) on s40's defaults and with u in bfloat16

@@ -750,6 +750,52 @@ def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
     assert rel_max(o, o2) < 1e-5 and rel_max(s, s2) < 1e-5
 
 
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
+    """``chunk_forward.K_ROWS``: the plain forward whose walk forms Kt from k's token-major
+    rows and the operands kernel's row scales equals the forward reading Kt (T not a
+    multiple of 64, T = 2, n = 1..3, GVA, packed with empty and one-token sequences); a
+    k token of inf makes the same outputs NaN both ways. Without the norm Kt is en k
+    rounded once either way (the same up to the emulation's order of the scale's
+    factors); with it the default rounds the normalised k before the scale, K_ROWS not
+    (one bfloat16 rounding)."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    seen = []
+    raw, walk = ChunkPrepKernel.raw_call_tokens, ChunkForwardKernel.raw_call
+    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
+        lambda *a, **kw: seen.append(("prep", kw.get("kt_scale", False))) or raw(*a, **kw)))
+    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
+        lambda *a, **kw: seen.append(("walk", kw.get("k_rows") is not None)) or walk(*a, **kw)))
+    B, T, n, H, HV, cu = TOKEN_CASES[case]
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(35, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    k_bad = inp.k.at[0, T // 2, 0, 0, 3].set(jnp.inf)
+    run = lambda k: jax.jit(lambda *a: OP(*a[:5], initial_state=a[5], cu_seqlens=cu,
+                                          output_final_state=True, use_qk_l2norm=l2norm,
+                                          backend="cutedsl"))(
+        inp.q, k, *inp[2:5], inp.initial_state)
+    ref, ref_bad = run(inp.k), run(k_bad)
+    assert seen == [("prep", False), ("walk", False)] * 2
+    seen.clear()
+    monkeypatch.setattr(chunk_forward, "K_ROWS", True)
+    got, got_bad = run(inp.k), run(k_bad)
+    assert seen == [("prep", True), ("walk", True)] * 2
+    tol = 1e-2 if l2norm else 1e-5
+    assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
+    assert rel_max(got[0], ref[0]) < tol and rel_max(got[1], ref[1]) < tol
+    for x, y in zip(got_bad, ref_bad):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+        assert np.isnan(y).any()
+    monkeypatch.setattr(chunk_forward, "K_ROWS", "yes")
+    with pytest.raises(ValueError, match="chunk_forward.K_ROWS='yes'; expected True"):
+        run(inp.k)
+
+
 def test_token_major_limits_and_vmap(monkeypatch):
     """Where the token-major operands kernel does not take the call (inputs not in the
     16-bit operand dtype, n > C) the forward reads

@@ -65,6 +65,12 @@ PAIR_TILES = False
 # GMMA the forward 2.03 -> 1.82 ms at (8, 4096, 16, 2) (H100, s40-1). True: the read-out
 # rows' o products on warp MMAs (``+wg``); False: every product on warp MMAs (``+mmaf``).
 GMMA = "all"
+# Opt-in, NOT yet run on a GPU (s41): the op's plain forward on token-major inputs forms Kt
+# in the walk - the operands kernel writes Kt's float32 row scales en [C] instead of Kt
+# [C, K] (``kt_scale`` of ``ChunkPrepSm90``: 16 KB less a chunk-head, ~14% of its bytes)
+# and the walk reads the chunk's k rows by the row table and rounds en k once, as the
+# operands kernel did (``k_rows`` of ``ChunkFwdSm90``: the same bits). False: Kt from HBM.
+K_ROWS = False
 
 
 class ChunkForwardKernel:
@@ -186,27 +192,31 @@ class ChunkForwardKernel:
     @classmethod
     def call(cls, w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: Optional[int] = None,
              split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
-             readout: bool = True):
+             readout: bool = True, k_rows: Optional[tuple] = None):
         """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: :meth:`pick_bv` for the rows
-        of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them."""
+        of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them.
+        ``k_rows``: (en, rows) as :meth:`raw_call`'s, ``kt`` then the token-major k."""
         def launch(*a):
             bv = BV or cls.launch_bv(a[0], a[9])
-            stages = cls.pick_stages(a[0].shape[0], a[0].shape[2], a[9].shape[-1], bv)
-            pairs = cls.pick_pairs(a[9].shape[-1], bv, stages)
-            return cls.raw_call(*a, BV=bv, split=split, ckpt=ckpt, states_dtype=states_dtype,
-                                readout=readout, stages=stages,
-                                **({"pairs": 2} if pairs == 2 else {}))
+            extra = {"k_rows": tuple(a[10:])} if k_rows is not None else {}
+            stages = 1 if extra else cls.pick_stages(a[0].shape[0], a[0].shape[2],
+                                                     a[9].shape[-1], bv)
+            pairs = 1 if extra else cls.pick_pairs(a[9].shape[-1], bv, stages)
+            return cls.raw_call(*a[:10], BV=bv, split=split, ckpt=ckpt,
+                                states_dtype=states_dtype, readout=readout, stages=stages,
+                                **({"pairs": 2} if pairs == 2 else {}), **extra)
 
         f = binding.vmappable(
             launch,
             seq_arg=7, table_arg=9, out_kinds=("rows" if readout else "dummy", "rows",
                                                "rows" if ckpt else "dummy"))
-        return f(w, kt, qg, p, u, decay, reset, seq, last, h0)
+        return f(w, kt, qg, p, u, decay, reset, seq, last, h0, *(k_rows or ()))
 
     @staticmethod
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
-                 readout: bool = True, stages: int = 1, pairs: int = 1, gmma=None):
+                 readout: bool = True, stages: int = 1, pairs: int = 1, gmma=None,
+                 k_rows: Optional[tuple] = None):
         """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -226,9 +236,27 @@ class ChunkForwardKernel:
         same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
         same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
         the read-out rows' o products too (None: :data:`GMMA`, where the walk allows it;
-        an explicit one where it does not is a ValueError).
+        an explicit one where it does not is a ValueError). ``k_rows`` (en, rows): Kt
+        formed in the walk (:data:`K_ROWS`) - ``kt`` is then the token-major k [B, L, H, K]
+        (H dividing HV), en [B, NC, HV, C] float32 Kt's row scales and rows [B, NC, 4]
+        int32 the row table (``chunk_prep.token_rows``): Kt's row i is en_i k_(base + i)
+        for i < count (zeros after), rounded once to the operand dtype; stages = pairs = 1.
         """
         B, NC, HV, C_, K = w.shape
+        if k_rows is not None:
+            en, rows = k_rows
+            if (kt.ndim != 4 or kt.shape[0] != B or kt.shape[-1] != K or HV % kt.shape[2]
+                    or kt.dtype != w.dtype):
+                raise ValueError(f"k_rows: kt must be the token-major k [{B}, L, H, {K}] "
+                                 f"({w.dtype}, H dividing {HV}); got {kt.dtype} {kt.shape}")
+            if en.shape != (B, NC, HV, C_) or en.dtype != jnp.float32:
+                raise ValueError(f"k_rows: en must be float32 {(B, NC, HV, C_)}; got "
+                                 f"{en.dtype} {en.shape}")
+            if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
+                raise ValueError(f"k_rows: rows must be int32 {(B, NC, 4)}; got "
+                                 f"{rows.dtype} {rows.shape}")
+            if stages != 1 or pairs != 1:
+                raise ValueError(f"k_rows: stages=1, pairs=1; got {stages}, {pairs}")
         V, Vu = h0.shape[-1], u.shape[-1]
         if pairs not in (1, 2) or (pairs == 2 and (stages != 1 or (V // BV) % 2)):
             raise ValueError(f"pairs={pairs}: 1, or 2 for a one-set walk (stages=1, got "
@@ -251,10 +279,15 @@ class ChunkForwardKernel:
         outputs = (binding.out((B, NC, HV, R, V) if readout else (1,), w.dtype),
                    binding.out(h0.shape, jnp.float32),
                    binding.out((B, n_ckpt, HV, K, V) if ckpt else (1,), states_dtype))
-        return binding.custom_call(_launcher, "gdp_chunk_fwd_sm90", outputs,
-                                   (w, kt, qg, p, u, decay, reset, seq, last, h0),
-                                   tile_dims=(2, 2, 2, 2, 2, 0, 0, 0, 0, 2,
-                                              2 if readout else 1, 2, 2 if ckpt else 1),
+        args = (w, kt, qg, p, u, decay, reset, seq, last, h0)
+        tile_dims = (2, 2, 2, 2, 2, 0, 0, 0, 0, 2)
+        launcher, name = _launcher, "gdp_chunk_fwd_sm90"
+        if k_rows is not None:
+            args, tile_dims = args + tuple(k_rows), (2, 1, 2, 2, 2, 0, 0, 0, 0, 2, 1, 1)
+            launcher, name = _launcher_k_rows, "gdp_chunk_fwd_sm90_k_rows"
+        return binding.custom_call(launcher, name, outputs, args,
+                                   tile_dims=tile_dims + (2 if readout else 1, 2,
+                                                          2 if ckpt else 1),
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
                                    ab_name=ab_name, split=split, ckpt=ckpt,
                                    readout=bool(readout), u_cols=Vu if Vu < V else 0,
@@ -305,6 +338,17 @@ class ChunkForwardKernel:
                                     f"BV={BV} rows={READOUT_ROWS}"
                                     + (" stages=2" if stages == 2 else ""),
                                     fn, _avals(name, K, V, rows=READOUT_ROWS)))
+                    # K_ROWS (opt-in: listed only while on): the plain forward forming Kt
+                    # in the walk, all rows and the read-out rows
+                    for rows in ((C, READOUT_ROWS) if K_ROWS is True else ()):
+                        for BV in cls.value_tiles(V):
+                            fn = functools.partial(
+                                lambda *a, **kw: cls.raw_call(*a[:10], k_rows=a[10:], **kw),
+                                BV=BV)
+                            out.append(aot.Variant(
+                                f"gdp_chunk_fwd_sm90_k_rows {name} K={K} V={V} ckpt=0 "
+                                f"BV={BV}" + (f" rows={rows}" if rows < C else ""),
+                                fn, _avals(name, K, V, rows=rows, k_rows=True)))
         return out
 
     @classmethod
@@ -320,17 +364,47 @@ class ChunkForwardKernel:
         return sorted({cls.pick_bv(r, 1, V) for r in rows})
 
 
-def _avals(dtype, K, V, u_cols=None, rows=C):
+def _avals(dtype, K, V, u_cols=None, rows=C, k_rows=False):
     """The kernel's operands at the canonical shape (one row, chunk, head, sequence), on V
-    state columns (u on the first ``u_cols``; None: all), qg and p on ``rows`` rows."""
+    state columns (u on the first ``u_cols``; None: all), qg and p on ``rows`` rows;
+    ``k_rows``: the token-major k in Kt's place, Kt's row scales and the row table after
+    h0."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     f32, i32 = jnp.float32, jnp.int32
+    if k_rows:
+        plain = _avals(dtype, K, V, u_cols, rows)
+        return ((plain[0], S((1, 1, 1, K), dtype)) + plain[2:]
+                + (S((1, 1, 1, C), f32), S((1, 1, 4), i32)))
     return ((S((1, 1, 1, C, K), dtype),) * 2 + (S((1, 1, 1, rows, K), dtype),
             S((1, 1, 1, rows, C), dtype),
             S((1, 1, 1, C, u_cols or V), u_dtype(dtype)), S((1, 1, 1), f32))
             + (S((1, 1), i32),) * 3
             + (S((1, 1, K, V), f32),))
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_k_rows():
+    """:func:`_launcher` with Kt formed in the walk: k (token-major) in kt's place, then
+    Kt's row scales and the row table after h0."""
+    binding.import_cutlass()
+    import cutlass
+    import cutlass.cute as cute
+    from gdp_jax.kernels import chunk_fwd_sm90 as mod
+
+    @cute.jit
+    def launch(stream, w, k, qg, p, u, decay, reset, seq, last, h0, en, table, o, final,
+               states, *, K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
+               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+               ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
+               u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
+               rows: cutlass.Constexpr = C, gmma: cutlass.Constexpr = False,
+               gmma_rows: cutlass.Constexpr = False):
+        mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
+                       1, gmma, gmma_rows, k_rows=True)(
+            stream, w, k, qg, p, u, decay, reset, seq, last, h0, o, final, states, en, table)
+
+    return launch
 
 
 @functools.lru_cache(maxsize=None)

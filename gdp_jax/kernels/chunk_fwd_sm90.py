@@ -34,6 +34,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
                                   acc_to_smem, c_tile, c_tile_or_zero, chunk_scalars, g2s,
@@ -49,7 +50,8 @@ class ChunkFwdSm90:
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
                  readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C,
-                 pairs: int = 1, gmma: bool = False, gmma_rows: bool = False):
+                 pairs: int = 1, gmma: bool = False, gmma_rows: bool = False,
+                 k_rows: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
         # 2: a CTA of two 4-warp groups walks two adjacent value tiles (group g: tile
@@ -87,11 +89,20 @@ class ChunkFwdSm90:
         self.gmma = gmma
         self.gmma_rows = gmma and gmma_rows and rows < C
         assert not gmma or (stages == 1 and pairs == 1 and not split)
+        # Kt formed in the walk: the chunk's k rows read from the token-major k
+        # [B, L, H, K] by the operands kernel's row table and scaled by its float32 row
+        # scales en (Kt = en k rounded once: the operands kernel's bits) - the operands
+        # kernel then writes 256 bytes a chunk-head instead of Kt's 16 KB
+        self.k_rows = k_rows
+        assert not k_rows or (stages == 1 and pairs == 1)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, stream, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0,
-                 mO, mFinal, mStates):
+                 mO, mFinal, mStates, mEn=None, mRows=None):
+        """With ``k_rows``: mKt is k [B, L, H, K], mEn Kt's row scales [B, NC, HV, C]
+        float32, mRows the row table [B, NC, 4] int32 (``chunk_prep.token_rows``);
+        else the two are unused (placeholders passed in their place)."""
         K, BV, ab = self.K, self.BV, self.ab
         sK_layout = smem_layout(C, K)         # w, Kt, qg: [C, K]
         sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
@@ -104,6 +115,8 @@ class ChunkFwdSm90:
 
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
+        if cutlass.const_expr(not self.k_rows):
+            mEn, mRows = mDecay, mReset
         if cutlass.const_expr(self.stages == 2):
             Storage = _storage_pipelined(ab, sK_layout, sS_layout, sD_layout,
                                          sPr_layout if self.readout else None, self.split,
@@ -118,7 +131,7 @@ class ChunkFwdSm90:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
                                sPr_layout if self.readout else None, sQ_layout, self.pairs)
             self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                        mStates, sK_layout, sPr_layout, sS_layout, sD_layout,
+                        mStates, mEn, mRows, sK_layout, sPr_layout, sS_layout, sD_layout,
                         g2s_copy(ab, K, NUM_THREADS * self.pairs),
                         g2s_copy(ab, C, NUM_THREADS * self.pairs), warp_mma(ab),
                         Storage, sQ_layout,
@@ -129,7 +142,7 @@ class ChunkFwdSm90:
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-               mStates, sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               mStates, mEn, mRows, sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                sS_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
                Storage: cutlass.Constexpr, sQ_layout: cute.ComposedLayout,
@@ -228,7 +241,10 @@ class ChunkFwdSm90:
             last = mLast[b, c]
             # ---- operands of chunk c -> smem (async; with pairs, one copy for both groups)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
-            gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
+            if cutlass.const_expr(self.k_rows):
+                en = self._load_k_rows(gK, tKsKt, mKt, mEn, mRows, b, c, hv, mW.shape[2])
+            else:
+                gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             if cutlass.const_expr(self.readout):
                 gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
                 gP.load(mP[b, c, hv, None, None], (R, C), tPsP)
@@ -250,6 +266,8 @@ class ChunkFwdSm90:
                 u = c_tile_or_zero(thr_mma, mU[b, c, hv, None, None], (C, BV), vt,
                                    self.u_cols // BV)
             cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(self.k_rows):
+                self._scale_k_rows(gK, tKsKt, en)
             barrier(self.gmma)
 
             # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
@@ -296,6 +314,44 @@ class ChunkFwdSm90:
             # smem is overwritten by the next chunk's loads
             cute.arch.sync_threads()
 
+
+    @cute.jit
+    def _load_k_rows(self, gK, tKsKt, mK, mEn, mRows, b, c, hv, HV):
+        """``k_rows``: start the cp.async of chunk c's k rows into the Kt tile (tile row r:
+        k step base + r of key head hv // (HV / H) for r < count, else zeros) and load
+        the row scales of this thread's pieces -> en (registers, one a piece)."""
+        K, ab = self.K, self.ab
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), ab,
+            num_bits_per_copy=128)
+        hk = hv // (HV // mK.shape[2])
+        base, count = mRows[b, c, 0], mRows[b, c, 1]
+        crd = gK.thr.partition_D(cute.make_identity_tensor((C, K)))
+        pieces = cute.size(tKsKt) // 8
+        en = cute.make_rmem_tensor((pieces,), cutlass.Float32)
+        for m in cutlass.range_constexpr(pieces):
+            r, col = crd[8 * m]
+            en[m] = mEn[b, c, hv, r]
+            if r < count:
+                cute.copy(atom, cute.local_tile(mK[b, base + r, hk, None], (8,),
+                                                (col // 8,)), tKsKt[None, m, 0])
+            else:
+                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
+                    tKsKt[e] = cutlass.Float32(0.0).to(ab)
+        return en
+
+    @cute.jit
+    def _scale_k_rows(self, gK, tKsKt, en):
+        """``k_rows``: Kt = en k on this thread's pieces of the tile (after their cp.async
+        landed): the float32 product rounded once, as the operands kernel forms Kt."""
+        for m in cutlass.range_constexpr(cute.size(tKsKt) // 8):
+            x = cute.make_fragment_like(tKsKt[None, m, 0])
+            cute.autovec_copy(tKsKt[None, m, 0], x)
+            y = cute.make_rmem_tensor((8,), cutlass.Float32)
+            for e in cutlass.range_constexpr(8):
+                y[e] = en[m] * x[e].to(cutlass.Float32)
+            x.store(y.load().to(self.ab))
+            cute.autovec_copy(x, tKsKt[None, m, 0])
 
     @cute.kernel
     def kernel_pipelined(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO,
@@ -471,10 +527,11 @@ _KERNELS = {}
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
                stages: int = 1, rows: int = C, pairs: int = 1,
-               gmma: bool = False, gmma_rows: bool = False) -> ChunkFwdSm90:
+               gmma: bool = False, gmma_rows: bool = False,
+               k_rows: bool = False) -> ChunkFwdSm90:
     key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs, gmma,
-           gmma_rows)
+           gmma_rows, k_rows)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols, stages, rows, pairs, gmma, gmma_rows)
+                                     u_cols, stages, rows, pairs, gmma, gmma_rows, k_rows)
     return _KERNELS[key]

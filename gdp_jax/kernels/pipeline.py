@@ -100,7 +100,7 @@ def causal_operands(operands):
 
 def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=None,
                     layout: Optional[grid.ChunkLayout] = None, normalized: bool = False,
-                    readout: bool = False):
+                    readout: bool = False, k_rows: bool = False):
     """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
     the operands kernel when ``use_kernel`` and it takes the call (one pass per chunk),
     else in XLA. ``tokens``: the op's (q, k, v) [B, T, (n,) H or HV, K or V], from which
@@ -108,18 +108,45 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
     ``layout`` is then the call's grid): XLA then lays out only g and beta;
     ``normalized``: their q, k are L2-normalised already (no norm in the kernel);
     ``readout``: where :func:`readout_rows_only` allows, qg and p hold the read-out rows
-    alone ([.., grid.READOUT_ROWS, K / C]; :func:`forward_rows` trims the walk's rows)."""
+    alone ([.., grid.READOUT_ROWS, K / C]; :func:`forward_rows` trims the walk's rows);
+    ``k_rows``: where :func:`walk_forms_kt` allows, kt is the triple (k, en, rows) the
+    forward walk forms Kt from (:func:`forward_walk`)."""
     B, NC, HV, _, K = ch.k.shape
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
         compact = readout and readout_rows_only(spec)
         if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
+            kt_scale = k_rows and walk_forms_kt(spec, normalized)
             return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout,
-                                               normalized=normalized, readout_rows=compact)
+                                               normalized=normalized, readout_rows=compact,
+                                               kt_scale=kt_scale)
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype,
                                     readout_every=spec.n if compact else 1)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
+
+
+def walk_forms_kt(spec, normalized: bool) -> bool:
+    """Does the plain forward's walk form Kt from k's token-major rows and the operands
+    kernel's row scales (:data:`chunk_forward.K_ROWS`)? Only where the operands kernel
+    keeps k's rows raw: no norm in it, or the norm from K K^T's diagonal
+    (``chunk_prep.GRAM_NORM``)."""
+    from gdp_jax.kernels import chunk_forward, chunk_prep
+    if chunk_forward.K_ROWS not in (True, False):
+        raise ValueError(f"chunk_forward.K_ROWS={chunk_forward.K_ROWS!r}; expected True or "
+                         f"False")
+    l2norm = spec.use_qk_l2norm and not normalized
+    return chunk_forward.K_ROWS and (not l2norm or chunk_prep.GRAM_NORM is True)
+
+
+def forward_walk(operands, flags, h0, **kw):
+    """``ChunkForwardKernel.call`` on the forward operands (w, kt, qg, p, u, decay), kt
+    either Kt or the triple (k, en, rows) of :func:`masked_operands`' ``k_rows``."""
+    w, kt, *rest = operands
+    if isinstance(kt, tuple):
+        k, en, rows = kt
+        return ChunkForwardKernel.call(w, k, *rest, *flags, h0, k_rows=(en, rows), **kw)
+    return ChunkForwardKernel.call(*operands, *flags, h0, **kw)
 
 
 def saved_operands(spec, ch: grid.ChunkInputs, layout: grid.ChunkLayout, tokens=None):
@@ -515,11 +542,11 @@ class CuTeDSLEngine(Engine):
             operands, bad = masked_operands(
                 spec, ch, use_kernel=self._prep_kernel(spec, ch, keep_states), layout=layout,
                 tokens=read, normalized=normalized,
-                readout=not keep_states or READOUT_ONLY_GRAD)
+                readout=not keep_states or READOUT_ONLY_GRAD, k_rows=not keep_states)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
-        oc, final, states = ChunkForwardKernel.call(
-            *operands, *_flags(layout), h0, ckpt=ckpt, states_dtype=spec.checkpoint_dtype)
+        oc, final, states = forward_walk(operands, _flags(layout), h0, ckpt=ckpt,
+                                         states_dtype=spec.checkpoint_dtype)
         oc, bad = forward_rows(spec, operands, oc, bad)
         oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
         final = where_has_tokens(layout, final, h0).astype(spec.cdt)
