@@ -292,7 +292,8 @@ class OursStep:
 # the operands kernel's products as warpgroup MMAs, ``+mmap``: on warp MMAs; ``+wga``: the
 # forward walk's read-out rows' o products too (both the default since s40); ``+gram``: k's
 # norms from the operands kernel's K K^T diagonal (the default since s40), ``+normk``: k
-# normalised first; ``+u16``: u in bfloat16 (chunk_prep.U16); ``+krows``: the plain
+# normalised first; ``+u16``: u in bfloat16 (chunk_prep.U16), ``+u16f``: in the plain
+# forward only; ``+krows``: the plain
 # forward's walk forms Kt from k's token-major rows (chunk_forward.K_ROWS))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
@@ -316,6 +317,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "gram": ("kernels.chunk_prep", "GRAM_NORM", True),
             "normk": ("kernels.chunk_prep", "GRAM_NORM", False),
             "u16": ("kernels.chunk_prep", "U16", True),
+            "u16f": ("kernels.chunk_prep", "U16", "forward"),
             "krows": ("kernels.chunk_forward", "K_ROWS", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),

@@ -796,6 +796,39 @@ def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
         run(inp.k)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_u16_forward_only_in_the_plain_forward(monkeypatch, n):
+    """``chunk_prep.U16 = "forward"``: the plain forward's walk reads u in bfloat16 (its o
+    within 1e-2 of the float32 u's), the differentiated call keeps u in float32 - its
+    outputs and gradients the same bits as with U16 off; a value other than True, False,
+    "forward" is refused."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    u_seen = []
+    walk = ChunkForwardKernel.raw_call
+    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
+        lambda *a, **kw: u_seen.append(jnp.dtype(a[4].dtype).name) or walk(*a, **kw)))
+    inp = make_inputs(36, 2, 100, n, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    kw = dict(initial_state=inp.initial_state, output_final_state=True, use_qk_l2norm=True,
+              backend="cutedsl")
+    fwd = lambda: jax.jit(lambda *a: OP(*a, **kw))(*inp[:5])
+    both = lambda: loss_and_grads(OP, inp, jit=False, use_qk_l2norm=True, backend="cutedsl")
+    ref_o, ref_g = fwd(), both()
+    monkeypatch.setattr(chunk_prep, "U16", "forward")
+    u_seen.clear()
+    o = fwd()
+    assert u_seen == ["bfloat16"]
+    assert 0 < rel_max(o[0], ref_o[0]) < 1e-2 and rel_max(o[1], ref_o[1]) < 1e-2
+    u_seen.clear()
+    g = both()
+    assert u_seen and set(u_seen) == {"float32"}
+    for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    monkeypatch.setattr(chunk_prep, "U16", "fwd")
+    with pytest.raises(ValueError, match="chunk_prep.U16='fwd'; expected True, False or"):
+        fwd()
+
+
 def test_token_major_limits_and_vmap(monkeypatch):
     """Where the token-major operands kernel does not take the call (inputs not in the
     16-bit operand dtype, n > C) the forward reads

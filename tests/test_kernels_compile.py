@@ -419,8 +419,9 @@ def test_chunk_prep_kernel_compiles(dtype, K, V, inverse):
     for x in (w, kt, qg):
         assert (x.shape, x.dtype) == ((B, NC, HV, C, K), jnp.dtype(dtype))
     assert (p.shape, p.dtype) == ((B, NC, HV, C, C), jnp.dtype(dtype))
-    # u: bfloat16 with bfloat16 operands (chunk_prep.U16), float32 with float16 ones
-    u_dt = jnp.bfloat16 if chunk_prep.U16 and dtype == jnp.bfloat16 else jnp.float32
+    # u: bfloat16 with bfloat16 operands (chunk_prep.U16 True; the chunk-major call is not
+    # the plain forward's token-major one "forward" means), float32 with float16 ones
+    u_dt = jnp.bfloat16 if chunk_prep.U16 is True and dtype == jnp.bfloat16 else jnp.float32
     assert (u.shape, u.dtype) == ((B, NC, HV, C, V), jnp.dtype(u_dt))
     assert (decay.shape, bad.shape, bad.dtype) == ((B, NC, HV), (B, NC, HV, C), jnp.bool_)
     assert "CuteDSLRT_NvJaxCutlassCall" in _lower(f, ch)

@@ -43,7 +43,9 @@ TOKEN_LAYOUT = True
 # strong gates in an emulated CPU test), 10% less peak memory (2.58 -> 2.31 GB) at
 # (8, 4096, 16, 2) (H100, s35-3: benchmarks/results/CURRENT.md). float16 operands keep a
 # float32 u either way: |u| may pass float16's 65504 where the inputs fit (X reaches ~1e2
-# at beta ~ 2). The kernels take either dtype.
+# at beta ~ 2). The kernels take either dtype. "forward": only in the plain forward's
+# operands on token-major inputs (nothing differentiates them: no gradient sees u's
+# rounding), u in float32 under differentiation.
 U16 = False
 # The operands kernel's products - K K^T, Q K^T (phase 2) and w, u from X's hi + lo parts
 # in registers (phase 4) - as Hopper warpgroup MMAs instead of ldmatrix + mma.sync
@@ -62,12 +64,14 @@ GMMA = True
 GRAM_NORM = True
 
 
-def u_dtype(ab_dtype):
+def u_dtype(ab_dtype, plain: bool = False):
     """The dtype of the operand u for operands in ``ab_dtype``: bfloat16 for bfloat16
-    with :data:`U16`, else the accumulation dtype (float32; float64 in the emulated CPU
-    tests)."""
+    with :data:`U16` (with "forward" only for ``plain``: the plain forward's operands),
+    else the accumulation dtype (float32; float64 in the emulated CPU tests)."""
     ab = jnp.dtype(ab_dtype)
-    if U16 and ab == jnp.dtype(jnp.bfloat16):
+    if U16 not in (True, False, "forward"):
+        raise ValueError(f"chunk_prep.U16={U16!r}; expected True, False or 'forward'")
+    if (U16 is True or (U16 == "forward" and plain)) and ab == jnp.dtype(jnp.bfloat16):
         return ab
     return jnp.promote_types(jnp.float32, ab)
 
@@ -207,7 +211,7 @@ class ChunkPrepKernel:
     @classmethod
     def call_tokens(cls, spec, q, k, v, ch, layout, *, inverse: bool = False,
                     normalized: bool = False, readout_rows: bool = False,
-                    kt_scale: bool = False):
+                    kt_scale: bool = False, plain: bool = False):
         """The forward operands as :meth:`call` gives them for ``ch`` (whose g and beta are
         read; its q, k, v are left to XLA's dead-code elimination), with q, k, v read by
         the kernel from the token-major inputs (:meth:`can_read_tokens`) and L2-normalised
@@ -216,13 +220,15 @@ class ChunkPrepKernel:
         the read-out rows only, [.., READOUT_ROWS, K / C] (:meth:`raw_call_tokens`);
         ``kt_scale``: in Kt's place the triple (k [B, n T, H, K], en [B, NC, HV, C]
         float32, rows [B, NC, 4]) the forward walk forms Kt from (``ChunkForwardKernel``'s
-        ``k_rows``; en as :meth:`raw_call_tokens` gives it). ``jax.vmap``-able."""
+        ``k_rows``; en as :meth:`raw_call_tokens` gives it); ``plain``: the plain forward's
+        operands (:func:`u_dtype`). ``jax.vmap``-able."""
         B, T, n, H, K = k.shape
         rows = token_rows(layout, n, T)
         f = binding.vmappable(
             lambda *a: cls.raw_call_tokens(*a, ab_dtype=spec.ab_dtype, inverse=inverse,
                                            l2norm=spec.use_qk_l2norm and not normalized,
-                                           readout_rows=readout_rows, kt_scale=kt_scale),
+                                           readout_rows=readout_rows, kt_scale=kt_scale,
+                                           plain=plain),
             out_kinds=("rows",) * (8 if inverse else 7) + (() if inverse else ("dummy",)))
         scale_rows = jnp.full((B,), spec.scale, jnp.float32)
         k_steps = k.reshape(B, T * n, H, K)
@@ -236,7 +242,8 @@ class ChunkPrepKernel:
     @staticmethod
     def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool,
                         inverse: bool = False, probe: bool = False,
-                        readout_rows: bool = False, kt_scale: bool = False):
+                        readout_rows: bool = False, kt_scale: bool = False,
+                        plain: bool = False):
         """q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] (``ab_dtype``; L = n T
         interleaved steps), g, beta [B, NC, HV, C] float32, scale [B], rows [B, NC, 4]
         int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs for the chunk inputs those
@@ -250,7 +257,8 @@ class ChunkPrepKernel:
         its row scales en [B, NC, HV, C] float32 - Kt = en k (the rows of ``k`` the table
         gives, zero past ``count``) rounded once to ``ab_dtype`` is what Kt holds, NaN
         rows included (the forward walk's ``k_rows`` forms it so); with ``l2norm`` only
-        under :data:`GRAM_NORM`."""
+        under :data:`GRAM_NORM`. ``plain``: the plain forward's operands (u in
+        :func:`u_dtype`'s dtype for it)."""
         if readout_rows and probe:
             raise ValueError("readout_rows: not with probe")
         if kt_scale and (probe or (l2norm and not GRAM_NORM)):
@@ -277,7 +285,8 @@ class ChunkPrepKernel:
             raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {HV}; expected "
                              f"q's = k's, dividing v's")
         outputs = _outputs(B, NC, HV, K, V, ab, inverse=inverse,
-                           rows=grid.READOUT_ROWS if readout_rows else C, kt_scale=kt_scale)
+                           rows=grid.READOUT_ROWS if readout_rows else C, kt_scale=kt_scale,
+                           plain=plain)
         f32 = lambda x: x.astype(jnp.float32)
         return binding.custom_call(_launcher_tokens, "gdp_chunk_prep_sm90_tokens", outputs,
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
@@ -350,7 +359,8 @@ class ChunkPrepKernel:
         return out
 
 
-def _outputs(B, NC, HV, K, V, ab, inverse: bool, rows: int = C, kt_scale: bool = False):
+def _outputs(B, NC, HV, K, V, ab, inverse: bool, rows: int = C, kt_scale: bool = False,
+             plain: bool = False):
     """The kernel's results: w, kt, qg, p (``ab``; qg, p on ``rows`` rows), u, decay, bad,
     X (or its [1] placeholder), as :meth:`ChunkPrepKernel.raw_call` documents them; with
     ``kt_scale`` Kt's float32 row scales [B, NC, HV, C] in kt's place."""
@@ -358,7 +368,7 @@ def _outputs(B, NC, HV, K, V, ab, inverse: bool, rows: int = C, kt_scale: bool =
     rr = (B, NC, HV, rows)
     kt = binding.out(r, jnp.float32) if kt_scale else binding.out(r + (K,), ab)
     return (binding.out(r + (K,), ab), kt, binding.out(rr + (K,), ab),
-            binding.out(rr + (C,), ab), binding.out(r + (V,), u_dtype(ab)),
+            binding.out(rr + (C,), ab), binding.out(r + (V,), u_dtype(ab, plain)),
             binding.out((B, NC, HV), jnp.float32), binding.out(r, jnp.int32),
             binding.out(r + (C,) if inverse else (1,), jnp.float32))
 

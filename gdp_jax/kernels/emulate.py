@@ -118,7 +118,7 @@ def inverse_kernel_call(A):
 
 
 def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=False,
-                    readout_rows=False):
+                    readout_rows=False, plain=False):
     """The operands kernel's contract (``ChunkPrepKernel.raw_call``; ``scale`` [B], one
     per row): the forward kernel's operands, cast (16-bit; u in ``chunk_prep.u_dtype``,
     decay in the accumulator dtype) and made causal-safe, the int32 ``bad`` rows - as
@@ -131,7 +131,7 @@ def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=Fal
     if readout_rows:
         n = rows[..., 3]
         out = chunk_prep_call(_to_chunk_rows(q, n, k.shape[-2]), k, v, g, beta, scale,
-                              ab_dtype=ab_dtype, inverse=inverse)
+                              ab_dtype=ab_dtype, inverse=inverse, plain=plain)
         w, kt, qg, p, *rest = out
         return (w, kt, _readout_rows_of(qg, n), _readout_rows_of(p, n), *rest)
     acc = jnp.promote_types(jnp.float32, ab_dtype)
@@ -140,7 +140,7 @@ def chunk_prep_call(q, k, v, g, beta, scale, rows=None, *, ab_dtype, inverse=Fal
     it, X = chunked.wy_factors(ch, inverse=inverse_kernel_call_batched)
     s = scale.astype(acc).reshape((-1,) + (1,) * (q.ndim - 1))
     cast = lambda x: x.astype(ab_dtype)
-    w, kt, u = cast(it.w), cast(it.Kt), it.u.astype(u_dtype(ab_dtype))
+    w, kt, u = cast(it.w), cast(it.Kt), it.u.astype(u_dtype(ab_dtype, plain))
     qg = cast(s * it.gam[..., None] * q)
     p = cast(s * chunked.causal_scores(q, k, it.Gam))
     rows = lambda x: jnp.all(jnp.isfinite(x), axis=-1)
@@ -180,14 +180,14 @@ def _gather_rows(rows, C, x, readout):
 
 
 def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
-                           inverse=False, readout_rows=False, kt_scale=False):
+                           inverse=False, readout_rows=False, kt_scale=False, plain=False):
     """The token-major operands kernel's contract (``ChunkPrepKernel.raw_call_tokens``):
     the chunk inputs gathered from q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] by the
     row table ``rows`` [B, NC, 4] = (base, count, tok, n), q and k L2-normalised in
     float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`;
     ``readout_rows``: qg, p on their read-out rows (:func:`_readout_rows_of`). (The kernel
     under ``chunk_prep.GRAM_NORM`` skips k's rounding after the norm: the same to one
-    16-bit rounding of k.) ``kt_scale``: Kt's row scales en = exp(G_last - G) / |k row|
+    16-bit rounding of k.) ``plain``: the plain forward's (u's dtype). ``kt_scale``: Kt's row scales en = exp(G_last - G) / |k row|
     (1 / |k row| with ``l2norm`` only) in Kt's place, NaN where Kt's row is."""
     from gdp_jax.reference import l2_normalize
     HV, C = g.shape[2:]
@@ -198,7 +198,8 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
         norm = lambda x: l2_normalize(x.astype(jnp.float32)).astype(x.dtype)
         qc, kc = norm(qc), norm(kc)
     qc, kc = jnp.repeat(qc, HV // H, axis=2), jnp.repeat(kc, HV // H, axis=2)
-    out = chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype, inverse=inverse)
+    out = chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype, inverse=inverse,
+                          plain=plain)
     if kt_scale:
         out = (out[0], _kt_scales(out[1], g, kraw, l2norm, HV // H)) + tuple(out[2:])
     if not readout_rows:

@@ -100,7 +100,7 @@ def causal_operands(operands):
 
 def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=None,
                     layout: Optional[grid.ChunkLayout] = None, normalized: bool = False,
-                    readout: bool = False, k_rows: bool = False):
+                    readout: bool = False, plain: bool = False):
     """``causal_operands(forward_operands(ch, ..))``: ((w, kt, qg, p, u, decay), bad), on
     the operands kernel when ``use_kernel`` and it takes the call (one pass per chunk),
     else in XLA. ``tokens``: the op's (q, k, v) [B, T, (n,) H or HV, K or V], from which
@@ -109,18 +109,20 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
     ``normalized``: their q, k are L2-normalised already (no norm in the kernel);
     ``readout``: where :func:`readout_rows_only` allows, qg and p hold the read-out rows
     alone ([.., grid.READOUT_ROWS, K / C]; :func:`forward_rows` trims the walk's rows);
-    ``k_rows``: where :func:`walk_forms_kt` allows, kt is the triple (k, en, rows) the
-    forward walk forms Kt from (:func:`forward_walk`)."""
+    ``plain``: the plain forward's operands (nothing differentiates them) - on token-major
+    inputs u in ``chunk_prep.u_dtype(.., plain=True)`` and, where :func:`walk_forms_kt`
+    allows, kt the triple (k, en, rows) the forward walk forms Kt from
+    (:func:`forward_walk`)."""
     B, NC, HV, _, K = ch.k.shape
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
         compact = readout and readout_rows_only(spec)
         if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
-            kt_scale = k_rows and walk_forms_kt(spec, normalized)
+            kt_scale = plain and walk_forms_kt(spec, normalized)
             return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout,
                                                normalized=normalized, readout_rows=compact,
-                                               kt_scale=kt_scale)
+                                               kt_scale=kt_scale, plain=plain)
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype,
                                     readout_every=spec.n if compact else 1)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
@@ -542,7 +544,7 @@ class CuTeDSLEngine(Engine):
             operands, bad = masked_operands(
                 spec, ch, use_kernel=self._prep_kernel(spec, ch, keep_states), layout=layout,
                 tokens=read, normalized=normalized,
-                readout=not keep_states or READOUT_ONLY_GRAD, k_rows=not keep_states)
+                readout=not keep_states or READOUT_ONLY_GRAD, plain=not keep_states)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = forward_walk(operands, _flags(layout), h0, ckpt=ckpt,
