@@ -239,15 +239,19 @@ class ChunkFwdSm90:
             reset = mReset[b, c]
             decay = mDecay[b, c, hv]
             last = mLast[b, c]
+            if cutlass.const_expr(self.k_rows):
+                base, count = mRows[b, c, 0], mRows[b, c, 1]
             # ---- operands of chunk c -> smem (async; with pairs, one copy for both groups)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
-            if cutlass.const_expr(self.k_rows):
-                en = self._load_k_rows(gK, tKsKt, mKt, mEn, mRows, b, c, hv, mW.shape[2])
-            else:
+            if cutlass.const_expr(not self.k_rows):
                 gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             if cutlass.const_expr(self.readout):
                 gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
                 gP.load(mP[b, c, hv, None, None], (R, C), tPsP)
+            if cutlass.const_expr(self.k_rows):
+                # last: their addresses wait for the row table's load
+                en = self._load_k_rows(gK, tKsKt, mKt, mEn, b, c, hv, mW.shape[2], base,
+                                       count)
             cute.arch.cp_async_commit_group()
 
             # ---- chunk start state (reset -> the sequence's initial state)
@@ -316,16 +320,16 @@ class ChunkFwdSm90:
 
 
     @cute.jit
-    def _load_k_rows(self, gK, tKsKt, mK, mEn, mRows, b, c, hv, HV):
+    def _load_k_rows(self, gK, tKsKt, mK, mEn, b, c, hv, HV, base, count):
         """``k_rows``: start the cp.async of chunk c's k rows into the Kt tile (tile row r:
-        k step base + r of key head hv // (HV / H) for r < count, else zeros) and load
-        the row scales of this thread's pieces -> en (registers, one a piece)."""
+        k step base + r of key head hv // (HV / H) for r < count, else zeros; ``base``,
+        ``count``: the chunk's row table entries) and load the row scales of this
+        thread's pieces -> en (registers, one a piece)."""
         K, ab = self.K, self.ab
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), ab,
             num_bits_per_copy=128)
         hk = hv // (HV // mK.shape[2])
-        base, count = mRows[b, c, 0], mRows[b, c, 1]
         crd = gK.thr.partition_D(cute.make_identity_tensor((C, K)))
         pieces = cute.size(tKsKt) // 8
         en = cute.make_rmem_tensor((pieces,), cutlass.Float32)
