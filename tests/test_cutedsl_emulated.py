@@ -796,6 +796,37 @@ def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
         run(inp.k)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_split_forward_takes_the_plain_forward_operands(monkeypatch, packed):
+    """``intra_cp`` (a forward nothing differentiates): with ``chunk_forward.K_ROWS`` and
+    ``chunk_prep.U16 = "forward"`` the segments' summary walk (V + K columns) and the apply
+    walk both form Kt from k's rows and read u in bfloat16, and the split's outputs stay
+    within 1e-2 of the default split's (packed sequences across the segment borders)."""
+    from gdp_jax.kernels import chunk_forward, chunk_prep
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    seen = []
+    walk = ChunkForwardKernel.raw_call
+    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
+        lambda *a, **kw: seen.append((kw.get("readout", True), kw.get("k_rows") is not None,
+                                      jnp.dtype(a[4].dtype).name)) or walk(*a, **kw)))
+    T = 256
+    cu = jnp.asarray([0, 30, 30, 31, 200, T], jnp.int32) if packed else None
+    inp = make_inputs(38, 1, T, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal",
+                      N=5 if packed else None)
+    run = lambda: jax.jit(lambda *a: OP(*a, initial_state=inp.initial_state,
+                                        output_final_state=True, cu_seqlens=cu,
+                                        use_qk_l2norm=True, backend="cutedsl",
+                                        intra_cp=4))(*inp[:5])
+    ref = run()
+    assert set(seen) == {(False, False, "float32"), (True, False, "float32")}
+    seen.clear()
+    monkeypatch.setattr(chunk_forward, "K_ROWS", True)
+    monkeypatch.setattr(chunk_prep, "U16", "forward")
+    got = run()
+    assert set(seen) == {(False, True, "bfloat16"), (True, True, "bfloat16")}
+    assert rel_max(got[0], ref[0]) < 1e-2 and rel_max(got[1], ref[1]) < 1e-2
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_u16_forward_only_in_the_plain_forward(monkeypatch, n):
     """``chunk_prep.U16 = "forward"``: the plain forward's walk reads u in bfloat16 (its o

@@ -604,13 +604,13 @@ class CuTeDSLEngine(Engine):
         self._check(spec, ch, layout, extra_columns=K)
         operands, bad = masked_operands(
             spec, ch, use_kernel=self._prep_kernel(spec, ch, differentiated), layout=layout,
-            tokens=None if keep_states else tokens, readout=not keep_states)
+            tokens=None if keep_states else tokens, readout=not keep_states,
+            plain=not keep_states)
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
         # u has V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM)
-        _, final, _ = ChunkForwardKernel.call(*operands, *_flags(layout), h0, ckpt=0,
-                                              states_dtype=spec.checkpoint_dtype,
-                                              readout=False)
+        _, final, _ = forward_walk(operands, _flags(layout), h0, ckpt=0,
+                                   states_dtype=spec.checkpoint_dtype, readout=False)
         final = where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
