@@ -437,8 +437,8 @@ case "${1:-2}" in
   # s41: the plain forward's walk forming Kt from k's token-major rows (chunk_forward.K_ROWS,
   # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head): its GPU
   # test (the same bits), the two kernels alone beside the defaults, the op's forward
-  # A/B beside u in bfloat16 in the plain forward (+u16f) and tuned FLA, then mode 4's
-  # forward test group
+  # A/B beside u in bfloat16 in the plain forward (+u16f) and tuned FLA, one long row
+  # (split) with both, then mode 4's forward test group in the time left
   step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230
   step 80 kprobe python -m benchmarks.prep_probe --tokens --k-rows --skip-prep-probe --bv 64 \
@@ -448,6 +448,10 @@ case "${1:-2}" in
     --impl ${KROWS_IMPLS:-cutedsl,cutedsl+krows,cutedsl+u16f,cutedsl+u16f+krows,fla} \
     --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 185 --out $M/krows
   rows $M/krows.log
+  # one long row (issue 20): the split's summary and apply walks take the same operands
+  step 100 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,cutedsl-cpauto+krows+u16f,fla \
+    --shapes "1,65536,16,2" --deadline 90 --out $M/long
+  rows $M/long.log
   t=$(( $(left) - 10 )); el "tests ($t s)"
   JOB_S=$t
   job fwd $P tests/test_cutedsl_gpu.py -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
