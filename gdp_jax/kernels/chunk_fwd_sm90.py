@@ -142,8 +142,9 @@ class ChunkFwdSm90:
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-               mStates, mEn, mRows, sK_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
-               sS_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout,
+               mStates, mEn, mRows, sK_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
+               sD_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
                Storage: cutlass.Constexpr, sQ_layout: cute.ComposedLayout,
                tiled_mma_o: cute.TiledMma):
@@ -271,7 +272,7 @@ class ChunkFwdSm90:
                                    self.u_cols // BV)
             cute.arch.cp_async_wait_group(0)
             if cutlass.const_expr(self.k_rows):
-                self._scale_k_rows(gK, tKsKt, en)
+                self._scale_k_rows(tKsKt, en)
             barrier(self.gmma)
 
             # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
@@ -345,7 +346,7 @@ class ChunkFwdSm90:
         return en
 
     @cute.jit
-    def _scale_k_rows(self, gK, tKsKt, en):
+    def _scale_k_rows(self, tKsKt, en):
         """``k_rows``: Kt = en k on this thread's pieces of the tile (after their cp.async
         landed): the float32 product rounded once, as the operands kernel forms Kt."""
         for m in cutlass.range_constexpr(cute.size(tKsKt) // 8):

@@ -187,8 +187,9 @@ def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
     float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`;
     ``readout_rows``: qg, p on their read-out rows (:func:`_readout_rows_of`). (The kernel
     under ``chunk_prep.GRAM_NORM`` skips k's rounding after the norm: the same to one
-    16-bit rounding of k.) ``plain``: the plain forward's (u's dtype). ``kt_scale``: Kt's row scales en = exp(G_last - G) / |k row|
-    (1 / |k row| with ``l2norm`` only) in Kt's place, NaN where Kt's row is."""
+    16-bit rounding of k.) ``plain``: the plain forward's (u's dtype). ``kt_scale``:
+    Kt's row scales en = exp(G_last - G) (times 1 / |k row| with ``l2norm``) in Kt's
+    place, NaN where Kt's row is."""
     from gdp_jax.reference import l2_normalize
     HV, C = g.shape[2:]
     H = k.shape[2]

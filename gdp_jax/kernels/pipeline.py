@@ -58,7 +58,7 @@ from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows, u_dtype
 from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
-from gdp_jax.kernels import wy_inverse
+from gdp_jax.kernels import chunk_forward, chunk_prep, wy_inverse
 from gdp_jax.reference import l2_norm_scale
 
 
@@ -133,7 +133,6 @@ def walk_forms_kt(spec, normalized: bool) -> bool:
     kernel's row scales (:data:`chunk_forward.K_ROWS`)? Only where the operands kernel
     keeps k's rows raw: no norm in it, or the norm from K K^T's diagonal
     (``chunk_prep.GRAM_NORM``)."""
-    from gdp_jax.kernels import chunk_forward, chunk_prep
     if chunk_forward.K_ROWS not in (True, False):
         raise ValueError(f"chunk_forward.K_ROWS={chunk_forward.K_ROWS!r}; expected True or "
                          f"False")
@@ -143,7 +142,7 @@ def walk_forms_kt(spec, normalized: bool) -> bool:
 
 def forward_walk(operands, flags, h0, **kw):
     """``ChunkForwardKernel.call`` on the forward operands (w, kt, qg, p, u, decay), kt
-    either Kt or the triple (k, en, rows) of :func:`masked_operands`' ``k_rows``."""
+    either Kt or the triple (k, en, rows) of :func:`masked_operands`' ``plain``."""
     w, kt, *rest = operands
     if isinstance(kt, tuple):
         k, en, rows = kt
