@@ -796,6 +796,27 @@ def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
         run(inp.k)
 
 
+def test_walk_forms_kt_under_vmap(monkeypatch):
+    """``chunk_forward.K_ROWS`` under jax.vmap: the mapped axis folds into the rows of the
+    token-major k, Kt's row scales and the row table alike (the walk reads k by the
+    table), and each mapped problem equals its own call."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    monkeypatch.setattr(chunk_forward, "K_ROWS", True)
+    shapes = []
+    walk = ChunkForwardKernel.raw_call
+    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
+        lambda *a, **kw: shapes.append((a[1].shape, kw["k_rows"][1].shape)) or walk(*a, **kw)))
+    inp = make_inputs(39, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="strong")
+    other = make_inputs(40, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
+    stack = lambda i: jnp.stack([inp[i], other[i]])
+    f = lambda *a: OP(*a, use_qk_l2norm=True, backend="cutedsl")
+    o = jax.jit(jax.vmap(f))(*(stack(i) for i in range(5)))
+    assert shapes[-1] == ((2, 180, 1, 64), (2, 3, 4))     # folded: 2 rows of 2 x 90 steps
+    for m, x in enumerate((inp, other)):
+        assert rel_max(o[m], jax.jit(f)(*x[:5])) < 1e-6
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_split_forward_takes_the_plain_forward_operands(monkeypatch, packed):
     """``intra_cp`` (a forward nothing differentiates): with ``chunk_forward.K_ROWS`` and
