@@ -864,7 +864,10 @@ def test_u16_forward_only_in_the_plain_forward(monkeypatch, n):
     kw = dict(initial_state=inp.initial_state, output_final_state=True, use_qk_l2norm=True,
               backend="cutedsl")
     fwd = lambda: jax.jit(lambda *a: OP(*a, **kw))(*inp[:5])
-    both = lambda: loss_and_grads(OP, inp, jit=False, use_qk_l2norm=True, backend="cutedsl")
+    def both():           # a fresh trace each: the switch is read at trace time
+        testing._value_and_grad_fn.cache_clear()
+        jax.clear_caches()
+        return loss_and_grads(OP, inp, use_qk_l2norm=True, backend="cutedsl")
     ref_o, ref_g = fwd(), both()
     monkeypatch.setattr(chunk_prep, "U16", "forward")
     u_seen.clear()
