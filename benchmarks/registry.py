@@ -294,7 +294,8 @@ class OursStep:
 # norms from the operands kernel's K K^T diagonal (the default since s40), ``+normk``: k
 # normalised first; ``+u16``: u in bfloat16 (chunk_prep.U16), ``+u16f``: in the plain
 # forward only; ``+krows``: the plain
-# forward's walk forms Kt from k's token-major rows (chunk_forward.K_ROWS))
+# forward's walk forms Kt from k's token-major rows (chunk_forward.K_ROWS); ``+otok``: it
+# writes o token-major (chunk_forward.O_TOKENS))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -319,6 +320,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "u16": ("kernels.chunk_prep", "U16", True),
             "u16f": ("kernels.chunk_prep", "U16", "forward"),
             "krows": ("kernels.chunk_forward", "K_ROWS", True),
+            "otok": ("kernels.chunk_forward", "O_TOKENS", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),

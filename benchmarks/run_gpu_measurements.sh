@@ -435,17 +435,18 @@ case "${1:-2}" in
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
 50)
   # s41: the plain forward's walk forming Kt from k's token-major rows (chunk_forward.K_ROWS,
-  # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head): its GPU
-  # test (the same bits), the two kernels alone beside the defaults, the op's forward
+  # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head) and
+  # writing o token-major (O_TOKENS, +otok: no XLA relayout of o): their GPU tests (the
+  # same bits), the two kernels alone beside the defaults, the op's forward
   # A/B beside u in bfloat16 in the plain forward (+u16f) and tuned FLA, one long row
   # (split) with both, then mode 4's forward test group in the time left
-  step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt"
+  step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt or walk_writes_o_tokens"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230
   step 80 kprobe python -m benchmarks.prep_probe --tokens --k-rows --skip-prep-probe --bv 64 \
     --shape 8,4096,16,2 --json $M/kprobe.json
   grep -hE "s\] (prep tok|fwd tok)|same bits|Error" $M/kprobe.log | cut -c1-160
   step 200 krows python -m benchmarks.run fwdbwd \
-    --impl ${KROWS_IMPLS:-cutedsl,cutedsl+krows,cutedsl+u16f,cutedsl+u16f+krows,fla} \
+    --impl ${KROWS_IMPLS:-cutedsl,cutedsl+krows,cutedsl+otok,cutedsl+u16f+krows+otok,fla} \
     --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 185 --out $M/krows
   rows $M/krows.log
   # one long row (issue 20): the split's summary and apply walks take the same operands

@@ -471,6 +471,12 @@ class OpTokens(NamedTuple):
     do: Optional[jax.Array] = None
 
 
+class TokenOutputs(NamedTuple):
+    """Output rows an engine's forward may return instead of chunk rows: o [B, T, HV, V]
+    token-major already (:func:`outputs` only casts it)."""
+    o: jax.Array
+
+
 class TokenCotangents(NamedTuple):
     """Cotangents an engine's backward may return instead of chunk-input ones: q, k, v
     already in the token-major layout of :func:`gdp_jax.grid.token_inputs`' operands -
@@ -559,7 +565,10 @@ def _pull_inputs(pull_tokens, pull_plain, pull_steps, pull_gates, tok, dch):
 
 
 def outputs(layout, oc, dtype):
-    """Output rows [B, NC, HV, C or C // every, V] -> o [B, T, HV, V] in ``dtype``."""
+    """Output rows [B, NC, HV, C or C // every, V] (or :class:`TokenOutputs`) -> o
+    [B, T, HV, V] in ``dtype``."""
+    if isinstance(oc, TokenOutputs):
+        return oc.o.astype(dtype)
     return grid.from_chunks(layout, oc).astype(dtype)
 
 

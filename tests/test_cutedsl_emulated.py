@@ -796,13 +796,54 @@ def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
         run(inp.k)
 
 
-def test_walk_forms_kt_under_vmap(monkeypatch):
-    """``chunk_forward.K_ROWS`` under jax.vmap: the mapped axis folds into the rows of the
-    token-major k, Kt's row scales and the row table alike (the walk reads k by the
-    table), and each mapped problem equals its own call."""
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
+@pytest.mark.parametrize("k_rows", [False, True])
+def test_walk_writes_o_token_major(monkeypatch, case, k_rows):
+    """``chunk_forward.O_TOKENS``: the plain forward whose walk writes o token-major (its
+    read-out rows at their tokens by the row table, NaN on the operands kernel's bad rows)
+    gives the same o and final state as the walk's chunk rows laid out by XLA - T not a
+    multiple of 64, T = 2, n = 1..3, GVA, packed with empty and one-token sequences, with
+    and without ``K_ROWS``; a k token of inf makes the same outputs NaN; every token is
+    written (the emulation leaves unwritten ones NaN)."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    seen = []
+    walk = ChunkForwardKernel.raw_call
+    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
+        lambda *a, **kw: seen.append(kw.get("o_tokens") is not None) or walk(*a, **kw)))
+    monkeypatch.setattr(chunk_forward, "K_ROWS", k_rows)
+    B, T, n, H, HV, cu = TOKEN_CASES[case]
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(42, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    k_bad = inp.k.at[0, T // 2, 0, 0, 3].set(jnp.inf)
+    run = lambda k: jax.jit(lambda *a: OP(*a[:5], initial_state=a[5], cu_seqlens=cu,
+                                          output_final_state=True, use_qk_l2norm=True,
+                                          backend="cutedsl"))(
+        inp.q, k, *inp[2:5], inp.initial_state)
+    ref, ref_bad = run(inp.k), run(k_bad)
+    assert seen == [False, False]
+    seen.clear()
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", True)
+    got, got_bad = run(inp.k), run(k_bad)
+    assert seen == [True, True]
+    assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
+    for x, y in zip(got + got_bad, ref + ref_bad):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    assert np.isnan(np.asarray(got_bad[0], np.float32)).any()
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", "on")
+    with pytest.raises(ValueError, match="chunk_forward.O_TOKENS=.on.; expected True"):
+        run(inp.k)
+
+
+def test_walk_token_modes_under_vmap(monkeypatch):
+    """``chunk_forward.K_ROWS`` and ``O_TOKENS`` under jax.vmap: the mapped axis folds into
+    the rows of the token-major k, Kt's row scales, the row table and the token-major o
+    alike, and each mapped problem equals its own call."""
     from gdp_jax.kernels import chunk_forward
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     monkeypatch.setattr(chunk_forward, "K_ROWS", True)
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", True)
     shapes = []
     walk = ChunkForwardKernel.raw_call
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
@@ -813,6 +854,7 @@ def test_walk_forms_kt_under_vmap(monkeypatch):
     f = lambda *a: OP(*a, use_qk_l2norm=True, backend="cutedsl")
     o = jax.jit(jax.vmap(f))(*(stack(i) for i in range(5)))
     assert shapes[-1] == ((2, 180, 1, 64), (2, 3, 4))     # folded: 2 rows of 2 x 90 steps
+    assert o.shape == (2, 1, 90, 2, 64)
     for m, x in enumerate((inp, other)):
         assert rel_max(o[m], jax.jit(f)(*x[:5])) < 1e-6
 

@@ -611,6 +611,43 @@ def test_walk_forms_kt_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed, 
     assert DRY_RUN or seen == [False, True], seen
 
 
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed,k_rows", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False, True),    # the op's: read-out rows
+    (2, 3, 1, 3, 64, 128, "bfloat16", True, False),       # GVA, K != V, packed
+    (2, 1, 2, 2, 128, 64, "float16", False, True),        # all rows (n = 1), V = 64
+])
+def test_walk_writes_o_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed,
+                                        k_rows):
+    """``chunk_forward.O_TOKENS``: the plain forward whose walk writes o token-major (its
+    read-out rows at their tokens by the row table, NaN on the bad rows) gives the same
+    bits (o, final state) as the walk's chunk rows laid out by XLA - every token written,
+    with and without ``K_ROWS``; a k token of inf makes the same outputs NaN."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    args, cu = _case(44, B, n, H, HV, K, V, dtype, packed)
+    seen = _spy(monkeypatch, ChunkForwardKernel, "raw_call",
+                lambda a, k: k.get("o_tokens") is not None)
+    monkeypatch.setattr(chunk_forward, "K_ROWS", k_rows)
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl")
+    k_bad = args[1].at[0, 5, 0, 0, 3].set(jnp.inf)
+    fw = []
+    for on in (False, True):
+        monkeypatch.setattr(chunk_forward, "O_TOKENS", on)
+        for k in (args[1], k_bad):
+            fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(
+                args[0], k, *args[2:5]))
+    assert_same_bits(fw[2], fw[0])          # (o, final: the first two of grads' names)
+    for x, y in zip(fw[3], fw[1]):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+        np.testing.assert_array_equal(np.where(np.isnan(x), 0, x), np.where(np.isnan(y), 0, y))
+    assert np.isfinite(np.asarray(fw[2][0], np.float32)).all()
+    print(f"[o tokens B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} "
+          f"k_rows={k_rows}] o, final: the same bits")
+    assert DRY_RUN or seen == [False, False, True, True], seen
+
+
 @pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed,big", [
     (8, 2, 16, 16, 128, 128, "bfloat16", False, False),   # the op's: read-out rows
     (2, 3, 1, 3, 64, 128, "bfloat16", True, False),       # GVA, K != V, packed

@@ -71,6 +71,12 @@ GMMA = "all"
 # and the walk reads the chunk's k rows by the row table and rounds en k once, as the
 # operands kernel did (``k_rows`` of ``ChunkFwdSm90``: the same bits). False: Kt from HBM.
 K_ROWS = False
+# Opt-in, NOT yet run on a GPU (s41): the op's plain forward on token-major inputs gets o
+# from the walk token-major, [B, T, HV, V] (``o_tokens`` of ``ChunkFwdSm90``: read-out
+# row r of a chunk to token tok + r of the row table, NaN on the operands kernel's bad
+# rows) - no XLA pass relaying [B, NC, HV, R, V] rows to tokens after the walk (~0.13 ms
+# of a (8, 4096, 16, 2) step in s38's trace). For wgmma walks whose o tiles hold C rows.
+O_TOKENS = False
 
 
 class ChunkForwardKernel:
@@ -192,31 +198,40 @@ class ChunkForwardKernel:
     @classmethod
     def call(cls, w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: Optional[int] = None,
              split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
-             readout: bool = True, k_rows: Optional[tuple] = None):
+             readout: bool = True, k_rows: Optional[tuple] = None,
+             o_tokens: Optional[tuple] = None):
         """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: :meth:`pick_bv` for the rows
         of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them.
-        ``k_rows``: (en, rows) as :meth:`raw_call`'s, ``kt`` then the token-major k."""
+        ``k_rows``: (en, rows), ``kt`` then the token-major k; ``o_tokens``: (rows, bad,
+        T) - both as :meth:`raw_call`'s."""
+        extra = (tuple(k_rows) if k_rows is not None else ()) + (
+            tuple(o_tokens[:2]) if o_tokens is not None else ())
+
         def launch(*a):
             bv = BV or cls.launch_bv(a[0], a[9])
-            extra = {"k_rows": tuple(a[10:])} if k_rows is not None else {}
-            stages = 1 if extra else cls.pick_stages(a[0].shape[0], a[0].shape[2],
-                                                     a[9].shape[-1], bv)
-            pairs = 1 if extra else cls.pick_pairs(a[9].shape[-1], bv, stages)
+            kw, rest = {}, list(a[10:])
+            if k_rows is not None:
+                kw["k_rows"] = (rest.pop(0), rest.pop(0))
+            if o_tokens is not None:
+                kw["o_tokens"] = (rest.pop(0), rest.pop(0), o_tokens[2])
+            stages = 1 if kw else cls.pick_stages(a[0].shape[0], a[0].shape[2],
+                                                  a[9].shape[-1], bv)
+            pairs = 1 if kw else cls.pick_pairs(a[9].shape[-1], bv, stages)
             return cls.raw_call(*a[:10], BV=bv, split=split, ckpt=ckpt,
                                 states_dtype=states_dtype, readout=readout, stages=stages,
-                                **({"pairs": 2} if pairs == 2 else {}), **extra)
+                                **({"pairs": 2} if pairs == 2 else {}), **kw)
 
         f = binding.vmappable(
             launch,
             seq_arg=7, table_arg=9, out_kinds=("rows" if readout else "dummy", "rows",
                                                "rows" if ckpt else "dummy"))
-        return f(w, kt, qg, p, u, decay, reset, seq, last, h0, *(k_rows or ()))
+        return f(w, kt, qg, p, u, decay, reset, seq, last, h0, *extra)
 
     @staticmethod
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
                  readout: bool = True, stages: int = 1, pairs: int = 1, gmma=None,
-                 k_rows: Optional[tuple] = None):
+                 k_rows: Optional[tuple] = None, o_tokens: Optional[tuple] = None):
         """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -241,6 +256,10 @@ class ChunkForwardKernel:
         (H dividing HV), en [B, NC, HV, C] float32 Kt's row scales and rows [B, NC, 4]
         int32 the row table (``chunk_prep.token_rows``): Kt's row i is en_i k_(base + i)
         for i < count (zeros after), rounded once to the operand dtype; stages = pairs = 1.
+        ``o_tokens`` (rows, bad, T): o comes back token-major, [B, T, HV, V] - the read-out
+        rows' outputs at their tokens (rows the table, bad [B, NC, HV, C] the operands
+        kernel's rows whose outputs are NaN) - for a wgmma walk whose o tiles hold C rows
+        (R = C at n = 1, or the read-out rows under ``GMMA = "all"``); stages = pairs = 1.
         """
         B, NC, HV, C_, K = w.shape
         if k_rows is not None:
@@ -257,6 +276,17 @@ class ChunkForwardKernel:
                                  f"{rows.dtype} {rows.shape}")
             if stages != 1 or pairs != 1:
                 raise ValueError(f"k_rows: stages=1, pairs=1; got {stages}, {pairs}")
+        if o_tokens is not None:
+            rows, bad, T = o_tokens
+            if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
+                raise ValueError(f"o_tokens: rows must be int32 {(B, NC, 4)}; got "
+                                 f"{rows.dtype} {rows.shape}")
+            if bad.shape != (B, NC, HV, C_) or bad.dtype != jnp.int32:
+                raise ValueError(f"o_tokens: bad must be int32 {(B, NC, HV, C_)}; got "
+                                 f"{bad.dtype} {bad.shape}")
+            if not readout or stages != 1 or pairs != 1:
+                raise ValueError(f"o_tokens: a readout walk with stages=1, pairs=1; got "
+                                 f"readout={readout}, stages={stages}, pairs={pairs}")
         V, Vu = h0.shape[-1], u.shape[-1]
         if pairs not in (1, 2) or (pairs == 2 and (stages != 1 or (V // BV) % 2)):
             raise ValueError(f"pairs={pairs}: 1, or 2 for a one-set walk (stages=1, got "
@@ -276,18 +306,33 @@ class ChunkForwardKernel:
         states_dtype = jnp.dtype(states_dtype) if ckpt else jnp.dtype(jnp.float32)
         if states_dtype.name not in ("float32", ab_name):
             raise ValueError(f"states_dtype must be float32 or {ab_name}; got {states_dtype}")
-        outputs = (binding.out((B, NC, HV, R, V) if readout else (1,), w.dtype),
+        if o_tokens is not None and not (gmma == "all" or (gmma and R == C_)):
+            raise ValueError(f"o_tokens: a walk whose o tiles hold C rows on warpgroup MMAs "
+                             f"(gmma 'all', or True with all {C_} rows); got gmma={gmma!r} "
+                             f"with {R} rows")
+        o_shape = (B, NC, HV, R, V)
+        if o_tokens is not None:
+            o_shape = (B, o_tokens[2], HV, V)
+        outputs = (binding.out(o_shape if readout else (1,), w.dtype),
                    binding.out(h0.shape, jnp.float32),
                    binding.out((B, n_ckpt, HV, K, V) if ckpt else (1,), states_dtype))
         args = (w, kt, qg, p, u, decay, reset, seq, last, h0)
         tile_dims = (2, 2, 2, 2, 2, 0, 0, 0, 0, 2)
-        launcher, name = _launcher, "gdp_chunk_fwd_sm90"
-        if k_rows is not None:
-            args, tile_dims = args + tuple(k_rows), (2, 1, 2, 2, 2, 0, 0, 0, 0, 2, 1, 1)
-            launcher, name = _launcher_k_rows, "gdp_chunk_fwd_sm90_k_rows"
+        launcher, name, tables = _launcher, "gdp_chunk_fwd_sm90", {}
+        if k_rows is not None or o_tokens is not None:
+            # (en, table, bad): placeholders (decay, reset) where a mode is off
+            en = k_rows[0] if k_rows is not None else decay
+            table = k_rows[1] if k_rows is not None else o_tokens[0]
+            bad = o_tokens[1] if o_tokens is not None else reset
+            args += (en, table, bad)
+            tile_dims = ((2, 1 if k_rows is not None else 2) + tile_dims[2:]
+                         + (1 if k_rows is not None else 0, 1, 1 if o_tokens is not None else 0))
+            launcher, name = _launcher_rows, "gdp_chunk_fwd_sm90_rows"
+            tables = dict(k_rows=k_rows is not None, o_tokens=o_tokens is not None)
         return binding.custom_call(launcher, name, outputs, args,
-                                   tile_dims=tile_dims + (2 if readout else 1, 2,
-                                                          2 if ckpt else 1),
+                                   tile_dims=tile_dims + (
+                                       2 if readout and o_tokens is None else 1, 2,
+                                       2 if ckpt else 1),
                                    key=(states_dtype.name,), K=K, V=V, BV=BV,
                                    ab_name=ab_name, split=split, ckpt=ckpt,
                                    readout=bool(readout), u_cols=Vu if Vu < V else 0,
@@ -296,7 +341,7 @@ class ChunkForwardKernel:
                                    **({"pairs": 2} if pairs == 2 else {}),
                                    **({"gmma": True} if gmma else {}),
                                    **({"gmma_rows": True} if gmma == "all" and R < C_
-                                      else {}))
+                                      else {}), **tables)
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -340,16 +385,31 @@ class ChunkForwardKernel:
                                     fn, _avals(name, K, V, rows=READOUT_ROWS)))
                     # K_ROWS (opt-in: listed only while on): the plain forward forming Kt
                     # in the walk, all rows and the read-out rows
-                    for rows in ((C, READOUT_ROWS) if K_ROWS is True else ()):
+                    for rows in ((C, READOUT_ROWS) if K_ROWS is True or O_TOKENS is True
+                                 else ()):
                         for BV in cls.value_tiles(V):
-                            fn = functools.partial(
-                                lambda *a, **kw: cls.raw_call(*a[:10], k_rows=a[10:], **kw),
-                                BV=BV)
+                            fn = functools.partial(cls._rows_call, BV=BV)
                             out.append(aot.Variant(
-                                f"gdp_chunk_fwd_sm90_k_rows {name} K={K} V={V} ckpt=0 "
-                                f"BV={BV}" + (f" rows={rows}" if rows < C else ""),
+                                f"gdp_chunk_fwd_sm90_rows {name} K={K} V={V} ckpt=0 "
+                                f"BV={BV}" + (f" rows={rows}" if rows < C else "")
+                                + (" k_rows" if K_ROWS is True else "")
+                                + (" o_tokens" if O_TOKENS is True else ""),
                                 fn, _avals(name, K, V, rows=rows, k_rows=True)))
         return out
+
+    @classmethod
+    def _rows_call(cls, *a, BV: int):
+        """:meth:`raw_call` as the plain forward runs it under :data:`K_ROWS` /
+        :data:`O_TOKENS` (``_avals(.., k_rows=True)``'s operands: k token-major, Kt's row
+        scales, the row table, the bad rows; o for T = 1 token)."""
+        kw = {}
+        if K_ROWS is True:
+            kw["k_rows"] = (a[10], a[11])
+        else:
+            a = a[:1] + (jnp.zeros(a[0].shape, a[0].dtype),) + a[2:]
+        if O_TOKENS is True:
+            kw["o_tokens"] = (a[11], a[12], 1)
+        return cls.raw_call(*a[:10], BV=BV, **kw)
 
     @classmethod
     def stage_counts(cls, V: int, BV: int):
@@ -367,15 +427,15 @@ class ChunkForwardKernel:
 def _avals(dtype, K, V, u_cols=None, rows=C, k_rows=False):
     """The kernel's operands at the canonical shape (one row, chunk, head, sequence), on V
     state columns (u on the first ``u_cols``; None: all), qg and p on ``rows`` rows;
-    ``k_rows``: the token-major k in Kt's place, Kt's row scales and the row table after
-    h0."""
+    ``k_rows``: the token-major k in Kt's place, Kt's row scales, the row table and the
+    bad rows after h0."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     f32, i32 = jnp.float32, jnp.int32
     if k_rows:
         plain = _avals(dtype, K, V, u_cols, rows)
         return ((plain[0], S((1, 1, 1, K), dtype)) + plain[2:]
-                + (S((1, 1, 1, C), f32), S((1, 1, 4), i32)))
+                + (S((1, 1, 1, C), f32), S((1, 1, 4), i32), S((1, 1, 1, C), i32)))
     return ((S((1, 1, 1, C, K), dtype),) * 2 + (S((1, 1, 1, rows, K), dtype),
             S((1, 1, 1, rows, C), dtype),
             S((1, 1, 1, C, u_cols or V), u_dtype(dtype)), S((1, 1, 1), f32))
@@ -384,25 +444,28 @@ def _avals(dtype, K, V, u_cols=None, rows=C, k_rows=False):
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher_k_rows():
-    """:func:`_launcher` with Kt formed in the walk: k (token-major) in kt's place, then
-    Kt's row scales and the row table after h0."""
+def _launcher_rows():
+    """:func:`_launcher` with the row table: Kt formed in the walk (``k_rows``: k
+    token-major in kt's place, Kt's row scales ``en``) and / or o written token-major
+    (``o_tokens``: the operands kernel's ``bad`` rows); unused ones are placeholders."""
     binding.import_cutlass()
     import cutlass
     import cutlass.cute as cute
     from gdp_jax.kernels import chunk_fwd_sm90 as mod
 
     @cute.jit
-    def launch(stream, w, k, qg, p, u, decay, reset, seq, last, h0, en, table, o, final,
-               states, *, K: cutlass.Constexpr, V: cutlass.Constexpr, BV: cutlass.Constexpr,
-               ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
+    def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, en, table, bad, o,
+               final, states, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
+               BV: cutlass.Constexpr, ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
                rows: cutlass.Constexpr = C, gmma: cutlass.Constexpr = False,
-               gmma_rows: cutlass.Constexpr = False):
+               gmma_rows: cutlass.Constexpr = False, k_rows: cutlass.Constexpr = False,
+               o_tokens: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       1, gmma, gmma_rows, k_rows=True)(
-            stream, w, k, qg, p, u, decay, reset, seq, last, h0, o, final, states, en, table)
+                       1, gmma, gmma_rows, k_rows, o_tokens)(
+            stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, en,
+            table, bad)
 
     return launch
 

@@ -51,7 +51,7 @@ class ChunkFwdSm90:
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
                  readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C,
                  pairs: int = 1, gmma: bool = False, gmma_rows: bool = False,
-                 k_rows: bool = False):
+                 k_rows: bool = False, o_tokens: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
         # 2: a CTA of two 4-warp groups walks two adjacent value tiles (group g: tile
@@ -95,14 +95,22 @@ class ChunkFwdSm90:
         # kernel then writes 256 bytes a chunk-head instead of Kt's 16 KB
         self.k_rows = k_rows
         assert not k_rows or (stages == 1 and pairs == 1)
+        # o written token-major: mO is [B, T, HV, V] and read-out tile row r goes to token
+        # tok + r of the row table (NaN where the operands kernel's bad flag is set) - no
+        # relayout (and NaN pass) of [B, NC, HV, R, V] rows in XLA after the walk. The
+        # wgmma walks' o accumulators only (C rows: R = C at n = 1, or the read-out rows
+        # on C-row tiles)
+        self.o_tokens = o_tokens
+        assert not o_tokens or (readout and gmma and (rows == C or gmma_rows))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, stream, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0,
-                 mO, mFinal, mStates, mEn=None, mRows=None):
+                 mO, mFinal, mStates, mEn=None, mRows=None, mBad=None):
         """With ``k_rows``: mKt is k [B, L, H, K], mEn Kt's row scales [B, NC, HV, C]
-        float32, mRows the row table [B, NC, 4] int32 (``chunk_prep.token_rows``);
-        else the two are unused (placeholders passed in their place)."""
+        float32; with ``k_rows`` or ``o_tokens`` mRows is the row table [B, NC, 4] int32
+        (``chunk_prep.token_rows``); with ``o_tokens`` mO is [B, T, HV, V] and mBad the
+        operands kernel's bad rows [B, NC, HV, C] int32; unused ones are placeholders."""
         K, BV, ab = self.K, self.BV, self.ab
         sK_layout = smem_layout(C, K)         # w, Kt, qg: [C, K]
         sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
@@ -116,7 +124,11 @@ class ChunkFwdSm90:
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
         if cutlass.const_expr(not self.k_rows):
-            mEn, mRows = mDecay, mReset
+            mEn = mDecay
+        if cutlass.const_expr(not (self.k_rows or self.o_tokens)):
+            mRows = mReset
+        if cutlass.const_expr(not self.o_tokens):
+            mBad = mReset
         if cutlass.const_expr(self.stages == 2):
             Storage = _storage_pipelined(ab, sK_layout, sS_layout, sD_layout,
                                          sPr_layout if self.readout else None, self.split,
@@ -131,7 +143,8 @@ class ChunkFwdSm90:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
                                sPr_layout if self.readout else None, sQ_layout, self.pairs)
             self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                        mStates, mEn, mRows, sK_layout, sPr_layout, sS_layout, sD_layout,
+                        mStates, mEn, mRows, mBad, sK_layout, sPr_layout, sS_layout,
+                        sD_layout,
                         g2s_copy(ab, K, NUM_THREADS * self.pairs),
                         g2s_copy(ab, C, NUM_THREADS * self.pairs), warp_mma(ab),
                         Storage, sQ_layout,
@@ -142,7 +155,7 @@ class ChunkFwdSm90:
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-               mStates, mEn, mRows, sK_layout: cute.ComposedLayout,
+               mStates, mEn, mRows, mBad, sK_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
                sD_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
@@ -240,7 +253,7 @@ class ChunkFwdSm90:
             reset = mReset[b, c]
             decay = mDecay[b, c, hv]
             last = mLast[b, c]
-            if cutlass.const_expr(self.k_rows):
+            if cutlass.const_expr(self.k_rows or self.o_tokens):
                 base, count = mRows[b, c, 0], mRows[b, c, 1]
             # ---- operands of chunk c -> smem (async; with pairs, one copy for both groups)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
@@ -298,7 +311,12 @@ class ChunkFwdSm90:
             else:
                 mma_split_b(tiled_mma, C // MMA_K, [(acc_S, KtT)] + second, D, Dl, self.split)
 
-            if cutlass.const_expr(self.gmma_rows):
+            if cutlass.const_expr(self.o_tokens):
+                if tidx < 32 * (R // 16):
+                    for acc, _ in first:
+                        self._store_o_tokens(thr_mma, acc, mO, mBad, mRows, b, c, hv, vt,
+                                             count)
+            elif cutlass.const_expr(self.gmma_rows):
                 # o's R rows: the warps holding accumulator rows < R store them,
                 # through a [C, V] view of the chunk's rows (rows >= R are never touched)
                 if tidx < 32 * (R // 16):
@@ -344,6 +362,36 @@ class ChunkFwdSm90:
                 for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                     tKsKt[e] = cutlass.Float32(0.0).to(ab)
         return en
+
+    @cute.jit
+    def _store_o_tokens(self, thr_mma, acc, mO, mBad, mRows, b, c, hv, vt, count):
+        """``o_tokens``: this thread's o elements (accumulator rows r < R of a [C, BV]
+        tile) to token tok + r of mO [B, T, HV, V] - tile row r holds chunk row
+        i = n r + n - 1 (R < C: the read-out rows; R = C: n = 1, i = r) - where i < count,
+        NaN where bad[i] is set (as XLA marked the rows it laid out)."""
+        R, BV, ab = self.rows, self.BV, self.ab
+        tok, n = mRows[b, c, 2], mRows[b, c, 3]
+        # a [C, V] view of tokens tok, tok + 1, ..: rows past the chunk's read-out rows
+        # are never stored through it
+        g = cute.make_tensor(mO[b, tok, hv, None].iterator,
+                             cute.make_layout((C, self.V), stride=(mO.shape[2] * self.V, 1)))
+        part = c_tile(thr_mma, g, (C, BV), (0, vt))
+        crd = thr_mma.partition_C(cute.make_identity_tensor((C, BV)))
+        x = cute.make_fragment_like(part)
+        x.store(acc.load().to(ab))
+        r0 = crd[0][0]              # an accumulator row lives in one quad: rows r0, r0 + 8
+        i0, i1 = r0, r0 + 8         # their chunk rows
+        if cutlass.const_expr(R < C):
+            i0, i1 = n * r0 + n - 1, n * (r0 + 8) + n - 1
+        ok0, ok1 = i0 < count, i1 < count
+        bad0 = mBad[b, c, hv, cutlass.min(i0, C - 1)] != 0
+        bad1 = mBad[b, c, hv, cutlass.min(i1, C - 1)] != 0
+        nan = cutlass.Float32(float("nan")).to(ab)
+        for e in cutlass.range_constexpr(cute.size(part)):
+            r, _ = crd[e]
+            first = r == r0
+            if cutlass.select_(first, ok0, ok1):
+                part[e] = cutlass.select_(cutlass.select_(first, bad0, bad1), nan, x[e])
 
     @cute.jit
     def _scale_k_rows(self, tKsKt, en):
@@ -533,10 +581,11 @@ def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
                stages: int = 1, rows: int = C, pairs: int = 1,
                gmma: bool = False, gmma_rows: bool = False,
-               k_rows: bool = False) -> ChunkFwdSm90:
+               k_rows: bool = False, o_tokens: bool = False) -> ChunkFwdSm90:
     key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs, gmma,
-           gmma_rows, k_rows)
+           gmma_rows, k_rows, o_tokens)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols, stages, rows, pairs, gmma, gmma_rows, k_rows)
+                                     u_cols, stages, rows, pairs, gmma, gmma_rows, k_rows,
+                                     o_tokens)
     return _KERNELS[key]

@@ -40,7 +40,7 @@ def _scan_chunks(step, state_shape, dtype, xs, reverse=False):
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0,
                       states_dtype=None, readout=True, stages=1, pairs=1,
-                      gmma=None, k_rows=None):
+                      gmma=None, k_rows=None, o_tokens=None):
     del BV, split, stages, pairs, gmma
     B, NC, HV, C, K = w.shape
     if k_rows is not None:
@@ -68,7 +68,29 @@ def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split
                           last.reshape(-1) != 0)
     states = S0[:, ::ckpt].astype(states_dtype or acc) if ckpt else jnp.zeros((1,), acc)
     o = o.astype(w.dtype) if readout else jnp.full((1,), jnp.nan, w.dtype)
+    if o_tokens is not None:
+        o = _o_to_tokens(o, *o_tokens)
     return o, final, states
+
+
+def _o_to_tokens(o, rows, bad, T):
+    """The walk's ``o_tokens`` contract: o rows [B, NC, HV, R, V] -> [B, T, HV, V], tile
+    row r of chunk c at token tok + r where its chunk row i (n r + n - 1 for R < C, else
+    r) is < count, NaN where bad[i]; tokens no chunk writes stay NaN (as the kernel leaves
+    them unwritten)."""
+    B, NC, HV, R, V = o.shape
+    C = bad.shape[-1]
+    base, count, tok, n = (rows[..., j, None] for j in range(4))        # [B, NC, 1]
+    r = jnp.arange(R, dtype=jnp.int32)
+    i = n * r + n - 1 if R < C else jnp.broadcast_to(r, (B, NC, R))
+    ok = i < count                                                       # [B, NC, R]
+    isbad = jnp.take_along_axis(bad, jnp.minimum(i, C - 1)[:, :, None, :], axis=-1) != 0
+    o = jnp.where(isbad[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+    idx = jnp.where(ok, tok + r, T)                                      # T: dropped
+    out = jnp.full((B, T, HV, V), jnp.nan, o.dtype)
+    bidx = jnp.broadcast_to(jnp.arange(B)[:, None, None], idx.shape)
+    vals = jnp.moveaxis(o, 2, 3)                                         # [B, NC, R, HV, V]
+    return out.at[bidx, idx].set(vals, mode="drop")
 
 
 def dh_kernel_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV, split=None,

@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 
 from gdp_jax import _vma, chunked, grid, heads
-from gdp_jax.engine import (Engine, RawTokenCotangents, TokenCotangents, identity_columns,
-                            mm_exact, where_has_tokens)
+from gdp_jax.engine import (Engine, RawTokenCotangents, TokenCotangents, TokenOutputs,
+                            identity_columns, mm_exact, where_has_tokens)
 from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows, u_dtype
 from gdp_jax.kernels.local_grad import LocalGradKernel
@@ -118,7 +118,7 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
         compact = readout and readout_rows_only(spec)
-        if tokens is not None and ChunkPrepKernel.can_read_tokens(spec, *tokens):
+        if reads_tokens(spec, ch, use_kernel, tokens):
             kt_scale = plain and walk_forms_kt(spec, normalized)
             return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout,
                                                normalized=normalized, readout_rows=compact,
@@ -126,6 +126,29 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype,
                                     readout_every=spec.n if compact else 1)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
+
+
+def reads_tokens(spec, ch: grid.ChunkInputs, use_kernel: bool, tokens) -> bool:
+    """Does :func:`masked_operands` run the operands kernel on the token-major ``tokens``
+    (the kernel takes the call and reads them: ``ChunkPrepKernel.can_read_tokens``)?"""
+    B, NC, HV, _, K = ch.k.shape
+    return (use_kernel and tokens is not None
+            and ChunkPrepKernel.can_implement(ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K,
+                                              V=ch.v.shape[-1], rows=B, NC=NC,
+                                              HV=HV) is None
+            and ChunkPrepKernel.can_read_tokens(spec, *tokens))
+
+
+def walk_writes_tokens(spec, operands) -> bool:
+    """Does the plain forward's walk write o token-major (:data:`chunk_forward.O_TOKENS`)?
+    Where its o tiles hold C rows on warpgroup MMAs: the read-out rows (qg on
+    ``READOUT_ROWS`` rows) under ``chunk_forward.GMMA = "all"``, or all rows at n = 1."""
+    if chunk_forward.O_TOKENS not in (True, False):
+        raise ValueError(f"chunk_forward.O_TOKENS={chunk_forward.O_TOKENS!r}; expected True "
+                         f"or False")
+    R, gmma = operands[2].shape[-2], chunk_forward.GMMA
+    return chunk_forward.O_TOKENS and (
+        (R < grid.CHUNK and gmma == "all") or (spec.n == 1 and gmma in (True, "all")))
 
 
 def walk_forms_kt(spec, normalized: bool) -> bool:
@@ -529,6 +552,7 @@ class CuTeDSLEngine(Engine):
         :func:`norm_in_kernels` says so."""
         self._check(spec, ch, layout)
         save = keep_states and work is None and save_operands() and kernel_backward(spec, ch)
+        o_tokens = None
         if save:
             operands, bad, X = saved_operands(spec, ch, layout, tokens)
         elif work is not None:
@@ -540,16 +564,26 @@ class CuTeDSLEngine(Engine):
                 normalized = read is not None and not norm_in_kernels(spec, tokens)
             elif tokens is not None:
                 read = tokens.raw
+            use_kernel = self._prep_kernel(spec, ch, keep_states)
             operands, bad = masked_operands(
-                spec, ch, use_kernel=self._prep_kernel(spec, ch, keep_states), layout=layout,
-                tokens=read, normalized=normalized,
-                readout=not keep_states or READOUT_ONLY_GRAD, plain=not keep_states)
+                spec, ch, use_kernel=use_kernel, layout=layout, tokens=read,
+                normalized=normalized, readout=not keep_states or READOUT_ONLY_GRAD,
+                plain=not keep_states)
+            if (not keep_states and reads_tokens(spec, ch, use_kernel, read)
+                    and walk_writes_tokens(spec, operands)):
+                # the walk writes o token-major itself, NaN on the bad rows
+                rows = token_rows(layout, spec.n, spec.T)
+                o_tokens = (rows, bad.astype(jnp.int32), spec.T)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
         oc, final, states = forward_walk(operands, _flags(layout), h0, ckpt=ckpt,
-                                         states_dtype=spec.checkpoint_dtype)
-        oc, bad = forward_rows(spec, operands, oc, bad)
-        oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
+                                         states_dtype=spec.checkpoint_dtype,
+                                         o_tokens=o_tokens)
+        if o_tokens is None:
+            oc, bad = forward_rows(spec, operands, oc, bad)
+            oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
+        else:
+            oc = TokenOutputs(oc)
         final = where_has_tokens(layout, final, h0).astype(spec.cdt)
         if save:
             return oc, final, (states, (operands, X))
