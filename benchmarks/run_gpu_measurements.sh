@@ -71,6 +71,8 @@
 #   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 50  # K_ROWS (+krows): GPU
 #                                               # test, kernels alone, forward A/B beside +u16
 #                                               # and tuned FLA, mode 4's forward tests
+#   TOTAL=280 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 51  # mode 50 cut short: one
+#                                               # A/B shape, kernels alone, the GPU tests
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -433,6 +435,18 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
+51)
+  # s41: mode 50 cut to ~280 s for a short budget: the op's forward with the three s41
+  # opt-ins together beside the default and tuned FLA at one shape, the kernels alone
+  # (and the K_ROWS walk's same-bits check), then the opt-ins' GPU tests
+  step 90 ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+u16f+krows+otok,fla \
+    --shapes "8,4096,16,2" --deadline 80 --out $M/ab
+  rows $M/ab.log
+  step 60 kprobe python -m benchmarks.prep_probe --tokens --k-rows --skip-prep-probe --bv 64 \
+    --shape 8,4096,16,2 --json $M/kprobe.json
+  grep -hE "s\] (prep tok|fwd tok)|same bits|Error" $M/kprobe.log | cut -c1-160
+  step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt or walk_writes_o_tokens"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230 ;;
 50)
   # s41: the plain forward's walk forming Kt from k's token-major rows (chunk_forward.K_ROWS,
   # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head) and
