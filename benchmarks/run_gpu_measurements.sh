@@ -63,8 +63,7 @@
 #                                               # ".ab"), main table vs +mmap+wg and tuned FLA, tests
 #   TOTAL=590 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 47  # +gram A/B beside tuned FLA,
 #                                               # its GPU test beside mode 4's groups
-#   TOTAL=450 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 48  # +u16 A/B beside tuned FLA,
-#                                               # one long row on s40's defaults
+#   (mode 48 - s40's +u16 A/B and a long row, never run - is mode 49's since s41)
 #   TOTAL=480 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 49  # the operands kernel and
 #                                               # walk alone +/- u16 (bytes or latency?), +u16
 #                                               # A/B beside tuned FLA, a forward trace, a long row
@@ -492,17 +491,6 @@ case "${1:-2}" in
   head -14 $M/trace_fwd.log | cut -c1-160
   step 100 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,fla \
     --shapes "1,65536,16,2" --deadline 90 --out $M/long
-  rows $M/long.log ;;
-48)
-  # s40, NOT run: u in bfloat16 again (chunk_prep.U16, +u16: 16 KB less a chunk-head out of
-  # the operands kernel and into each walk) now that the operands kernel moves ~2 TB/s;
-  # fwd+bwd A/B beside tuned FLA (its check column: o and the gradients vs float64), then
-  # one long row's forward and fwd+bwd on s40's defaults ("auto" split) beside tuned FLA
-  step 170 u16 python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+u16,fla \
-    --shapes "8,4096,16,2;8,4096,16,3;2,16384,16,2" --deadline 150 --out $M/u16
-  rows $M/u16.log
-  step 200 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,fla \
-    --shapes "1,65536,16,2" --deadline 180 --out $M/long
   rows $M/long.log ;;
 47)
   # s40: k's norms from K K^T's diagonal (chunk_prep.GRAM_NORM, +gram): fwd+bwd A/B beside

@@ -750,6 +750,22 @@ def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
     assert rel_max(o, o2) < 1e-5 and rel_max(s, s2) < 1e-5
 
 
+def _token_case_forward(seed, case, l2norm):
+    """(run, inputs, k with one inf entry) for :data:`TOKEN_CASES`' ``case`` (bf16, strong
+    gates): run(k) is a fresh jit of the plain cutedsl forward (o, final) on those inputs
+    with ``k`` - the switches are read at trace time."""
+    B, T, n, H, HV, cu = TOKEN_CASES[case]
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(seed, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    k_bad = inp.k.at[0, T // 2, 0, 0, 3].set(jnp.inf)
+    run = lambda k: jax.jit(lambda *a: OP(*a[:5], initial_state=a[5], cu_seqlens=cu,
+                                          output_final_state=True, use_qk_l2norm=l2norm,
+                                          backend="cutedsl"))(
+        inp.q, k, *inp[2:5], inp.initial_state)
+    return run, inp, k_bad
+
+
 @pytest.mark.parametrize("case", list(TOKEN_CASES))
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
@@ -769,15 +785,7 @@ def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
         lambda *a, **kw: seen.append(("prep", kw.get("kt_scale", False))) or raw(*a, **kw)))
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
         lambda *a, **kw: seen.append(("walk", kw.get("k_rows") is not None)) or walk(*a, **kw)))
-    B, T, n, H, HV, cu = TOKEN_CASES[case]
-    N = B if cu is None else len(cu) - 1
-    inp = make_inputs(35, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
-    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
-    k_bad = inp.k.at[0, T // 2, 0, 0, 3].set(jnp.inf)
-    run = lambda k: jax.jit(lambda *a: OP(*a[:5], initial_state=a[5], cu_seqlens=cu,
-                                          output_final_state=True, use_qk_l2norm=l2norm,
-                                          backend="cutedsl"))(
-        inp.q, k, *inp[2:5], inp.initial_state)
+    run, inp, k_bad = _token_case_forward(35, case, l2norm)
     ref, ref_bad = run(inp.k), run(k_bad)
     assert seen == [("prep", False), ("walk", False)] * 2
     seen.clear()
@@ -812,15 +820,7 @@ def test_walk_writes_o_token_major(monkeypatch, case, k_rows):
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
         lambda *a, **kw: seen.append(kw.get("o_tokens") is not None) or walk(*a, **kw)))
     monkeypatch.setattr(chunk_forward, "K_ROWS", k_rows)
-    B, T, n, H, HV, cu = TOKEN_CASES[case]
-    N = B if cu is None else len(cu) - 1
-    inp = make_inputs(42, B, T, n, H, HV, 64, 64, jnp.bfloat16, N=N, gate="strong")
-    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
-    k_bad = inp.k.at[0, T // 2, 0, 0, 3].set(jnp.inf)
-    run = lambda k: jax.jit(lambda *a: OP(*a[:5], initial_state=a[5], cu_seqlens=cu,
-                                          output_final_state=True, use_qk_l2norm=True,
-                                          backend="cutedsl"))(
-        inp.q, k, *inp[2:5], inp.initial_state)
+    run, inp, k_bad = _token_case_forward(42, case, True)
     ref, ref_bad = run(inp.k), run(k_bad)
     assert seen == [False, False]
     seen.clear()
