@@ -555,12 +555,10 @@ class ChunkPrepSm90:
                 for e in cutlass.range_constexpr(cute.size(rk)):
                     mx = cute.arch.fmax(mx, cute.math.absf(rk[e].to(F32)))
                 if cute.arch.vote_any_sync(mx >= F32(GRAM_BIG)):
-                    if cutlass.const_expr(self.kt_scale):
-                        # the walk scales the raw row: its factor goes into en
-                        l2_normalize_rows(rk, tK, lanes, pieces, ab, row_scale=srho1,
-                                          crd=crd, group=group)
-                    else:
-                        l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
+                    # with kt_scale the walk scales the raw row: its factor goes into en
+                    l2_normalize_rows(rk, tK, lanes, pieces, ab,
+                                      row_scale=srho1 if self.kt_scale else None, crd=crd,
+                                      group=group)
             else:
                 l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
             l2_normalize_rows(rq, tQ, lanes, q_pieces, ab, group=group)
