@@ -727,9 +727,13 @@ def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
     itself (L2 norm in the kernel) equals the forward on XLA's chunk-major copies
     (``chunk_prep.TOKEN_LAYOUT = False``), outputs and final states: T not a multiple
     of 64, T = 2 (T = 1 runs the decoding step), n = 1..3, GVA, packed with empty and
-    one-token sequences."""
-    from gdp_jax.kernels import chunk_prep
+    one-token sequences. (The plain forward's byte levers are pinned off: the
+    chunk-major path has none, and each has its own test against this path.)"""
+    from gdp_jax.kernels import chunk_forward, chunk_prep
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    for name in ("K_ROWS", "O_TOKENS"):
+        monkeypatch.setattr(chunk_forward, name, False)
+    monkeypatch.setattr(chunk_prep, "U16", False)
     calls = []
     raw = ChunkPrepKernel.raw_call_tokens
     monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
@@ -785,6 +789,7 @@ def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
         lambda *a, **kw: seen.append(("prep", kw.get("kt_scale", False))) or raw(*a, **kw)))
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
         lambda *a, **kw: seen.append(("walk", kw.get("k_rows") is not None)) or walk(*a, **kw)))
+    monkeypatch.setattr(chunk_forward, "K_ROWS", False)
     run, inp, k_bad = _token_case_forward(35, case, l2norm)
     ref, ref_bad = run(inp.k), run(k_bad)
     assert seen == [("prep", False), ("walk", False)] * 2
@@ -820,6 +825,7 @@ def test_walk_writes_o_token_major(monkeypatch, case, k_rows):
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
         lambda *a, **kw: seen.append(kw.get("o_tokens") is not None) or walk(*a, **kw)))
     monkeypatch.setattr(chunk_forward, "K_ROWS", k_rows)
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", False)
     run, inp, k_bad = _token_case_forward(42, case, True)
     ref, ref_bad = run(inp.k), run(k_bad)
     assert seen == [False, False]
@@ -880,6 +886,8 @@ def test_split_forward_takes_the_plain_forward_operands(monkeypatch, packed):
                                         output_final_state=True, cu_seqlens=cu,
                                         use_qk_l2norm=True, backend="cutedsl",
                                         intra_cp=4))(*inp[:5])
+    monkeypatch.setattr(chunk_forward, "K_ROWS", False)
+    monkeypatch.setattr(chunk_prep, "U16", False)
     ref = run()
     assert set(seen) == {(False, False, "float32"), (True, False, "float32")}
     seen.clear()
@@ -910,6 +918,7 @@ def test_u16_forward_only_in_the_plain_forward(monkeypatch, n):
         testing._value_and_grad_fn.cache_clear()
         jax.clear_caches()
         return loss_and_grads(OP, inp, use_qk_l2norm=True, backend="cutedsl")
+    monkeypatch.setattr(chunk_prep, "U16", False)
     ref_o, ref_g = fwd(), both()
     monkeypatch.setattr(chunk_prep, "U16", "forward")
     u_seen.clear()
