@@ -70,6 +70,9 @@
 #   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 50  # K_ROWS (+krows): GPU
 #                                               # test, kernels alone, forward A/B beside +u16
 #                                               # and tuned FLA, mode 4's forward tests
+#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 52  # O_TOKENS with its row loads
+#                                               # hoisted: GPU test, forward A/B beside tuned
+#                                               # FLA at the main shapes, mode 4's rest group
 #   TOTAL=280 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 51  # mode 50 cut short: one
 #                                               # A/B shape, kernels alone, the GPU tests
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
@@ -102,12 +105,14 @@ job() { local name=$1; shift; ( timeout $JOB_S "$@" > $M/$name.log 2>&1; echo "r
 results() { for f in "$@"; do echo "== $f"; grep -hE "^(FAILED|ERROR)|passed|failed|^rc=" $M/$f.log | tail -6 | cut -c1-250; done; }
 # mode 4's five test groups (s20-3's split: one GPU, no preallocation); $1: more of
 # rest's -k expression (" and not NAME" for a test another job runs)
+# mode 4's rest group: the tests the other four groups do not run
+REST_K="not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
 suite_jobs() {
   local F=tests/test_cutedsl_gpu.py
   job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
   job grad2 $P $F -k "gradients_match and not token_major and not packed"
   job fwd $P $F -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
-  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel$1"
+  job rest $P $F -k "$REST_K$1"
   job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
 }
 # mode 4's GPU tests: the five groups at once, one time limit (SUITE_S, default 420 s)
@@ -446,6 +451,21 @@ case "${1:-2}" in
   grep -hE "s\] (prep tok|fwd tok)|same bits|Error" $M/kprobe.log | cut -c1-160
   step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt or walk_writes_o_tokens"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230 ;;
+52)
+  # s42: O_TOKENS with the walk's loads of o's token rows and bad flags at the chunk's
+  # start (s42-2, loaded at its end: -1..-7% at B = 8, +5% at (2, 16384, 16, 2)): its GPU
+  # test, the op's forward A/B beside tuned FLA at the main shapes and one long row, then
+  # mode 4's rest group (cut by s42-2's limit) in the time left
+  step 120 t_otok $P tests/test_cutedsl_gpu.py -k "walk_writes_o_tokens"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_otok.log | tail -8 | cut -c1-230
+  step 190 otok python -m benchmarks.run fwd --impl cutedsl,cutedsl+otok,cutedsl+u16f+otok,fla \
+    --shapes main --deadline 175 --out $M/otok
+  rows $M/otok.log
+  t=$(( $(left) - 10 )); el "rest ($t s)"
+  JOB_S=$t F=tests/test_cutedsl_gpu.py
+  job rest $P $F -k "$REST_K"
+  wait
+  results rest ;;
 50)
   # s41: the plain forward's walk forming Kt from k's token-major rows (chunk_forward.K_ROWS,
   # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head) and
@@ -559,7 +579,7 @@ case "${1:-2}" in
   job grad1 $P $F -k "fused_ddo or token_major_gradients or local_grad_kernel_matches or packed_gradients"
   job grad2 $P $F -k "gradients_match and not token_major and not packed and not gmma"
   job gmma $P $F -k "gmma_gradients_match"
-  job rest $P $F -k "not forward_matches and not packed_matches and not gradients_match and not long_sequence_state and not token_major and not fused_ddo and not local_grad_kernel and not inverse_kernel"
+  job rest $P $F -k "$REST_K"
   wait; el "tests done"
   results grad1 grad2 gmma rest
   step 215 op python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+mma,fla --shapes main \
