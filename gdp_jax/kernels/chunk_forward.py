@@ -65,17 +65,20 @@ PAIR_TILES = False
 # GMMA the forward 2.03 -> 1.82 ms at (8, 4096, 16, 2) (H100, s40-1). True: the read-out
 # rows' o products on warp MMAs (``+wg``); False: every product on warp MMAs (``+mmaf``).
 GMMA = "all"
-# Opt-in, NOT yet run on a GPU (s41): the op's plain forward on token-major inputs forms Kt
+# Off: measured slower (the walk +12%, the operands kernel -2.4%; benchmarks/results/
+# CURRENT.md, s42). When on, the op's plain forward on token-major inputs forms Kt
 # in the walk - the operands kernel writes Kt's float32 row scales en [C] instead of Kt
 # [C, K] (``kt_scale`` of ``ChunkPrepSm90``: 16 KB less a chunk-head, ~14% of its bytes)
 # and the walk reads the chunk's k rows by the row table and rounds en k once, as the
 # operands kernel did (``k_rows`` of ``ChunkFwdSm90``: the same bits). False: Kt from HBM.
 K_ROWS = False
-# Opt-in, NOT yet run on a GPU (s41): the op's plain forward on token-major inputs gets o
-# from the walk token-major, [B, T, HV, V] (``o_tokens`` of ``ChunkFwdSm90``: read-out
-# row r of a chunk to token tok + r of the row table, NaN on the operands kernel's bad
-# rows) - no XLA pass relaying [B, NC, HV, R, V] rows to tokens after the walk (~0.13 ms
-# of a (8, 4096, 16, 2) step in s38's trace). For wgmma walks whose o tiles hold C rows.
+# Off: measured faster at B = 8, slower with one walk CTA an SM (CURRENT.md, s42; the row
+# loads moved to the chunk's start since, GPU mode 52). When on, the op's plain forward on
+# token-major inputs gets o from the walk token-major, [B, T, HV, V] (``o_tokens`` of
+# ``ChunkFwdSm90``: read-out row r of a chunk to token tok + r of the row table, NaN on the
+# operands kernel's bad rows) - no XLA pass relaying [B, NC, HV, R, V] rows to tokens
+# after the walk (~0.13 ms of a (8, 4096, 16, 2) step in s38's trace). For wgmma walks
+# whose o tiles hold C rows.
 O_TOKENS = False
 
 
