@@ -70,9 +70,10 @@
 #   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 50  # K_ROWS (+krows): GPU
 #                                               # test, kernels alone, forward A/B beside +u16
 #                                               # and tuned FLA, mode 4's forward tests
-#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 52  # O_TOKENS with its row loads
-#                                               # hoisted: GPU test, forward A/B beside tuned
-#                                               # FLA at the main shapes, mode 4's rest group
+#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 52  # LOAD_AHEAD (+ahead) and
+#                                               # O_TOKENS with its row loads hoisted: GPU
+#                                               # tests, fwd A/B beside tuned FLA at the main
+#                                               # shapes, fwd+bwd at two, one long row
 #   TOTAL=280 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 51  # mode 50 cut short: one
 #                                               # A/B shape, kernels alone, the GPU tests
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
@@ -452,20 +453,22 @@ case "${1:-2}" in
   step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt or walk_writes_o_tokens"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230 ;;
 52)
-  # s42: O_TOKENS with the walk's loads of o's token rows and bad flags at the chunk's
-  # start (s42-2, loaded at its end: -1..-7% at B = 8, +5% at (2, 16384, 16, 2)): its GPU
-  # test, the op's forward A/B beside tuned FLA at the main shapes and one long row, then
-  # mode 4's rest group (cut by s42-2's limit) in the time left
-  step 120 t_otok $P tests/test_cutedsl_gpu.py -k "walk_writes_o_tokens"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_otok.log | tail -8 | cut -c1-230
-  step 190 otok python -m benchmarks.run fwd --impl cutedsl,cutedsl+otok,cutedsl+u16f+otok,fla \
-    --shapes main --deadline 175 --out $M/otok
-  rows $M/otok.log
-  t=$(( $(left) - 10 )); el "rest ($t s)"
-  JOB_S=$t F=tests/test_cutedsl_gpu.py
-  job rest $P $F -k "$REST_K"
-  wait
-  results rest ;;
+  # s42: the forward walk's w, qg a chunk ahead (chunk_forward.LOAD_AHEAD, +ahead) and
+  # O_TOKENS with its row loads at the chunk's start (s42-2, loaded at its end: -1..-7%
+  # at B = 8, +5% at (2, 16384, 16, 2)): their GPU tests (the same bits), the op's forward
+  # A/B beside tuned FLA at the main shapes, fwd+bwd at two of them, one long row
+  step 150 t_ahead $P tests/test_cutedsl_gpu.py -k "walk_writes_o_tokens or walk_loads_ahead"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_ahead.log | tail -12 | cut -c1-230
+  step 150 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+ahead,cutedsl+otok,cutedsl+ahead+otok,fla --shapes main \
+    --deadline 135 --out $M/fwd
+  rows $M/fwd.log
+  step 110 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+ahead,fla \
+    --shapes "2,16384,16,2;8,4096,16,2" --deadline 95 --out $M/fb
+  rows $M/fb.log
+  step 100 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,cutedsl-cpauto+ahead,fla \
+    --shapes "1,65536,16,2" --deadline 90 --out $M/long
+  rows $M/long.log ;;
 50)
   # s41: the plain forward's walk forming Kt from k's token-major rows (chunk_forward.K_ROWS,
   # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head) and

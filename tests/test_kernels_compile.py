@@ -1192,6 +1192,32 @@ def test_walk_gmma_default_steps_down(monkeypatch, walk):
     assert gmma(gmma=True) is True                    # an explicit request is kept
 
 
+def test_walk_loads_ahead_compiles(monkeypatch):
+    """``chunk_forward.LOAD_AHEAD``: the forward walks loading the next chunk's w and qg
+    during a chunk's second phase compile to sm_90a - the plain forward on all rows and
+    on the read-out rows, the differentiated one (checkpoints), the CP summary walk (no
+    qg) and the token-row walk (O_TOKENS); listed as " ahead" variants only while on,
+    never for two operand sets; a value other than True / False is refused."""
+    from gdp_jax.kernels import chunk_forward
+    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", False)
+    assert not [v for v in ChunkForwardKernel.variants() if " ahead" in v.what]
+    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", True)
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", True)
+    listed = {v.what: v for v in ChunkForwardKernel.variants()}
+    assert not [w for w in listed if "stages=2" in w and " ahead" in w]
+    want = ["gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 ahead",
+            "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32 ahead",
+            "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=1 BV=64 rows=32 ahead",
+            "gdp_chunk_fwd_sm90 bfloat16 K=128 V=256 ckpt=0 summary BV=64 ahead",
+            "gdp_chunk_fwd_sm90_rows bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32 o_tokens ahead"]
+    for what in want:
+        v = listed[what]
+        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals), what
+    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "yes")
+    with pytest.raises(ValueError, match="chunk_forward.LOAD_AHEAD='yes'; expected True"):
+        ChunkForwardKernel.variants()
+
+
 def test_walk_forms_kt_compiles(monkeypatch):
     """``chunk_forward.K_ROWS`` and ``O_TOKENS`` (opt-ins): the forward walk forming Kt from
     k's token-major rows and / or writing o token-major (all rows and the read-out rows,

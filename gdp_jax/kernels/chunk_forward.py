@@ -80,6 +80,20 @@ K_ROWS = False
 # after the walk (~0.13 ms of a (8, 4096, 16, 2) step in s38's trace). For wgmma walks
 # whose o tiles hold C rows.
 O_TOKENS = False
+# Opt-in, NOT yet run on a GPU (s42): the forward walk loads chunk c + 1's w and qg while
+# chunk c's second phase runs, into the tiles its first phase is done with (``ahead`` of
+# ``ChunkFwdSm90``; no second operand set, unlike PIPELINE), so a chunk's start waits
+# for Kt and P alone - for walks of one CTA an SM, where nothing else hides a chunk's
+# loads. The same bits (GPU test ``test_walk_loads_ahead_same_bits``, mode 52).
+LOAD_AHEAD = False
+
+
+def load_ahead(stages: int, pairs: int) -> bool:
+    """Does a forward walk of ``stages`` operand sets and ``pairs`` tiles a CTA load the
+    next chunk's w and qg during a chunk (:data:`LOAD_AHEAD`)? One-set, one-tile walks."""
+    if LOAD_AHEAD not in (True, False):
+        raise ValueError(f"chunk_forward.LOAD_AHEAD={LOAD_AHEAD!r}; expected True or False")
+    return LOAD_AHEAD and stages == 1 and pairs == 1
 
 
 class ChunkForwardKernel:
@@ -252,7 +266,8 @@ class ChunkForwardKernel:
         ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
         the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
         same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
-        same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
+        same results). One-set, one-tile walks load w, qg a chunk ahead under
+        :data:`LOAD_AHEAD` (the same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
         the read-out rows' o products too (None: :data:`GMMA`, where the walk allows it;
         an explicit one where it does not is a ValueError). ``k_rows`` (en, rows): Kt
         formed in the walk (:data:`K_ROWS`) - ``kt`` is then the token-major k [B, L, H, K]
@@ -313,6 +328,7 @@ class ChunkForwardKernel:
             raise ValueError(f"o_tokens: a walk whose o tiles hold C rows on warpgroup MMAs "
                              f"(gmma 'all', or True with all {C_} rows); got gmma={gmma!r} "
                              f"with {R} rows")
+        ahead = load_ahead(stages, pairs)
         o_shape = (B, NC, HV, R, V)
         if o_tokens is not None:
             o_shape = (B, o_tokens[2], HV, V)
@@ -344,7 +360,8 @@ class ChunkForwardKernel:
                                    **({"pairs": 2} if pairs == 2 else {}),
                                    **({"gmma": True} if gmma else {}),
                                    **({"gmma_rows": True} if gmma == "all" and R < C_
-                                      else {}), **tables)
+                                      else {}), **({"ahead": True} if ahead else {}),
+                                   **tables)
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -372,7 +389,8 @@ class ChunkForwardKernel:
                                 out.append(aot.Variant(
                                     f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt}"
                                     + ("" if readout else " summary") + f" BV={BV}"
-                                    + (" stages=2" if stages == 2 else ""),
+                                    + (" stages=2" if stages == 2 else "")
+                                    + (" ahead" if load_ahead(stages, 1) else ""),
                                     fn, _avals(name, K, Vx, u_cols=V)))
                     # the forward on the read-out rows (n >= 2), alone or differentiated
                     for ckpt in [0] + [r + 1 for r in recompute_chunk_nums]:
@@ -384,7 +402,8 @@ class ChunkForwardKernel:
                                 out.append(aot.Variant(
                                     f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt={ckpt} "
                                     f"BV={BV} rows={READOUT_ROWS}"
-                                    + (" stages=2" if stages == 2 else ""),
+                                    + (" stages=2" if stages == 2 else "")
+                                    + (" ahead" if load_ahead(stages, 1) else ""),
                                     fn, _avals(name, K, V, rows=READOUT_ROWS)))
                     # K_ROWS (opt-in: listed only while on): the plain forward forming Kt
                     # in the walk, all rows and the read-out rows
@@ -396,7 +415,8 @@ class ChunkForwardKernel:
                                 f"gdp_chunk_fwd_sm90_rows {name} K={K} V={V} ckpt=0 "
                                 f"BV={BV}" + (f" rows={rows}" if rows < C else "")
                                 + (" k_rows" if K_ROWS is True else "")
-                                + (" o_tokens" if O_TOKENS is True else ""),
+                                + (" o_tokens" if O_TOKENS is True else "")
+                                + (" ahead" if load_ahead(1, 1) else ""),
                                 fn, _avals(name, K, V, rows=rows, k_rows=True)))
         return out
 
@@ -464,9 +484,9 @@ def _launcher_rows():
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
                rows: cutlass.Constexpr = C, gmma: cutlass.Constexpr = False,
                gmma_rows: cutlass.Constexpr = False, k_rows: cutlass.Constexpr = False,
-               o_tokens: cutlass.Constexpr = False):
+               o_tokens: cutlass.Constexpr = False, ahead: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       1, gmma, gmma_rows, k_rows, o_tokens)(
+                       1, gmma, gmma_rows, k_rows, o_tokens, ahead)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, en,
             table, bad)
 
@@ -487,9 +507,10 @@ def _launcher():
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
                rows: cutlass.Constexpr = C, pairs: cutlass.Constexpr = 1,
-               gmma: cutlass.Constexpr = False, gmma_rows: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, gmma_rows: cutlass.Constexpr = False,
+               ahead: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       pairs, gmma, gmma_rows)(
+                       pairs, gmma, gmma_rows, ahead=ahead)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

@@ -51,7 +51,7 @@ class ChunkFwdSm90:
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
                  readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C,
                  pairs: int = 1, gmma: bool = False, gmma_rows: bool = False,
-                 k_rows: bool = False, o_tokens: bool = False):
+                 k_rows: bool = False, o_tokens: bool = False, ahead: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
         # 2: a CTA of two 4-warp groups walks two adjacent value tiles (group g: tile
@@ -102,6 +102,11 @@ class ChunkFwdSm90:
         # on C-row tiles)
         self.o_tokens = o_tokens
         assert not o_tokens or (readout and gmma and (rows == C or gmma_rows))
+        # the next chunk's w and qg tiles load while this chunk's second phase runs (they
+        # are read only in the first): a chunk's start then waits for Kt and P alone, in
+        # the same smem (unlike ``stages`` = 2's second operand set)
+        self.ahead = ahead
+        assert not ahead or (stages == 1 and pairs == 1)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -245,7 +250,11 @@ class ChunkFwdSm90:
             tKsQ, tPsP = zero_below(gK, sQ, R, K, ab), zero_below(gP, sP, R, C, ab)
         elif cutlass.const_expr(self.readout):
             tKsQ, tPsP = gK.dest(sQ), gP.dest(sP)
+        else:
+            tKsQ = None                                 # the summary walk: no qg
 
+        if cutlass.const_expr(self.ahead):
+            self._load_first_phase(gK, tKsW, tKsQ, mW, mQg, b, 0, hv)
         for c in cutlass.range(NC, unroll=1):
             # the chunk's scalars first: their global loads then wait alongside the tile
             # loads instead of each stalling a later phase (a use after a barrier)
@@ -260,11 +269,14 @@ class ChunkFwdSm90:
                 # an SM nothing else hides these dependent loads (s42: +5% at 64 CTAs)
                 o_rows = self._o_token_rows(thr_mma, mBad, mRows, b, c, hv, count)
             # ---- operands of chunk c -> smem (async; with pairs, one copy for both groups)
-            gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
+            # (with ``ahead`` w and qg are on their way since the last chunk)
+            if cutlass.const_expr(not self.ahead):
+                gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             if cutlass.const_expr(not self.k_rows):
                 gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             if cutlass.const_expr(self.readout):
-                gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
+                if cutlass.const_expr(not self.ahead):
+                    gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
                 gP.load(mP[b, c, hv, None, None], (R, C), tPsP)
             if cutlass.const_expr(self.k_rows):
                 # last: their addresses wait for the row table's load
@@ -306,6 +318,10 @@ class ChunkFwdSm90:
                 mma_split_b(tiled_mma_o, K // MMA_K, [(acc_O, Q_o)], S_o, Sl_o, self.split)
             toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
             barrier(self.gmma)
+            if cutlass.const_expr(self.ahead):
+                # w, qg of chunk c + 1 into the tiles the first phase is done with
+                if c + 1 < NC:
+                    self._load_first_phase(gK, tKsW, tKsQ, mW, mQg, b, c + 1, hv)
 
             # ---- S <- decay S + Kt^T Delta ;  o += P Delta  (shared B operand Delta)
             acc_S.store(acc_S.load() * decay)
@@ -340,6 +356,14 @@ class ChunkFwdSm90:
             # smem is overwritten by the next chunk's loads
             cute.arch.sync_threads()
 
+
+    @cute.jit
+    def _load_first_phase(self, gK, tKsW, tKsQ, mW, mQg, b, c, hv):
+        """Start the cp.async of chunk c's first-phase operands: w, and qg with a readout
+        (the products Delta = u - w S, o = qg S)."""
+        gK.load(mW[b, c, hv, None, None], (C, self.K), tKsW)
+        if cutlass.const_expr(self.readout):
+            gK.load(mQg[b, c, hv, None, None], (self.rows, self.K), tKsQ)
 
     @cute.jit
     def _load_k_rows(self, gK, tKsKt, mK, mEn, b, c, hv, HV, base, count):
@@ -591,11 +615,12 @@ def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
                stages: int = 1, rows: int = C, pairs: int = 1,
                gmma: bool = False, gmma_rows: bool = False,
-               k_rows: bool = False, o_tokens: bool = False) -> ChunkFwdSm90:
+               k_rows: bool = False, o_tokens: bool = False,
+               ahead: bool = False) -> ChunkFwdSm90:
     key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs, gmma,
-           gmma_rows, k_rows, o_tokens)
+           gmma_rows, k_rows, o_tokens, ahead)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
                                      u_cols, stages, rows, pairs, gmma, gmma_rows, k_rows,
-                                     o_tokens)
+                                     o_tokens, ahead)
     return _KERNELS[key]
