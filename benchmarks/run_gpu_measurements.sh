@@ -70,7 +70,7 @@
 #   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 50  # K_ROWS (+krows): GPU
 #                                               # test, kernels alone, forward A/B beside +u16
 #                                               # and tuned FLA, mode 4's forward tests
-#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 52  # LOAD_AHEAD (+ahead) and
+#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 52  # LOAD_AHEAD (+ahead, +aheadb) and
 #                                               # O_TOKENS with its row loads hoisted: GPU
 #                                               # tests, fwd A/B beside tuned FLA at the main
 #                                               # shapes, fwd+bwd at two, one long row
@@ -453,8 +453,8 @@ case "${1:-2}" in
   step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt or walk_writes_o_tokens"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230 ;;
 52)
-  # s42: the forward walk's w, qg a chunk ahead (chunk_forward.LOAD_AHEAD, +ahead) and
-  # O_TOKENS with its row loads at the chunk's start (s42-2, loaded at its end: -1..-7%
+  # s42: the forward walk's w, qg a chunk ahead (chunk_forward.LOAD_AHEAD, +ahead), the
+  # reverse walk's Kt, P (state_grad.LOAD_AHEAD, +aheadb) and O_TOKENS with its row loads at the chunk's start (s42-2, loaded at its end: -1..-7%
   # at B = 8, +5% at (2, 16384, 16, 2)): their GPU tests (the same bits), the op's forward
   # A/B beside tuned FLA at the main shapes, fwd+bwd at two of them, one long row
   step 150 t_ahead $P tests/test_cutedsl_gpu.py -k "walk_writes_o_tokens or walk_loads_ahead"
@@ -463,10 +463,11 @@ case "${1:-2}" in
     --impl cutedsl,cutedsl+ahead,cutedsl+otok,cutedsl+ahead+otok,fla --shapes main \
     --deadline 135 --out $M/fwd
   rows $M/fwd.log
-  step 110 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+ahead,fla \
+  step 110 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+ahead+aheadb,fla \
     --shapes "2,16384,16,2;8,4096,16,2" --deadline 95 --out $M/fb
   rows $M/fb.log
-  step 100 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,cutedsl-cpauto+ahead,fla \
+  step 100 long python -m benchmarks.run fwdbwd \
+    --impl cutedsl-cpauto,cutedsl-cpauto+ahead+aheadb,fla \
     --shapes "1,65536,16,2" --deadline 90 --out $M/long
   rows $M/long.log ;;
 50)

@@ -656,13 +656,15 @@ def test_walk_writes_o_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, p
 ])
 def test_walk_loads_ahead_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed,
                                     segments):
-    """``chunk_forward.LOAD_AHEAD``: the forward walk loading chunk c + 1's w and qg
-    during chunk c's second phase gives the same bits as loading them at each chunk's
-    start - the plain forward (o, final), and fwd + bwd (every gradient; that walk keeps
-    checkpoints) or, under ``intra_cp``, the split's summary walk (no readout) and apply
-    walk (T = 1000: 8 chunks a segment)."""
-    from gdp_jax.kernels import chunk_forward
+    """``chunk_forward.LOAD_AHEAD`` / ``state_grad.LOAD_AHEAD``: the forward walk loading
+    chunk c + 1's w and qg during chunk c's second phase, the reverse walk chunk c - 1's
+    Kt and P, give the same bits as loading them at each chunk's start - the plain
+    forward (o, final), and fwd + bwd with both (every gradient; the forward walk then
+    keeps checkpoints) or, under ``intra_cp``, the split's summary walk (no readout) and
+    apply walk (T = 1000: 8 chunks a segment)."""
+    from gdp_jax.kernels import chunk_forward, state_grad
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    from gdp_jax.kernels.state_grad import StateGradKernel
     args, cu = _case(46, B, n, H, HV, K, V, dtype, packed, T=1000 if segments else 203)
     seen = _spy(monkeypatch, ChunkForwardKernel, "raw_call",
                 lambda a, k: chunk_forward.LOAD_AHEAD)
@@ -677,9 +679,18 @@ def test_walk_loads_ahead_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packe
     tag = f"load ahead B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} S={segments}"
     print(f"[{tag}] o, final: the same bits")
     if segments is None:
-        base, got = grads_off_on(monkeypatch, chunk_forward, "LOAD_AHEAD", args, cu=cu)
-        assert_same_bits(got, base)
+        rev = _spy(monkeypatch, StateGradKernel, "raw_call",
+                   lambda a, k: state_grad.LOAD_AHEAD)
+        out = []
+        for on in (False, True):
+            monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", on)
+            monkeypatch.setattr(state_grad, "LOAD_AHEAD", on)
+            _grad_fn.cache_clear()
+            out.append(grads("cutedsl", args, cu=cu, N=0))
+        _grad_fn.cache_clear()
+        assert_same_bits(out[1], out[0])
         print(f"[{tag}] fwd + bwd: every gradient the same bits")
+        assert DRY_RUN or (False in rev and True in rev), rev
     assert DRY_RUN or (False in seen and True in seen), seen
 
 

@@ -1196,8 +1196,10 @@ def test_walk_loads_ahead_compiles(monkeypatch):
     """``chunk_forward.LOAD_AHEAD``: the forward walks loading the next chunk's w and qg
     during a chunk's second phase compile to sm_90a - the plain forward on all rows and
     on the read-out rows, the differentiated one (checkpoints), the CP summary walk (no
-    qg) and the token-row walk (O_TOKENS); listed as " ahead" variants only while on,
-    never for two operand sets; a value other than True / False is refused."""
+    qg) and the token-row walk (O_TOKENS); ``state_grad.LOAD_AHEAD``: the reverse walks
+    loading Kt, P ahead (P formed ddo on the read-out rows, ddo read, the CP summary
+    walk); listed as " ahead" variants only while on, never for two operand sets; a
+    value other than True / False is refused."""
     from gdp_jax.kernels import chunk_forward
     monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", False)
     assert not [v for v in ChunkForwardKernel.variants() if " ahead" in v.what]
@@ -1216,6 +1218,23 @@ def test_walk_loads_ahead_compiles(monkeypatch):
     monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "yes")
     with pytest.raises(ValueError, match="chunk_forward.LOAD_AHEAD='yes'; expected True"):
         ChunkForwardKernel.variants()
+    # the reverse walk's (state_grad.LOAD_AHEAD): Kt, P a chunk ahead
+    from gdp_jax.kernels import state_grad
+    from gdp_jax.kernels.state_grad import StateGradKernel
+    monkeypatch.setattr(state_grad, "LOAD_AHEAD", False)
+    assert not [v for v in StateGradKernel.variants() if " ahead" in v.what]
+    monkeypatch.setattr(state_grad, "LOAD_AHEAD", True)
+    listed = {v.what: v for v in StateGradKernel.variants()}
+    assert not [w for w in listed if "stages=2" in w and " ahead" in w]
+    for what in ["gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo "
+                 "BV=64 rows=32 ahead",
+                 "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end float32 BV=64 ahead",
+                 "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=256 summary fused ddo BV=64 ahead"]:
+        v = listed[what]
+        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals), what
+    monkeypatch.setattr(state_grad, "LOAD_AHEAD", 1.5)
+    with pytest.raises(ValueError, match="state_grad.LOAD_AHEAD=1.5; expected True"):
+        StateGradKernel.variants()
 
 
 def test_walk_forms_kt_compiles(monkeypatch):

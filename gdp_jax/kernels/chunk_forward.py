@@ -88,12 +88,18 @@ O_TOKENS = False
 LOAD_AHEAD = False
 
 
+def walk_loads_ahead(switch, name: str, stages: int, pairs: int) -> bool:
+    """Does a recursion walk of ``stages`` operand sets and ``pairs`` tiles a CTA load the
+    next chunk's first-phase operands during a chunk, the switch ``name`` being
+    ``switch``? One-set, one-tile walks only; a switch other than True / False is refused."""
+    if switch not in (True, False):
+        raise ValueError(f"{name}={switch!r}; expected True or False")
+    return switch is True and stages == 1 and pairs == 1
+
+
 def load_ahead(stages: int, pairs: int) -> bool:
-    """Does a forward walk of ``stages`` operand sets and ``pairs`` tiles a CTA load the
-    next chunk's w and qg during a chunk (:data:`LOAD_AHEAD`)? One-set, one-tile walks."""
-    if LOAD_AHEAD not in (True, False):
-        raise ValueError(f"chunk_forward.LOAD_AHEAD={LOAD_AHEAD!r}; expected True or False")
-    return LOAD_AHEAD and stages == 1 and pairs == 1
+    """:func:`walk_loads_ahead` for the forward walk (w, qg; :data:`LOAD_AHEAD`)."""
+    return walk_loads_ahead(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages, pairs)
 
 
 class ChunkForwardKernel:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gdp_jax import grid
 from gdp_jax.grid import CHUNK, READOUT_ROWS
 from gdp_jax.kernels import binding
-from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, walk_loads_ahead
 
 # The reverse walk's products (Kt dS, P^T dO; w^T dDelta, qg^T dO) as Hopper warpgroup
 # MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkBwdDhSm90``; the forward walk's
@@ -29,6 +29,17 @@ from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 # (BV = 64), 1.386 -> 1.237 (BV = 16) at (8, 4096, 16, 2) (H100, s39-2:
 # benchmarks/results/CURRENT.md). False: warp MMAs (``+mmab``).
 GMMA = True
+# Opt-in, NOT yet run on a GPU (s42): the reverse walk loads chunk c - 1's Kt and P while
+# chunk c's second phase runs, into the tiles its first phase is done with (``ahead`` of
+# ``ChunkBwdDhSm90``; the forward walk's ``chunk_forward.LOAD_AHEAD``): a chunk's start
+# waits for w, qg alone. The same bits (GPU test ``test_walk_loads_ahead_same_bits``).
+LOAD_AHEAD = False
+
+
+def load_ahead(stages: int, pairs: int) -> bool:
+    """``chunk_forward.walk_loads_ahead`` for the reverse walk (Kt, P; :data:`LOAD_AHEAD`)."""
+    return walk_loads_ahead(LOAD_AHEAD, "state_grad.LOAD_AHEAD", stages, pairs)
+
 
 class StateGradKernel:
     """Limits and the (vmappable) call of the reverse state-gradient kernel."""
@@ -124,7 +135,8 @@ class StateGradKernel:
                                    **({"stages": 2} if stages == 2 else {}),
                                    **({"pairs": 2} if pairs == 2 else {}),
                                    **({"rows": R} if R != C else {}),
-                                   **({"gmma": True} if gmma else {}))
+                                   **({"gmma": True} if gmma else {}),
+                                   **({"ahead": True} if load_ahead(stages, pairs) else {}))
 
     @classmethod
     def variants(cls):
@@ -151,7 +163,8 @@ class StateGradKernel:
                                     f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
                                     + (f"dS_end {ds}" if ds else "summary")
                                     + (" fused ddo" if fused else "") + f" BV={BV}"
-                                    + (" stages=2" if stages == 2 else ""),
+                                    + (" stages=2" if stages == 2 else "")
+                                    + (" ahead" if load_ahead(stages, 1) else ""),
                                     fn, _avals(name, K, Vx, fused, do_cols=V)))
                         if fused:       # qg, P, dO on the read-out rows (READOUT_ONLY_BWD)
                             for BV in ChunkForwardKernel.value_tiles(Vx):
@@ -160,7 +173,8 @@ class StateGradKernel:
                                 out.append(aot.Variant(
                                     f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
                                     + (f"dS_end {ds}" if ds else "summary")
-                                    + f" fused ddo BV={BV} rows={READOUT_ROWS}",
+                                    + f" fused ddo BV={BV} rows={READOUT_ROWS}"
+                                    + (" ahead" if load_ahead(1, 1) else ""),
                                     fn, _avals(name, K, Vx, True, do_cols=V,
                                                rows=READOUT_ROWS)))
         return out
@@ -194,9 +208,9 @@ def _launcher():
                fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0,
                write_ds: cutlass.Constexpr = True, stages: cutlass.Constexpr = 1,
                pairs: cutlass.Constexpr = 1, rows: cutlass.Constexpr = CHUNK,
-               gmma: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, ahead: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds, stages,
-                       pairs, rows, gmma)(
+                       pairs, rows, gmma, ahead)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
