@@ -5,6 +5,7 @@ cubin -> host launcher object) and embeds the object in the HLO; nothing execute
 Needs ``nvidia-cutlass-dsl[cu13]==4.8.1`` (Python >= 3.11, x86-64); the module is skipped
 only when that package cannot be imported.
 """
+import functools
 import os
 import re
 
@@ -1198,8 +1199,9 @@ def test_walk_loads_ahead_compiles(monkeypatch):
     on the read-out rows, the differentiated one (checkpoints), the CP summary walk (no
     qg) and the token-row walk (O_TOKENS); ``state_grad.LOAD_AHEAD``: the reverse walks
     loading Kt, P ahead (P formed ddo on the read-out rows, ddo read, the CP summary
-    walk); listed as " ahead" variants only while on, never for two operand sets; a
-    value other than True / False is refused."""
+    walk); listed as " ahead" variants only while on (both flavors under "auto", which
+    loads ahead only in launches of at most one CTA an SM), never for two operand sets;
+    other values are refused."""
     from gdp_jax.kernels import chunk_forward
     monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", False)
     assert not [v for v in ChunkForwardKernel.variants() if " ahead" in v.what]
@@ -1215,6 +1217,19 @@ def test_walk_loads_ahead_compiles(monkeypatch):
     for what in want:
         v = listed[what]
         assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals), what
+    # "auto": both flavors listed; on only for launches of at most one CTA an SM
+    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "auto")
+    auto = [v.what for v in ChunkForwardKernel.variants()]
+    assert len(auto) == 2 * len([w for w in auto if " ahead" in w]) == 2 * len(listed)
+    SMS = ChunkForwardKernel.SMS
+    assert chunk_forward.load_ahead(1, 1, SMS) and not chunk_forward.load_ahead(1, 1, SMS + 1)
+    assert not chunk_forward.load_ahead(2, 1, 1) and not chunk_forward.load_ahead(1, 2, 1)
+    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", True)
+    assert chunk_forward.load_ahead(1, 1, 10 * SMS) and not chunk_forward.load_ahead(2, 1, 1)
+    with pytest.raises(ValueError, match="ahead: a one-set, one-tile walk; got stages=2"):
+        jax.eval_shape(functools.partial(ChunkForwardKernel.raw_call, BV=32, stages=2,
+                                         ahead=True),
+                       *listed[want[0]].avals)
     monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "yes")
     with pytest.raises(ValueError, match="chunk_forward.LOAD_AHEAD='yes'; expected True"):
         ChunkForwardKernel.variants()
@@ -1232,6 +1247,9 @@ def test_walk_loads_ahead_compiles(monkeypatch):
                  "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=256 summary fused ddo BV=64 ahead"]:
         v = listed[what]
         assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals), what
+    monkeypatch.setattr(state_grad, "LOAD_AHEAD", "auto")
+    auto = [v.what for v in StateGradKernel.variants()]
+    assert len(auto) == 2 * len([w for w in auto if " ahead" in w]) == 2 * len(listed)
     monkeypatch.setattr(state_grad, "LOAD_AHEAD", 1.5)
     with pytest.raises(ValueError, match="state_grad.LOAD_AHEAD=1.5; expected True"):
         StateGradKernel.variants()

@@ -9,6 +9,7 @@ ckpt-th chunk (the backward's checkpoints). The per-chunk start states never rea
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Optional
 
 import jax.numpy as jnp
@@ -82,24 +83,37 @@ K_ROWS = False
 O_TOKENS = False
 # Opt-in, NOT yet run on a GPU (s42): the forward walk loads chunk c + 1's w and qg while
 # chunk c's second phase runs, into the tiles its first phase is done with (``ahead`` of
-# ``ChunkFwdSm90``; no second operand set, unlike PIPELINE), so a chunk's start waits
-# for Kt and P alone - for walks of one CTA an SM, where nothing else hides a chunk's
-# loads. The same bits (GPU test ``test_walk_loads_ahead_same_bits``, mode 52).
+# ``ChunkFwdSm90``; no second operand set, unlike PIPELINE, and no extra barrier, unlike
+# s21-2's reverted version), so a chunk's start waits for Kt and P alone. "auto": only
+# launches of at most one CTA an SM, where nothing else hides a chunk's loads (s21-2's
+# version lost where two CTAs an SM overlap, won on a long row). The same bits (GPU
+# test ``test_walk_loads_ahead_same_bits``; GPU mode 52 measures it).
 LOAD_AHEAD = False
 
 
-def walk_loads_ahead(switch, name: str, stages: int, pairs: int) -> bool:
-    """Does a recursion walk of ``stages`` operand sets and ``pairs`` tiles a CTA load the
-    next chunk's first-phase operands during a chunk, the switch ``name`` being
-    ``switch``? One-set, one-tile walks only; a switch other than True / False is refused."""
-    if switch not in (True, False):
-        raise ValueError(f"{name}={switch!r}; expected True or False")
-    return switch is True and stages == 1 and pairs == 1
+def ahead_flavors(switch, name: str) -> tuple:
+    """The walks a one-set, one-tile launch may run under the switch ``name`` =
+    ``switch`` - (False,), (True,) or both for "auto" - for the prebuilt variants; any
+    other value is refused."""
+    if switch not in (True, False, "auto"):
+        raise ValueError(f"{name}={switch!r}; expected True, False or 'auto'")
+    return {False: (False,), True: (True,), "auto": (False, True)}[switch]
 
 
-def load_ahead(stages: int, pairs: int) -> bool:
+def walk_loads_ahead(switch, name: str, stages: int, pairs: int, ctas: int) -> bool:
+    """Does a recursion walk of ``stages`` operand sets, ``pairs`` tiles a CTA and
+    ``ctas`` CTAs load the next chunk's first-phase operands during a chunk, the switch
+    ``name`` being ``switch``? One-set, one-tile walks only; "auto": at most one CTA an
+    SM."""
+    flavors = ahead_flavors(switch, name)
+    if stages != 1 or pairs != 1 or True not in flavors:
+        return False
+    return switch is True or ctas <= ChunkForwardKernel.SMS
+
+
+def load_ahead(stages: int, pairs: int, ctas: int) -> bool:
     """:func:`walk_loads_ahead` for the forward walk (w, qg; :data:`LOAD_AHEAD`)."""
-    return walk_loads_ahead(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages, pairs)
+    return walk_loads_ahead(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages, pairs, ctas)
 
 
 class ChunkForwardKernel:
@@ -254,7 +268,8 @@ class ChunkForwardKernel:
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
                  readout: bool = True, stages: int = 1, pairs: int = 1, gmma=None,
-                 k_rows: Optional[tuple] = None, o_tokens: Optional[tuple] = None):
+                 k_rows: Optional[tuple] = None, o_tokens: Optional[tuple] = None,
+                 ahead: Optional[bool] = None):
         """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -272,8 +287,8 @@ class ChunkForwardKernel:
         ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
         the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
         same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
-        same results). One-set, one-tile walks load w, qg a chunk ahead under
-        :data:`LOAD_AHEAD` (the same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
+        same results). ``ahead``: a one-set, one-tile walk loads w, qg a chunk ahead
+        (None: :data:`LOAD_AHEAD`'s rule; the same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
         the read-out rows' o products too (None: :data:`GMMA`, where the walk allows it;
         an explicit one where it does not is a ValueError). ``k_rows`` (en, rows): Kt
         formed in the walk (:data:`K_ROWS`) - ``kt`` is then the token-major k [B, L, H, K]
@@ -334,7 +349,11 @@ class ChunkForwardKernel:
             raise ValueError(f"o_tokens: a walk whose o tiles hold C rows on warpgroup MMAs "
                              f"(gmma 'all', or True with all {C_} rows); got gmma={gmma!r} "
                              f"with {R} rows")
-        ahead = load_ahead(stages, pairs)
+        if ahead is None:
+            ahead = load_ahead(stages, pairs, B * HV * (V // BV) // pairs)
+        elif ahead and (stages != 1 or pairs != 1):
+            raise ValueError(f"ahead: a one-set, one-tile walk; got stages={stages}, "
+                             f"pairs={pairs}")
         o_shape = (B, NC, HV, R, V)
         if o_tokens is not None:
             o_shape = (B, o_tokens[2], HV, V)
@@ -388,46 +407,57 @@ class ChunkForwardKernel:
                             + [(V + K, 0, False)])
                     for (Vx, ckpt, readout) in runs:
                         for BV in cls.value_tiles(Vx):
-                            for stages in cls.stage_counts(Vx, BV):
+                            for stages, ahead in cls._walks(Vx, BV):
                                 fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
                                                        states_dtype=checkpoint_dtype(name),
-                                                       readout=readout, stages=stages)
+                                                       readout=readout, stages=stages,
+                                                       ahead=ahead)
                                 out.append(aot.Variant(
                                     f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt}"
                                     + ("" if readout else " summary") + f" BV={BV}"
                                     + (" stages=2" if stages == 2 else "")
-                                    + (" ahead" if load_ahead(stages, 1) else ""),
+                                    + (" ahead" if ahead else ""),
                                     fn, _avals(name, K, Vx, u_cols=V)))
                     # the forward on the read-out rows (n >= 2), alone or differentiated
                     for ckpt in [0] + [r + 1 for r in recompute_chunk_nums]:
                         for BV in cls.value_tiles(V):
-                            for stages in cls.stage_counts(V, BV):
+                            for stages, ahead in cls._walks(V, BV):
                                 fn = functools.partial(cls.raw_call, BV=BV, stages=stages,
-                                                       ckpt=ckpt,
+                                                       ckpt=ckpt, ahead=ahead,
                                                        states_dtype=checkpoint_dtype(name))
                                 out.append(aot.Variant(
                                     f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt={ckpt} "
                                     f"BV={BV} rows={READOUT_ROWS}"
                                     + (" stages=2" if stages == 2 else "")
-                                    + (" ahead" if load_ahead(stages, 1) else ""),
+                                    + (" ahead" if ahead else ""),
                                     fn, _avals(name, K, V, rows=READOUT_ROWS)))
                     # K_ROWS (opt-in: listed only while on): the plain forward forming Kt
                     # in the walk, all rows and the read-out rows
                     for rows in ((C, READOUT_ROWS) if K_ROWS is True or O_TOKENS is True
                                  else ()):
-                        for BV in cls.value_tiles(V):
-                            fn = functools.partial(cls._rows_call, BV=BV)
+                        for BV, ahead in itertools.product(
+                                cls.value_tiles(V),
+                                ahead_flavors(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD")):
+                            fn = functools.partial(cls._rows_call, BV=BV, ahead=ahead)
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90_rows {name} K={K} V={V} ckpt=0 "
                                 f"BV={BV}" + (f" rows={rows}" if rows < C else "")
                                 + (" k_rows" if K_ROWS is True else "")
                                 + (" o_tokens" if O_TOKENS is True else "")
-                                + (" ahead" if load_ahead(1, 1) else ""),
+                                + (" ahead" if ahead else ""),
                                 fn, _avals(name, K, V, rows=rows, k_rows=True)))
         return out
 
     @classmethod
-    def _rows_call(cls, *a, BV: int):
+    def _walks(cls, V: int, BV: int):
+        """(stages, ahead) of every forward walk of value tiles of BV on V state columns
+        (:meth:`stage_counts`; :data:`LOAD_AHEAD`'s flavors for one-set walks)."""
+        return [(stages, ahead) for stages in cls.stage_counts(V, BV)
+                for ahead in (ahead_flavors(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD")
+                              if stages == 1 else (False,))]
+
+    @classmethod
+    def _rows_call(cls, *a, BV: int, ahead: bool = False):
         """:meth:`raw_call` as the plain forward runs it under :data:`K_ROWS` /
         :data:`O_TOKENS` (``_avals(.., k_rows=True)``'s operands: k token-major, Kt's row
         scales, the row table, the bad rows; o for T = 1 token)."""
@@ -438,7 +468,7 @@ class ChunkForwardKernel:
             a = a[:1] + (jnp.zeros(a[0].shape, a[0].dtype),) + a[2:]
         if O_TOKENS is True:
             kw["o_tokens"] = (a[11], a[12], 1)
-        return cls.raw_call(*a[:10], BV=BV, **kw)
+        return cls.raw_call(*a[:10], BV=BV, ahead=ahead, **kw)
 
     @classmethod
     def stage_counts(cls, V: int, BV: int):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gdp_jax import grid
 from gdp_jax.grid import CHUNK, READOUT_ROWS
 from gdp_jax.kernels import binding
-from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, walk_loads_ahead
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, ahead_flavors, walk_loads_ahead
 
 # The reverse walk's products (Kt dS, P^T dO; w^T dDelta, qg^T dO) as Hopper warpgroup
 # MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkBwdDhSm90``; the forward walk's
@@ -31,14 +31,20 @@ from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, walk_loads_ahead
 GMMA = True
 # Opt-in, NOT yet run on a GPU (s42): the reverse walk loads chunk c - 1's Kt and P while
 # chunk c's second phase runs, into the tiles its first phase is done with (``ahead`` of
-# ``ChunkBwdDhSm90``; the forward walk's ``chunk_forward.LOAD_AHEAD``): a chunk's start
-# waits for w, qg alone. The same bits (GPU test ``test_walk_loads_ahead_same_bits``).
+# ``ChunkBwdDhSm90``; the forward walk's ``chunk_forward.LOAD_AHEAD``, "auto" the same
+# rule): a chunk's start waits for w, qg alone. The same bits (GPU test
+# ``test_walk_loads_ahead_same_bits``).
 LOAD_AHEAD = False
 
 
-def load_ahead(stages: int, pairs: int) -> bool:
+def load_ahead(stages: int, pairs: int, ctas: int) -> bool:
     """``chunk_forward.walk_loads_ahead`` for the reverse walk (Kt, P; :data:`LOAD_AHEAD`)."""
-    return walk_loads_ahead(LOAD_AHEAD, "state_grad.LOAD_AHEAD", stages, pairs)
+    return walk_loads_ahead(LOAD_AHEAD, "state_grad.LOAD_AHEAD", stages, pairs, ctas)
+
+
+def _flavors(stages: int) -> tuple:
+    """The reverse walks a launch of ``stages`` operand sets may run (prebuilt variants)."""
+    return ahead_flavors(LOAD_AHEAD, "state_grad.LOAD_AHEAD") if stages == 1 else (False,)
 
 
 class StateGradKernel:
@@ -76,7 +82,8 @@ class StateGradKernel:
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
                  split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False,
-                 write_ds: bool = True, stages: int = 1, pairs: int = 1, gmma=None):
+                 write_ds: bool = True, stages: int = 1, pairs: int = 1, gmma=None,
+                 ahead: Optional[bool] = None):
         """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
         or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
         MMAs anyway) - a [1] placeholder with ``write_ds=False`` (the walk for dh0 alone) -,
@@ -93,7 +100,8 @@ class StateGradKernel:
         results). ``pairs`` = 2: a CTA walks two value tiles
         (``ChunkForwardKernel.pick_pairs``; the same results). ``gmma``: the products as
         warpgroup MMAs (None: :data:`GMMA` where the walk allows it - stages = pairs = 1,
-        no split; True where it does not is a ValueError).
+        no split; True where it does not is a ValueError). ``ahead``: a one-set, one-tile
+        walk loads Kt, P a chunk ahead (None: :data:`LOAD_AHEAD`'s rule; the same results).
         """
         B, NC, HV, C, K = kt.shape
         V, Vo = dfinal.shape[-1], do.shape[-1]
@@ -122,6 +130,11 @@ class StateGradKernel:
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
             raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
                              f"got {ds_dtype.name}")
+        if ahead is None:
+            ahead = load_ahead(stages, pairs, B * HV * (V // BV) // pairs)
+        elif ahead and (stages != 1 or pairs != 1):
+            raise ValueError(f"ahead: a one-set, one-tile walk; got stages={stages}, "
+                             f"pairs={pairs}")
         outputs = (binding.out((B, NC, HV, K, V) if write_ds else (1,), ds_dtype),
                    binding.out(dfinal.shape, jnp.float32))
         return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
@@ -136,7 +149,7 @@ class StateGradKernel:
                                    **({"pairs": 2} if pairs == 2 else {}),
                                    **({"rows": R} if R != C else {}),
                                    **({"gmma": True} if gmma else {}),
-                                   **({"ahead": True} if load_ahead(stages, pairs) else {}))
+                                   **({"ahead": True} if ahead else {}))
 
     @classmethod
     def variants(cls):
@@ -155,26 +168,30 @@ class StateGradKernel:
                             (V + K, None, True), (V + K, None, False)]
                     for Vx, ds, fused in runs:
                         for BV in ChunkForwardKernel.value_tiles(Vx):
-                            for stages in ChunkForwardKernel.stage_counts(Vx, BV):
+                            for stages, ahead in [(s, a) for s in
+                                                  ChunkForwardKernel.stage_counts(Vx, BV)
+                                                  for a in _flavors(s)]:
                                 fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
                                                        fuse_ddo=fused, write_ds=ds is not None,
-                                                       stages=stages)
+                                                       stages=stages, ahead=ahead)
                                 out.append(aot.Variant(
                                     f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
                                     + (f"dS_end {ds}" if ds else "summary")
                                     + (" fused ddo" if fused else "") + f" BV={BV}"
                                     + (" stages=2" if stages == 2 else "")
-                                    + (" ahead" if load_ahead(stages, 1) else ""),
+                                    + (" ahead" if ahead else ""),
                                     fn, _avals(name, K, Vx, fused, do_cols=V)))
                         if fused:       # qg, P, dO on the read-out rows (READOUT_ONLY_BWD)
-                            for BV in ChunkForwardKernel.value_tiles(Vx):
+                            for BV, ahead in [(b, a) for b in ChunkForwardKernel.value_tiles(Vx)
+                                              for a in _flavors(1)]:
                                 fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
-                                                       fuse_ddo=True, write_ds=ds is not None)
+                                                       fuse_ddo=True, write_ds=ds is not None,
+                                                       ahead=ahead)
                                 out.append(aot.Variant(
                                     f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
                                     + (f"dS_end {ds}" if ds else "summary")
                                     + f" fused ddo BV={BV} rows={READOUT_ROWS}"
-                                    + (" ahead" if load_ahead(1, 1) else ""),
+                                    + (" ahead" if ahead else ""),
                                     fn, _avals(name, K, Vx, True, do_cols=V,
                                                rows=READOUT_ROWS)))
         return out
