@@ -73,7 +73,7 @@ GMMA = "all"
 # and the walk reads the chunk's k rows by the row table and rounds en k once, as the
 # operands kernel did (``k_rows`` of ``ChunkFwdSm90``: the same bits). False: Kt from HBM.
 K_ROWS = False
-# Off: measured faster at B = 8, slower with one walk CTA an SM (CURRENT.md, s42; the row
+# Off: measured faster at B = 8, slower at (2, 16384, 16, 2) (CURRENT.md, s42; the row
 # loads moved to the chunk's start since, GPU mode 52). When on, the op's plain forward on
 # token-major inputs gets o from the walk token-major, [B, T, HV, V] (``o_tokens`` of
 # ``ChunkFwdSm90``: read-out row r of a chunk to token tok + r of the row table, NaN on the
