@@ -23,9 +23,6 @@ gates in (-0.2, 0), beta in (0.05, 1.95)):
   (``chunk_grad_sm90.PROBE_PHASES``) the same way; then the variants the op's backward
   runs: q, k, v chunk-major or token-major, the L2 norm's backward on given row norms or
   the norm itself inside (the default since s33).
-- with ``--tokens --k-rows`` (n >= 2): the operands kernel writing Kt's row scales instead
-  of Kt, and the op's read-out-row walk on Kt or forming Kt from k's rows
-  (``chunk_forward.K_ROWS``), each alone, and whether the two walks give the same bits.
 
 Needs a GPU with the CuTe DSL; prints one line per measurement and ``--json`` writes them.
 """
@@ -62,10 +59,6 @@ def main(argv=None):
     p.add_argument("--local-grad", action="store_true")
     p.add_argument("--skip-prep-probe", action="store_true")
     p.add_argument("--tokens", action="store_true")
-    p.add_argument("--k-rows", action="store_true",
-                   help="with --tokens (n >= 2): the operands kernel writing Kt's row scales "
-                        "and the read-out-row walk forming Kt (chunk_forward.K_ROWS) beside "
-                        "the defaults, each alone")
     p.add_argument("--warps-n", default="2",
                    help="local-gradient kernel: warps along N to time (comma list)")
     p.add_argument("--lg-variants", default="",
@@ -149,35 +142,6 @@ def main(argv=None):
                       lambda *x, inv=inv: ChunkPrepKernel.raw_call_tokens(
                           *x, ab_dtype="bfloat16", l2norm=True, inverse=inv,
                           readout_rows=True), *targs)
-        if n >= 2 and a.k_rows:
-            # chunk_forward.K_ROWS: the operands kernel writing Kt's row scales instead of
-            # Kt, and the op's walk (read-out rows, gmma "all") reading Kt or forming it
-            # from k's rows - each alone, on the same inputs
-            ro = jax.jit(lambda *x: ChunkPrepKernel.raw_call_tokens(
-                *x, ab_dtype="bfloat16", l2norm=True, readout_rows=True))(*targs)
-            timed("prep tokens l2norm=1 readout rows kt_scale",
-                  lambda *x: ChunkPrepKernel.raw_call_tokens(
-                      *x, ab_dtype="bfloat16", l2norm=True, readout_rows=True,
-                      kt_scale=True), *targs)
-            en = jax.jit(lambda *x: ChunkPrepKernel.raw_call_tokens(
-                *x, ab_dtype="bfloat16", l2norm=True, readout_rows=True,
-                kt_scale=True))(*targs)[1]
-            tflags = (jnp.zeros((B, NC), jnp.int32).at[:, 0].set(1),
-                      jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC)),
-                      jnp.zeros((B, NC), jnp.int32).at[:, -1].set(1))
-            th0 = jnp.zeros((B, H, K, V), jnp.float32)
-            for bv in (int(x) for x in a.bv.split(",") if x):
-                o_kt = timed(f"fwd tokens readout rows BV={bv} Kt",
-                             lambda *x, bv=bv: ChunkForwardKernel.raw_call(*x, BV=bv),
-                             *ro[:6], *tflags, th0)
-                o_kr = timed(f"fwd tokens readout rows BV={bv} k rows",
-                             lambda *x, bv=bv: ChunkForwardKernel.raw_call(
-                                 *x[:10], BV=bv, k_rows=x[10:]),
-                             ro[0], tk, *ro[2:6], *tflags, th0, en, rows)
-                same = all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
-                           for x, y in zip(o_kt[:2], o_kr[:2]))
-                out[f"fwd tokens readout rows BV={bv} k rows same bits"] = same
-                log(f"fwd tokens readout rows BV={bv}: k rows give the same bits: {same}")
         if not a.skip_prep_probe:
             res = timed("probe tokens l2norm=1", lambda *x: ChunkPrepKernel.raw_call_tokens(
                 *x, ab_dtype="bfloat16", l2norm=True, probe=True), *targs)

@@ -293,11 +293,10 @@ class OursStep:
 # forward walk's read-out rows' o products too (both the default since s40); ``+gram``: k's
 # norms from the operands kernel's K K^T diagonal (the default since s40), ``+normk``: k
 # normalised first; ``+u16``: u in bfloat16 (chunk_prep.U16), ``+u16f``: in the plain
-# forward only; ``+krows``: the plain
-# forward's walk forms Kt from k's token-major rows (chunk_forward.K_ROWS); ``+otok``: it
-# writes o token-major (chunk_forward.O_TOKENS); ``+ahead``: the forward walk loads the next
-# chunk's w, qg during a chunk's second phase (chunk_forward.LOAD_AHEAD), ``+aheadb``: the
-# reverse walk its Kt, P (state_grad.LOAD_AHEAD))
+# forward only; ``+otok``: the plain forward's walk writes o token-major
+# (chunk_forward.O_TOKENS); ``+ahead``: the forward walk loads the next chunk's w, qg
+# during a chunk's second phase (chunk_forward.LOAD_AHEAD), ``+aheadb``: the reverse walk
+# its Kt, P (state_grad.LOAD_AHEAD))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -321,7 +320,6 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "normk": ("kernels.chunk_prep", "GRAM_NORM", False),
             "u16": ("kernels.chunk_prep", "U16", True),
             "u16f": ("kernels.chunk_prep", "U16", "forward"),
-            "krows": ("kernels.chunk_forward", "K_ROWS", True),
             "otok": ("kernels.chunk_forward", "O_TOKENS", True),
             "ahead": ("kernels.chunk_forward", "LOAD_AHEAD", True),
             "aheadb": ("kernels.state_grad", "LOAD_AHEAD", True),

@@ -67,15 +67,11 @@
 #   TOTAL=480 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 49  # the operands kernel and
 #                                               # walk alone +/- u16 (bytes or latency?), +u16
 #                                               # A/B beside tuned FLA, a forward trace, a long row
-#   TOTAL=580 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 50  # K_ROWS (+krows): GPU
-#                                               # test, kernels alone, forward A/B beside +u16
-#                                               # and tuned FLA, mode 4's forward tests
+#   (modes 50, 51 - s41's K_ROWS A/B, run as s42-1 - were removed with K_ROWS in s42)
 #   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 52  # LOAD_AHEAD (+ahead, +aheadb) and
 #                                               # O_TOKENS with its row loads hoisted: GPU
 #                                               # tests, fwd A/B beside tuned FLA at the main
 #                                               # shapes, fwd+bwd at two, one long row
-#   TOTAL=280 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 51  # mode 50 cut short: one
-#                                               # A/B shape, kernels alone, the GPU tests
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -440,18 +436,6 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
-51)
-  # s41: mode 50 cut to ~280 s for a short budget: the op's forward with the three s41
-  # opt-ins together beside the default and tuned FLA at one shape, the kernels alone
-  # (and the K_ROWS walk's same-bits check), then the opt-ins' GPU tests
-  step 90 ab python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+u16f+krows+otok,fla \
-    --shapes "8,4096,16,2" --deadline 80 --out $M/ab
-  rows $M/ab.log
-  step 60 kprobe python -m benchmarks.prep_probe --tokens --k-rows --skip-prep-probe --bv 64 \
-    --shape 8,4096,16,2 --json $M/kprobe.json
-  grep -hE "s\] (prep tok|fwd tok)|same bits|Error" $M/kprobe.log | cut -c1-160
-  step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt or walk_writes_o_tokens"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230 ;;
 52)
   # s42: the forward walk's w, qg a chunk ahead (chunk_forward.LOAD_AHEAD, +ahead), the
   # reverse walk's Kt, P (state_grad.LOAD_AHEAD, +aheadb) and O_TOKENS with its row loads at the chunk's start (s42-2, loaded at its end: -1..-7%
@@ -470,32 +454,6 @@ case "${1:-2}" in
     --impl cutedsl-cpauto,cutedsl-cpauto+ahead+aheadb,fla \
     --shapes "1,65536,16,2" --deadline 90 --out $M/long
   rows $M/long.log ;;
-50)
-  # s41: the plain forward's walk forming Kt from k's token-major rows (chunk_forward.K_ROWS,
-  # +krows: the operands kernel writes Kt's row scales, 16 KB less a chunk-head) and
-  # writing o token-major (O_TOKENS, +otok: no XLA relayout of o): their GPU tests (the
-  # same bits), the two kernels alone beside the defaults, the op's forward
-  # A/B beside u in bfloat16 in the plain forward (+u16f) and tuned FLA, one long row
-  # (split) with both, then mode 4's forward test group in the time left
-  step 150 t_krows $P tests/test_cutedsl_gpu.py -k "walk_forms_kt or walk_writes_o_tokens"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|vs float64|Error" $M/t_krows.log | tail -14 | cut -c1-230
-  step 80 kprobe python -m benchmarks.prep_probe --tokens --k-rows --skip-prep-probe --bv 64 \
-    --shape 8,4096,16,2 --json $M/kprobe.json
-  grep -hE "s\] (prep tok|fwd tok)|same bits|Error" $M/kprobe.log | cut -c1-160
-  step 200 krows python -m benchmarks.run fwdbwd \
-    --impl ${KROWS_IMPLS:-cutedsl,cutedsl+krows,cutedsl+otok,cutedsl+u16f+krows+otok,fla} \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2" --deadline 185 --out $M/krows
-  rows $M/krows.log
-  # one long row (issue 20): the split's summary and apply walks take the same operands
-  step 100 long python -m benchmarks.run fwdbwd --impl cutedsl-cpauto,cutedsl-cpauto+krows+u16f,fla \
-    --shapes "1,65536,16,2" --deadline 90 --out $M/long
-  rows $M/long.log
-  t=$(( $(left) - 10 )); el "tests ($t s)"
-  JOB_S=$t
-  job fwd $P tests/test_cutedsl_gpu.py -k "forward_matches or token_major_operands or packed_matches or inverse_kernel or long_sequence_state"
-  job prep $P tests/test_chunk_prep_gpu.py tests/test_robust_gpu.py
-  wait
-  results fwd prep ;;
 49)
   # s41: where the bytes go. The operands kernel and the forward walk alone (token-major,
   # read-out rows: the op's forward; BV = 64) on s40's defaults and with u in bfloat16

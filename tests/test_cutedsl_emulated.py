@@ -731,8 +731,7 @@ def test_token_major_operands_equal_chunk_major(monkeypatch, case, l2norm):
     chunk-major path has none, and each has its own test against this path.)"""
     from gdp_jax.kernels import chunk_forward, chunk_prep
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    for name in ("K_ROWS", "O_TOKENS"):
-        monkeypatch.setattr(chunk_forward, name, False)
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", False)
     monkeypatch.setattr(chunk_prep, "U16", False)
     calls = []
     raw = ChunkPrepKernel.raw_call_tokens
@@ -771,60 +770,19 @@ def _token_case_forward(seed, case, l2norm):
 
 
 @pytest.mark.parametrize("case", list(TOKEN_CASES))
-@pytest.mark.parametrize("l2norm", [False, True])
-def test_walk_forms_kt_equals_kt_from_hbm(monkeypatch, case, l2norm):
-    """``chunk_forward.K_ROWS``: the plain forward whose walk forms Kt from k's token-major
-    rows and the operands kernel's row scales equals the forward reading Kt (T not a
-    multiple of 64, T = 2, n = 1..3, GVA, packed with empty and one-token sequences); a
-    k token of inf makes the same outputs NaN both ways. Without the norm Kt is en k
-    rounded once either way (the same up to the emulation's order of the scale's
-    factors); with it the default rounds the normalised k before the scale, K_ROWS not
-    (one bfloat16 rounding)."""
-    from gdp_jax.kernels import chunk_forward
-    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    seen = []
-    raw, walk = ChunkPrepKernel.raw_call_tokens, ChunkForwardKernel.raw_call
-    monkeypatch.setattr(ChunkPrepKernel, "raw_call_tokens", staticmethod(
-        lambda *a, **kw: seen.append(("prep", kw.get("kt_scale", False))) or raw(*a, **kw)))
-    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
-        lambda *a, **kw: seen.append(("walk", kw.get("k_rows") is not None)) or walk(*a, **kw)))
-    monkeypatch.setattr(chunk_forward, "K_ROWS", False)
-    run, inp, k_bad = _token_case_forward(35, case, l2norm)
-    ref, ref_bad = run(inp.k), run(k_bad)
-    assert seen == [("prep", False), ("walk", False)] * 2
-    seen.clear()
-    monkeypatch.setattr(chunk_forward, "K_ROWS", True)
-    got, got_bad = run(inp.k), run(k_bad)
-    assert seen == [("prep", True), ("walk", True)] * 2
-    tol = 1e-2 if l2norm else 1e-5
-    assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
-    assert rel_max(got[0], ref[0]) < tol and rel_max(got[1], ref[1]) < tol
-    for x, y in zip(got_bad, ref_bad):
-        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-        np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
-        assert np.isnan(y).any()
-    monkeypatch.setattr(chunk_forward, "K_ROWS", "yes")
-    with pytest.raises(ValueError, match="chunk_forward.K_ROWS='yes'; expected True"):
-        run(inp.k)
-
-
-@pytest.mark.parametrize("case", list(TOKEN_CASES))
-@pytest.mark.parametrize("k_rows", [False, True])
-def test_walk_writes_o_token_major(monkeypatch, case, k_rows):
+def test_walk_writes_o_token_major(monkeypatch, case):
     """``chunk_forward.O_TOKENS``: the plain forward whose walk writes o token-major (its
     read-out rows at their tokens by the row table, NaN on the operands kernel's bad rows)
     gives the same o and final state as the walk's chunk rows laid out by XLA - T not a
-    multiple of 64, T = 2, n = 1..3, GVA, packed with empty and one-token sequences, with
-    and without ``K_ROWS``; a k token of inf makes the same outputs NaN; every token is
-    written (the emulation leaves unwritten ones NaN)."""
+    multiple of 64, T = 2, n = 1..3, GVA, packed with empty and one-token sequences; a k
+    token of inf makes the same outputs NaN; every token is written (the emulation leaves
+    unwritten ones NaN)."""
     from gdp_jax.kernels import chunk_forward
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     seen = []
     walk = ChunkForwardKernel.raw_call
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
         lambda *a, **kw: seen.append(kw.get("o_tokens") is not None) or walk(*a, **kw)))
-    monkeypatch.setattr(chunk_forward, "K_ROWS", k_rows)
     monkeypatch.setattr(chunk_forward, "O_TOKENS", False)
     run, inp, k_bad = _token_case_forward(42, case, True)
     ref, ref_bad = run(inp.k), run(k_bad)
@@ -843,23 +801,23 @@ def test_walk_writes_o_token_major(monkeypatch, case, k_rows):
 
 
 def test_walk_token_modes_under_vmap(monkeypatch):
-    """``chunk_forward.K_ROWS`` and ``O_TOKENS`` under jax.vmap: the mapped axis folds into
-    the rows of the token-major k, Kt's row scales, the row table and the token-major o
-    alike, and each mapped problem equals its own call."""
+    """``chunk_forward.O_TOKENS`` under jax.vmap: the mapped axis folds into the rows of
+    the row table, the bad rows and the token-major o alike, and each mapped problem
+    equals its own call."""
     from gdp_jax.kernels import chunk_forward
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-    monkeypatch.setattr(chunk_forward, "K_ROWS", True)
     monkeypatch.setattr(chunk_forward, "O_TOKENS", True)
     shapes = []
     walk = ChunkForwardKernel.raw_call
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
-        lambda *a, **kw: shapes.append((a[1].shape, kw["k_rows"][1].shape)) or walk(*a, **kw)))
+        lambda *a, **kw: shapes.append(tuple(x.shape for x in kw["o_tokens"][:2])
+                                       + (kw["o_tokens"][2],)) or walk(*a, **kw)))
     inp = make_inputs(39, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="strong")
     other = make_inputs(40, 1, 90, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal")
     stack = lambda i: jnp.stack([inp[i], other[i]])
     f = lambda *a: OP(*a, use_qk_l2norm=True, backend="cutedsl")
     o = jax.jit(jax.vmap(f))(*(stack(i) for i in range(5)))
-    assert shapes[-1] == ((2, 180, 1, 64), (2, 3, 4))     # folded: 2 rows of 2 x 90 steps
+    assert shapes[-1] == ((2, 3, 4), (2, 3, 2, 64), 90)    # folded: 2 rows of 90 tokens
     assert o.shape == (2, 1, 90, 2, 64)
     for m, x in enumerate((inp, other)):
         assert rel_max(o[m], jax.jit(f)(*x[:5])) < 1e-6
@@ -867,17 +825,17 @@ def test_walk_token_modes_under_vmap(monkeypatch):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_split_forward_takes_the_plain_forward_operands(monkeypatch, packed):
-    """``intra_cp`` (a forward nothing differentiates): with ``chunk_forward.K_ROWS`` and
-    ``chunk_prep.U16 = "forward"`` the segments' summary walk (V + K columns) and the apply
-    walk both form Kt from k's rows and read u in bfloat16, and the split's outputs stay
-    within 1e-2 of the default split's (packed sequences across the segment borders)."""
-    from gdp_jax.kernels import chunk_forward, chunk_prep
+    """``intra_cp`` (a forward nothing differentiates): with ``chunk_prep.U16 = "forward"``
+    the segments' summary walk (V + K columns) and the apply walk both read u in bfloat16,
+    and the split's outputs stay within 1e-2 of the default split's (packed sequences
+    across the segment borders)."""
+    from gdp_jax.kernels import chunk_prep
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     seen = []
     walk = ChunkForwardKernel.raw_call
     monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
-        lambda *a, **kw: seen.append((kw.get("readout", True), kw.get("k_rows") is not None,
-                                      jnp.dtype(a[4].dtype).name)) or walk(*a, **kw)))
+        lambda *a, **kw: seen.append((kw.get("readout", True), jnp.dtype(a[4].dtype).name))
+        or walk(*a, **kw)))
     T = 256
     cu = jnp.asarray([0, 30, 30, 31, 200, T], jnp.int32) if packed else None
     inp = make_inputs(38, 1, T, 2, 1, 2, 64, 64, jnp.bfloat16, gate="normal",
@@ -886,15 +844,13 @@ def test_split_forward_takes_the_plain_forward_operands(monkeypatch, packed):
                                         output_final_state=True, cu_seqlens=cu,
                                         use_qk_l2norm=True, backend="cutedsl",
                                         intra_cp=4))(*inp[:5])
-    monkeypatch.setattr(chunk_forward, "K_ROWS", False)
     monkeypatch.setattr(chunk_prep, "U16", False)
     ref = run()
-    assert set(seen) == {(False, False, "float32"), (True, False, "float32")}
+    assert set(seen) == {(False, "float32"), (True, "float32")}
     seen.clear()
-    monkeypatch.setattr(chunk_forward, "K_ROWS", True)
     monkeypatch.setattr(chunk_prep, "U16", "forward")
     got = run()
-    assert set(seen) == {(False, True, "bfloat16"), (True, True, "bfloat16")}
+    assert set(seen) == {(False, "bfloat16"), (True, "bfloat16")}
     assert rel_max(got[0], ref[0]) < 1e-2 and rel_max(got[1], ref[1]) < 1e-2
 
 

@@ -567,67 +567,21 @@ def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
             got, grads("reference", args, cu=cu), GRAD_TOL)
 
 
-@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed,l2norm,big", [
-    (8, 2, 16, 16, 128, 128, "bfloat16", False, True, False),   # the op's: read-out rows
-    (2, 3, 1, 3, 64, 128, "bfloat16", True, True, False),       # GVA, K != V, packed
-    (2, 1, 2, 2, 128, 64, "float16", False, True, False),       # all rows, V = 64
-    (2, 2, 2, 4, 128, 128, "bfloat16", True, False, False),     # no norm, GVA, packed
-    (2, 2, 2, 2, 128, 128, "bfloat16", False, True, True),      # k rows past GRAM_BIG
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False),    # the op's: read-out rows
+    (2, 3, 1, 3, 64, 128, "bfloat16", True),        # GVA, K != V, packed
+    (2, 1, 2, 2, 128, 64, "float16", False),        # all rows (n = 1), V = 64
 ])
-def test_walk_forms_kt_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed, l2norm,
-                                 big):
-    """``chunk_forward.K_ROWS``: the plain forward whose walk forms Kt from k's token-major
-    rows and the operands kernel's row scales (en k rounded once, as the operands kernel
-    rounds it) gives the same bits (o, final state) as the walk reading Kt - with the
-    in-kernel norm (k raw, rho from K K^T's diagonal) and without; ``big`` (every 7th
-    step's keys x 1e30: their warps normalise first, so en takes the norm's factor and the
-    walk scales the raw row): within 1e-2 and no farther from float64 (x 1.25)."""
-    from gdp_jax.kernels import chunk_forward
-    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-    args, cu = _case(41, B, n, H, HV, K, V, dtype, packed)
-    if big:
-        args = (args[0], args[1].at[:, ::7].multiply(1e30)) + tuple(args[2:])
-    seen = _spy(monkeypatch, ChunkForwardKernel, "raw_call",
-                lambda a, k: k.get("k_rows") is not None)
-    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
-              use_qk_l2norm=l2norm, backend="cutedsl")
-    tag = (f"walk forms Kt B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} "
-           f"l2norm={l2norm} big={big}")
-    if big:
-        ref = grads("reference", args, cu=cu)
-        assert_forward_off_on(monkeypatch, chunk_forward, "K_ROWS", True, args, kw, ref, tag,
-                              "Kt from HBM")
-    else:
-        fw = []
-        for on in (False, True):
-            monkeypatch.setattr(chunk_forward, "K_ROWS", on)
-            fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
-        if DRY_RUN and l2norm:
-            # (the emulation rounds k's normalised rows, as the normalise-first kernel)
-            assert max(rel_rms(x, y) for x, y in zip(fw[1], fw[0])) < 1e-2
-        else:
-            assert_same_bits(fw[1], fw[0])      # (o, final: the first two of grads' names)
-            print(f"[{tag}] o, final: the same bits")
-    assert DRY_RUN or seen == [False, True], seen
-
-
-@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed,k_rows", [
-    (8, 2, 16, 16, 128, 128, "bfloat16", False, True),    # the op's: read-out rows
-    (2, 3, 1, 3, 64, 128, "bfloat16", True, False),       # GVA, K != V, packed
-    (2, 1, 2, 2, 128, 64, "float16", False, True),        # all rows (n = 1), V = 64
-])
-def test_walk_writes_o_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed,
-                                        k_rows):
+def test_walk_writes_o_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
     """``chunk_forward.O_TOKENS``: the plain forward whose walk writes o token-major (its
     read-out rows at their tokens by the row table, NaN on the bad rows) gives the same
-    bits (o, final state) as the walk's chunk rows laid out by XLA - every token written,
-    with and without ``K_ROWS``; a k token of inf makes the same outputs NaN."""
+    bits (o, final state) as the walk's chunk rows laid out by XLA - every token written;
+    a k token of inf makes the same outputs NaN."""
     from gdp_jax.kernels import chunk_forward
     from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
     args, cu = _case(44, B, n, H, HV, K, V, dtype, packed)
     seen = _spy(monkeypatch, ChunkForwardKernel, "raw_call",
                 lambda a, k: k.get("o_tokens") is not None)
-    monkeypatch.setattr(chunk_forward, "K_ROWS", k_rows)
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True, backend="cutedsl")
     k_bad = args[1].at[0, 5, 0, 0, 3].set(jnp.inf)
@@ -643,8 +597,8 @@ def test_walk_writes_o_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, p
         np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
         np.testing.assert_array_equal(np.where(np.isnan(x), 0, x), np.where(np.isnan(y), 0, y))
     assert np.isfinite(np.asarray(fw[2][0], np.float32)).all()
-    print(f"[o tokens B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} "
-          f"k_rows={k_rows}] o, final: the same bits")
+    print(f"[o tokens B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}] o, final: "
+          f"the same bits")
     assert DRY_RUN or seen == [False, False, True, True], seen
 
 

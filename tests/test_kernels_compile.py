@@ -1255,37 +1255,20 @@ def test_walk_loads_ahead_compiles(monkeypatch):
         StateGradKernel.variants()
 
 
-def test_walk_forms_kt_compiles(monkeypatch):
-    """``chunk_forward.K_ROWS`` and ``O_TOKENS`` (opt-ins): the forward walk forming Kt from
-    k's token-major rows and / or writing o token-major (all rows and the read-out rows,
-    warpgroup MMAs as the default walk) and the
-    token-major operands kernel writing Kt's row scales (with the gram norm and without a
-    norm) compile to sm_90a; the walk's variants are listed only while the switch is on;
-    the operands kernel refuses the row scales with the normalise-first norm."""
+def test_walk_writes_o_tokens_compiles(monkeypatch):
+    """``chunk_forward.O_TOKENS`` (opt-in): the forward walk writing o token-major (all rows
+    and the read-out rows, warpgroup MMAs as the default walk) compiles to sm_90a; its
+    variants are listed only while the switch is on."""
     from gdp_jax.kernels import chunk_forward
-    B, NC, HV, H, C, K, V, n, T = 2, 3, 4, 2, grid.CHUNK, 128, 128, 2, 90
-    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
-    monkeypatch.setattr(chunk_forward, "K_ROWS", False)
+    V = 128
     monkeypatch.setattr(chunk_forward, "O_TOKENS", False)
     assert not [v for v in ChunkForwardKernel.variants() if "_rows " in v.what]
-    for k_rows, o_tokens in ((True, False), (False, True), (True, True)):
-        monkeypatch.setattr(chunk_forward, "K_ROWS", k_rows)
-        monkeypatch.setattr(chunk_forward, "O_TOKENS", o_tokens)
-        walks = [v for v in ChunkForwardKernel.variants()
-                 if v.what.startswith("gdp_chunk_fwd_sm90_rows bfloat16 K=128 V=128")]
-        assert len(walks) == 2 * len(ChunkForwardKernel.value_tiles(V)), [v.what for v in walks]
-        for v in walks:
-            assert ("k_rows" in v.what) == k_rows and ("o_tokens" in v.what) == o_tokens
-            if "BV=64" in v.what and (k_rows and o_tokens or "rows=32" in v.what):
-                assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals)
-    tok = (S((B, T, H, K), bf), S((B, n * T, H, K), bf), S((B, n * T, HV, V), bf),
-           S((B, NC, HV, C), f32), S((B, NC, HV, C), f32), S((B,), f32), S((B, NC, 4), i32))
-    for l2norm in (True, False):
-        fn = lambda *a, l2=l2norm: ChunkPrepKernel.raw_call_tokens(
-            *a, ab_dtype="bfloat16", l2norm=l2, readout_rows=True, kt_scale=True)
-        assert jax.eval_shape(fn, *tok)[1].shape == (B, NC, HV, C)
-        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(fn, *tok)
-    monkeypatch.setattr(chunk_prep, "GRAM_NORM", False)
-    with pytest.raises(ValueError, match="kt_scale: not with probe, nor with l2norm"):
-        jax.eval_shape(lambda *a: ChunkPrepKernel.raw_call_tokens(
-            *a, ab_dtype="bfloat16", l2norm=True, kt_scale=True), *tok)
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", True)
+    walks = [v for v in ChunkForwardKernel.variants()
+             if v.what.startswith("gdp_chunk_fwd_sm90_rows bfloat16 K=128 V=128")]
+    assert sorted(v.what for v in walks) == sorted(
+        f"gdp_chunk_fwd_sm90_rows bfloat16 K=128 V=128 ckpt=0 BV={bv}{r} o_tokens"
+        for bv in ChunkForwardKernel.value_tiles(V) for r in ("", " rows=32"))
+    for v in walks:
+        if "BV=64" in v.what:
+            assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals), v.what

@@ -66,13 +66,6 @@ PAIR_TILES = False
 # GMMA the forward 2.03 -> 1.82 ms at (8, 4096, 16, 2) (H100, s40-1). True: the read-out
 # rows' o products on warp MMAs (``+wg``); False: every product on warp MMAs (``+mmaf``).
 GMMA = "all"
-# Off: measured slower (the walk +12%, the operands kernel -2.4%; benchmarks/results/
-# CURRENT.md, s42). When on, the op's plain forward on token-major inputs forms Kt
-# in the walk - the operands kernel writes Kt's float32 row scales en [C] instead of Kt
-# [C, K] (``kt_scale`` of ``ChunkPrepSm90``: 16 KB less a chunk-head, ~14% of its bytes)
-# and the walk reads the chunk's k rows by the row table and rounds en k once, as the
-# operands kernel did (``k_rows`` of ``ChunkFwdSm90``: the same bits). False: Kt from HBM.
-K_ROWS = False
 # Off: measured faster at B = 8, slower at (2, 16384, 16, 2) (CURRENT.md, s42; the row
 # loads moved to the chunk's start since, GPU mode 52). When on, the op's plain forward on
 # token-major inputs gets o from the walk token-major, [B, T, HV, V] (``o_tokens`` of
@@ -235,22 +228,17 @@ class ChunkForwardKernel:
     @classmethod
     def call(cls, w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: Optional[int] = None,
              split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
-             readout: bool = True, k_rows: Optional[tuple] = None,
-             o_tokens: Optional[tuple] = None):
+             readout: bool = True, o_tokens: Optional[tuple] = None):
         """:meth:`raw_call`, ``jax.vmap``-able. ``BV`` None: :meth:`pick_bv` for the rows
         of the launch, after ``jax.vmap`` (or ``intra_cp``'s segments) folded into them.
-        ``k_rows``: (en, rows), ``kt`` then the token-major k; ``o_tokens``: (rows, bad,
-        T) - both as :meth:`raw_call`'s."""
-        extra = (tuple(k_rows) if k_rows is not None else ()) + (
-            tuple(o_tokens[:2]) if o_tokens is not None else ())
+        ``o_tokens``: (rows, bad, T), as :meth:`raw_call`'s."""
+        extra = tuple(o_tokens[:2]) if o_tokens is not None else ()
 
         def launch(*a):
             bv = BV or cls.launch_bv(a[0], a[9])
-            kw, rest = {}, list(a[10:])
-            if k_rows is not None:
-                kw["k_rows"] = (rest.pop(0), rest.pop(0))
+            kw = {}
             if o_tokens is not None:
-                kw["o_tokens"] = (rest.pop(0), rest.pop(0), o_tokens[2])
+                kw["o_tokens"] = (a[10], a[11], o_tokens[2])
             stages = 1 if kw else cls.pick_stages(a[0].shape[0], a[0].shape[2],
                                                   a[9].shape[-1], bv)
             pairs = 1 if kw else cls.pick_pairs(a[9].shape[-1], bv, stages)
@@ -268,8 +256,7 @@ class ChunkForwardKernel:
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
                  readout: bool = True, stages: int = 1, pairs: int = 1, gmma=None,
-                 k_rows: Optional[tuple] = None, o_tokens: Optional[tuple] = None,
-                 ahead: Optional[bool] = None):
+                 o_tokens: Optional[tuple] = None, ahead: Optional[bool] = None):
         """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -290,31 +277,14 @@ class ChunkForwardKernel:
         same results). ``ahead``: a one-set, one-tile walk loads w, qg a chunk ahead
         (None: :data:`LOAD_AHEAD`'s rule; the same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
         the read-out rows' o products too (None: :data:`GMMA`, where the walk allows it;
-        an explicit one where it does not is a ValueError). ``k_rows`` (en, rows): Kt
-        formed in the walk (:data:`K_ROWS`) - ``kt`` is then the token-major k [B, L, H, K]
-        (H dividing HV), en [B, NC, HV, C] float32 Kt's row scales and rows [B, NC, 4]
-        int32 the row table (``chunk_prep.token_rows``): Kt's row i is en_i k_(base + i)
-        for i < count (zeros after), rounded once to the operand dtype; stages = pairs = 1.
-        ``o_tokens`` (rows, bad, T): o comes back token-major, [B, T, HV, V] - the read-out
-        rows' outputs at their tokens (rows the table, bad [B, NC, HV, C] the operands
-        kernel's rows whose outputs are NaN) - for a wgmma walk whose o tiles hold C rows
-        (R = C at n = 1, or the read-out rows under ``GMMA = "all"``); stages = pairs = 1.
+        an explicit one where it does not is a ValueError). ``o_tokens`` (rows, bad, T): o
+        comes back token-major, [B, T, HV, V] - the read-out rows' outputs at their tokens
+        (rows [B, NC, 4] int32 the row table, ``chunk_prep.token_rows``; bad
+        [B, NC, HV, C] int32 the operands kernel's rows whose outputs are NaN) - for a
+        wgmma walk whose o tiles hold C rows (R = C at n = 1, or the read-out rows under
+        ``GMMA = "all"``); stages = pairs = 1.
         """
         B, NC, HV, C_, K = w.shape
-        if k_rows is not None:
-            en, rows = k_rows
-            if (kt.ndim != 4 or kt.shape[0] != B or kt.shape[-1] != K or HV % kt.shape[2]
-                    or kt.dtype != w.dtype):
-                raise ValueError(f"k_rows: kt must be the token-major k [{B}, L, H, {K}] "
-                                 f"({w.dtype}, H dividing {HV}); got {kt.dtype} {kt.shape}")
-            if en.shape != (B, NC, HV, C_) or en.dtype != jnp.float32:
-                raise ValueError(f"k_rows: en must be float32 {(B, NC, HV, C_)}; got "
-                                 f"{en.dtype} {en.shape}")
-            if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
-                raise ValueError(f"k_rows: rows must be int32 {(B, NC, 4)}; got "
-                                 f"{rows.dtype} {rows.shape}")
-            if stages != 1 or pairs != 1:
-                raise ValueError(f"k_rows: stages=1, pairs=1; got {stages}, {pairs}")
         if o_tokens is not None:
             rows, bad, T = o_tokens
             if rows.shape != (B, NC, 4) or rows.dtype != jnp.int32:
@@ -363,16 +333,12 @@ class ChunkForwardKernel:
         args = (w, kt, qg, p, u, decay, reset, seq, last, h0)
         tile_dims = (2, 2, 2, 2, 2, 0, 0, 0, 0, 2)
         launcher, name, tables = _launcher, "gdp_chunk_fwd_sm90", {}
-        if k_rows is not None or o_tokens is not None:
-            # (en, table, bad): placeholders (decay, reset) where a mode is off
-            en = k_rows[0] if k_rows is not None else decay
-            table = k_rows[1] if k_rows is not None else o_tokens[0]
-            bad = o_tokens[1] if o_tokens is not None else reset
-            args += (en, table, bad)
-            tile_dims = ((2, 1 if k_rows is not None else 2) + tile_dims[2:]
-                         + (1 if k_rows is not None else 0, 1, 1 if o_tokens is not None else 0))
+        if o_tokens is not None:
+            # the row table and the bad rows
+            args += tuple(o_tokens[:2])
+            tile_dims += (1, 1)
             launcher, name = _launcher_rows, "gdp_chunk_fwd_sm90_rows"
-            tables = dict(k_rows=k_rows is not None, o_tokens=o_tokens is not None)
+            tables = dict(o_tokens=True)
         return binding.custom_call(launcher, name, outputs, args,
                                    tile_dims=tile_dims + (
                                        2 if readout and o_tokens is None else 1, 2,
@@ -431,10 +397,9 @@ class ChunkForwardKernel:
                                     + (" stages=2" if stages == 2 else "")
                                     + (" ahead" if ahead else ""),
                                     fn, _avals(name, K, V, rows=READOUT_ROWS)))
-                    # K_ROWS (opt-in: listed only while on): the plain forward forming Kt
-                    # in the walk, all rows and the read-out rows
-                    for rows in ((C, READOUT_ROWS) if K_ROWS is True or O_TOKENS is True
-                                 else ()):
+                    # O_TOKENS (opt-in: listed only while on): the plain forward writing o
+                    # token-major, all rows and the read-out rows
+                    for rows in (C, READOUT_ROWS) if O_TOKENS is True else ():
                         for BV, ahead in itertools.product(
                                 cls.value_tiles(V),
                                 ahead_flavors(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD")):
@@ -442,10 +407,8 @@ class ChunkForwardKernel:
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90_rows {name} K={K} V={V} ckpt=0 "
                                 f"BV={BV}" + (f" rows={rows}" if rows < C else "")
-                                + (" k_rows" if K_ROWS is True else "")
-                                + (" o_tokens" if O_TOKENS is True else "")
-                                + (" ahead" if ahead else ""),
-                                fn, _avals(name, K, V, rows=rows, k_rows=True)))
+                                + " o_tokens" + (" ahead" if ahead else ""),
+                                fn, _avals(name, K, V, rows=rows, tokens=True)))
         return out
 
     @classmethod
@@ -458,17 +421,10 @@ class ChunkForwardKernel:
 
     @classmethod
     def _rows_call(cls, *a, BV: int, ahead: bool = False):
-        """:meth:`raw_call` as the plain forward runs it under :data:`K_ROWS` /
-        :data:`O_TOKENS` (``_avals(.., k_rows=True)``'s operands: k token-major, Kt's row
-        scales, the row table, the bad rows; o for T = 1 token)."""
-        kw = {}
-        if K_ROWS is True:
-            kw["k_rows"] = (a[10], a[11])
-        else:
-            a = a[:1] + (jnp.zeros(a[0].shape, a[0].dtype),) + a[2:]
-        if O_TOKENS is True:
-            kw["o_tokens"] = (a[11], a[12], 1)
-        return cls.raw_call(*a[:10], BV=BV, ahead=ahead, **kw)
+        """:meth:`raw_call` as the plain forward runs it under :data:`O_TOKENS`
+        (``_avals(.., tokens=True)``'s operands: the row table, the bad rows; o for T = 1
+        token)."""
+        return cls.raw_call(*a[:10], BV=BV, o_tokens=(a[10], a[11], 1), ahead=ahead)
 
     @classmethod
     def stage_counts(cls, V: int, BV: int):
@@ -483,18 +439,15 @@ class ChunkForwardKernel:
         return sorted({cls.pick_bv(r, 1, V) for r in rows})
 
 
-def _avals(dtype, K, V, u_cols=None, rows=C, k_rows=False):
+def _avals(dtype, K, V, u_cols=None, rows=C, tokens=False):
     """The kernel's operands at the canonical shape (one row, chunk, head, sequence), on V
     state columns (u on the first ``u_cols``; None: all), qg and p on ``rows`` rows;
-    ``k_rows``: the token-major k in Kt's place, Kt's row scales, the row table and the
-    bad rows after h0."""
+    ``tokens``: the row table and the bad rows after h0 (o written token-major)."""
     import jax
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     f32, i32 = jnp.float32, jnp.int32
-    if k_rows:
-        plain = _avals(dtype, K, V, u_cols, rows)
-        return ((plain[0], S((1, 1, 1, K), dtype)) + plain[2:]
-                + (S((1, 1, 1, C), f32), S((1, 1, 4), i32), S((1, 1, 1, C), i32)))
+    if tokens:
+        return _avals(dtype, K, V, u_cols, rows) + (S((1, 1, 4), i32), S((1, 1, 1, C), i32))
     return ((S((1, 1, 1, C, K), dtype),) * 2 + (S((1, 1, 1, rows, K), dtype),
             S((1, 1, 1, rows, C), dtype),
             S((1, 1, 1, C, u_cols or V), u_dtype(dtype)), S((1, 1, 1), f32))
@@ -504,27 +457,26 @@ def _avals(dtype, K, V, u_cols=None, rows=C, k_rows=False):
 
 @functools.lru_cache(maxsize=None)
 def _launcher_rows():
-    """:func:`_launcher` with the row table: Kt formed in the walk (``k_rows``: k
-    token-major in kt's place, Kt's row scales ``en``) and / or o written token-major
-    (``o_tokens``: the operands kernel's ``bad`` rows); unused ones are placeholders."""
+    """:func:`_launcher` with the row table and the operands kernel's ``bad`` rows: o
+    written token-major (``o_tokens``)."""
     binding.import_cutlass()
     import cutlass
     import cutlass.cute as cute
     from gdp_jax.kernels import chunk_fwd_sm90 as mod
 
     @cute.jit
-    def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, en, table, bad, o,
+    def launch(stream, w, kt, qg, p, u, decay, reset, seq, last, h0, table, bad, o,
                final, states, *, K: cutlass.Constexpr, V: cutlass.Constexpr,
                BV: cutlass.Constexpr, ab_name: cutlass.Constexpr, split: cutlass.Constexpr,
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
                rows: cutlass.Constexpr = C, gmma: cutlass.Constexpr = False,
-               gmma_rows: cutlass.Constexpr = False, k_rows: cutlass.Constexpr = False,
-               o_tokens: cutlass.Constexpr = False, ahead: cutlass.Constexpr = False):
+               gmma_rows: cutlass.Constexpr = False, o_tokens: cutlass.Constexpr = False,
+               ahead: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       1, gmma, gmma_rows, k_rows, o_tokens, ahead)(
-            stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, en,
-            table, bad)
+                       1, gmma, gmma_rows, o_tokens, ahead)(
+            stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, table,
+            bad)
 
     return launch
 

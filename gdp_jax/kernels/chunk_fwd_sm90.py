@@ -34,7 +34,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
 
 from gdp_jax.kernels.sm90 import (C, MMA_K, NUM_THREADS, READOUT_ROWS, ab_type,
                                   acc_to_smem, c_tile, c_tile_or_zero, chunk_scalars, g2s,
@@ -51,7 +50,7 @@ class ChunkFwdSm90:
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
                  readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C,
                  pairs: int = 1, gmma: bool = False, gmma_rows: bool = False,
-                 k_rows: bool = False, o_tokens: bool = False, ahead: bool = False):
+                 o_tokens: bool = False, ahead: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
         # 2: a CTA of two 4-warp groups walks two adjacent value tiles (group g: tile
@@ -89,12 +88,6 @@ class ChunkFwdSm90:
         self.gmma = gmma
         self.gmma_rows = gmma and gmma_rows and rows < C
         assert not gmma or (stages == 1 and pairs == 1 and not split)
-        # Kt formed in the walk: the chunk's k rows read from the token-major k
-        # [B, L, H, K] by the operands kernel's row table and scaled by its float32 row
-        # scales en (Kt = en k rounded once: the operands kernel's bits) - the operands
-        # kernel then writes 256 bytes a chunk-head instead of Kt's 16 KB
-        self.k_rows = k_rows
-        assert not k_rows or (stages == 1 and pairs == 1)
         # o written token-major: mO is [B, T, HV, V] and read-out tile row r goes to token
         # tok + r of the row table (NaN where the operands kernel's bad flag is set) - no
         # relayout (and NaN pass) of [B, NC, HV, R, V] rows in XLA after the walk. The
@@ -111,11 +104,10 @@ class ChunkFwdSm90:
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, stream, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0,
-                 mO, mFinal, mStates, mEn=None, mRows=None, mBad=None):
-        """With ``k_rows``: mKt is k [B, L, H, K], mEn Kt's row scales [B, NC, HV, C]
-        float32; with ``k_rows`` or ``o_tokens`` mRows is the row table [B, NC, 4] int32
-        (``chunk_prep.token_rows``); with ``o_tokens`` mO is [B, T, HV, V] and mBad the
-        operands kernel's bad rows [B, NC, HV, C] int32; unused ones are placeholders."""
+                 mO, mFinal, mStates, mRows=None, mBad=None):
+        """With ``o_tokens``: mO is [B, T, HV, V], mRows the row table [B, NC, 4] int32
+        (``chunk_prep.token_rows``) and mBad the operands kernel's bad rows [B, NC, HV, C]
+        int32; otherwise those two are placeholders."""
         K, BV, ab = self.K, self.BV, self.ab
         sK_layout = smem_layout(C, K)         # w, Kt, qg: [C, K]
         sS_layout = smem_layout(K, BV)        # S (16-bit copy): [K, BV]
@@ -128,11 +120,8 @@ class ChunkFwdSm90:
 
         B, HV = mW.shape[0], mW.shape[2]
         grid = (self.V // BV, HV, B)
-        if cutlass.const_expr(not self.k_rows):
-            mEn = mDecay
-        if cutlass.const_expr(not (self.k_rows or self.o_tokens)):
-            mRows = mReset
         if cutlass.const_expr(not self.o_tokens):
+            mRows = mReset
             mBad = mReset
         if cutlass.const_expr(self.stages == 2):
             Storage = _storage_pipelined(ab, sK_layout, sS_layout, sD_layout,
@@ -148,7 +137,7 @@ class ChunkFwdSm90:
             Storage = _storage(ab, sK_layout, sS_layout, sD_layout,
                                sPr_layout if self.readout else None, sQ_layout, self.pairs)
             self.kernel(mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-                        mStates, mEn, mRows, mBad, sK_layout, sPr_layout, sS_layout,
+                        mStates, mRows, mBad, sK_layout, sPr_layout, sS_layout,
                         sD_layout,
                         g2s_copy(ab, K, NUM_THREADS * self.pairs),
                         g2s_copy(ab, C, NUM_THREADS * self.pairs), warp_mma(ab),
@@ -160,7 +149,7 @@ class ChunkFwdSm90:
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO, mFinal,
-               mStates, mEn, mRows, mBad, sK_layout: cute.ComposedLayout,
+               mStates, mRows, mBad, sK_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, sS_layout: cute.ComposedLayout,
                sD_layout: cute.ComposedLayout,
                copy_K: cute.TiledCopy, copy_P: cute.TiledCopy, tiled_mma: cute.TiledMma,
@@ -262,26 +251,19 @@ class ChunkFwdSm90:
             reset = mReset[b, c]
             decay = mDecay[b, c, hv]
             last = mLast[b, c]
-            if cutlass.const_expr(self.k_rows or self.o_tokens):
-                base, count = mRows[b, c, 0], mRows[b, c, 1]
             if cutlass.const_expr(self.o_tokens):
-                # o's token rows and bad flags now, not after the products: with one walk
-                # an SM nothing else hides these dependent loads (s42: +5% at 64 CTAs)
-                o_rows = self._o_token_rows(thr_mma, mBad, mRows, b, c, hv, count)
+                # o's token rows and bad flags now: their dependent global loads then wait
+                # alongside the tile loads, not on the serial path after the products
+                o_rows = self._o_token_rows(thr_mma, mBad, mRows, b, c, hv)
             # ---- operands of chunk c -> smem (async; with pairs, one copy for both groups)
             # (with ``ahead`` w and qg are on their way since the last chunk)
             if cutlass.const_expr(not self.ahead):
                 gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
-            if cutlass.const_expr(not self.k_rows):
-                gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
+            gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             if cutlass.const_expr(self.readout):
                 if cutlass.const_expr(not self.ahead):
                     gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
                 gP.load(mP[b, c, hv, None, None], (R, C), tPsP)
-            if cutlass.const_expr(self.k_rows):
-                # last: their addresses wait for the row table's load
-                en = self._load_k_rows(gK, tKsKt, mKt, mEn, b, c, hv, mW.shape[2], base,
-                                       count)
             cute.arch.cp_async_commit_group()
 
             # ---- chunk start state (reset -> the sequence's initial state)
@@ -300,8 +282,6 @@ class ChunkFwdSm90:
                 u = c_tile_or_zero(thr_mma, mU[b, c, hv, None, None], (C, BV), vt,
                                    self.u_cols // BV)
             cute.arch.cp_async_wait_group(0)
-            if cutlass.const_expr(self.k_rows):
-                self._scale_k_rows(tKsKt, en)
             barrier(self.gmma)
 
             # ---- Delta = u - w S ;  o = qg S  (shared B operand S)
@@ -366,37 +346,12 @@ class ChunkFwdSm90:
             gK.load(mQg[b, c, hv, None, None], (self.rows, self.K), tKsQ)
 
     @cute.jit
-    def _load_k_rows(self, gK, tKsKt, mK, mEn, b, c, hv, HV, base, count):
-        """``k_rows``: start the cp.async of chunk c's k rows into the Kt tile (tile row r:
-        k step base + r of key head hv // (HV / H) for r < count, else zeros; ``base``,
-        ``count``: the chunk's row table entries) and load the row scales of this
-        thread's pieces -> en (registers, one a piece)."""
-        K, ab = self.K, self.ab
-        atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), ab,
-            num_bits_per_copy=128)
-        hk = hv // (HV // mK.shape[2])
-        crd = gK.thr.partition_D(cute.make_identity_tensor((C, K)))
-        pieces = cute.size(tKsKt) // 8
-        en = cute.make_rmem_tensor((pieces,), cutlass.Float32)
-        for m in cutlass.range_constexpr(pieces):
-            r, col = crd[8 * m]
-            en[m] = mEn[b, c, hv, r]
-            if r < count:
-                cute.copy(atom, cute.local_tile(mK[b, base + r, hk, None], (8,),
-                                                (col // 8,)), tKsKt[None, m, 0])
-            else:
-                for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
-                    tKsKt[e] = cutlass.Float32(0.0).to(ab)
-        return en
-
-    @cute.jit
-    def _o_token_rows(self, thr_mma, mBad, mRows, b, c, hv, count):
+    def _o_token_rows(self, thr_mma, mBad, mRows, b, c, hv):
         """``o_tokens``: where this thread's o rows of chunk c go -> (tok, ok0, ok1, bad0,
         bad1). An accumulator row lives in one quad: this thread holds tile rows r0 and
         r0 + 8, chunk rows i = n r + n - 1 (R < C: the read-out rows; R = C: n = 1, i = r);
         ok: i < count (a token of the chunk), bad: the operands kernel flagged row i."""
-        tok, n = mRows[b, c, 2], mRows[b, c, 3]
+        count, tok, n = mRows[b, c, 1], mRows[b, c, 2], mRows[b, c, 3]
         r0 = thr_mma.partition_C(cute.make_identity_tensor((C, self.BV)))[0][0]
         i0, i1 = r0, r0 + 8
         if cutlass.const_expr(self.rows < C):
@@ -426,19 +381,6 @@ class ChunkFwdSm90:
             first = r == r0
             if cutlass.select_(first, ok0, ok1):
                 part[e] = cutlass.select_(cutlass.select_(first, bad0, bad1), nan, x[e])
-
-    @cute.jit
-    def _scale_k_rows(self, tKsKt, en):
-        """``k_rows``: Kt = en k on this thread's pieces of the tile (after their cp.async
-        landed): the float32 product rounded once, as the operands kernel forms Kt."""
-        for m in cutlass.range_constexpr(cute.size(tKsKt) // 8):
-            x = cute.make_fragment_like(tKsKt[None, m, 0])
-            cute.autovec_copy(tKsKt[None, m, 0], x)
-            y = cute.make_rmem_tensor((8,), cutlass.Float32)
-            for e in cutlass.range_constexpr(8):
-                y[e] = en[m] * x[e].to(cutlass.Float32)
-            x.store(y.load().to(self.ab))
-            cute.autovec_copy(x, tKsKt[None, m, 0])
 
     @cute.kernel
     def kernel_pipelined(self, mW, mKt, mQg, mP, mU, mDecay, mReset, mSeq, mLast, mH0, mO,
@@ -615,12 +557,11 @@ def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
                stages: int = 1, rows: int = C, pairs: int = 1,
                gmma: bool = False, gmma_rows: bool = False,
-               k_rows: bool = False, o_tokens: bool = False,
-               ahead: bool = False) -> ChunkFwdSm90:
+               o_tokens: bool = False, ahead: bool = False) -> ChunkFwdSm90:
     key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs, gmma,
-           gmma_rows, k_rows, o_tokens, ahead)
+           gmma_rows, o_tokens, ahead)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols, stages, rows, pairs, gmma, gmma_rows, k_rows,
-                                     o_tokens, ahead)
+                                     u_cols, stages, rows, pairs, gmma, gmma_rows, o_tokens,
+                                     ahead)
     return _KERNELS[key]

@@ -211,39 +211,32 @@ class ChunkPrepKernel:
     @classmethod
     def call_tokens(cls, spec, q, k, v, ch, layout, *, inverse: bool = False,
                     normalized: bool = False, readout_rows: bool = False,
-                    kt_scale: bool = False, plain: bool = False):
+                    plain: bool = False):
         """The forward operands as :meth:`call` gives them for ``ch`` (whose g and beta are
         read; its q, k, v are left to XLA's dead-code elimination), with q, k, v read by
         the kernel from the token-major inputs (:meth:`can_read_tokens`) and L2-normalised
         in it when ``spec.use_qk_l2norm`` and not ``normalized`` (q, k already are);
         ``inverse``: X as well, as :meth:`call`'s; ``readout_rows`` (n >= 2): qg, p on
         the read-out rows only, [.., READOUT_ROWS, K / C] (:meth:`raw_call_tokens`);
-        ``kt_scale``: in Kt's place the triple (k [B, n T, H, K], en [B, NC, HV, C]
-        float32, rows [B, NC, 4]) the forward walk forms Kt from (``ChunkForwardKernel``'s
-        ``k_rows``; en as :meth:`raw_call_tokens` gives it); ``plain``: the plain forward's
-        operands (:func:`u_dtype`). ``jax.vmap``-able."""
+        ``plain``: the plain forward's operands (:func:`u_dtype`). ``jax.vmap``-able."""
         B, T, n, H, K = k.shape
         rows = token_rows(layout, n, T)
         f = binding.vmappable(
             lambda *a: cls.raw_call_tokens(*a, ab_dtype=spec.ab_dtype, inverse=inverse,
                                            l2norm=spec.use_qk_l2norm and not normalized,
-                                           readout_rows=readout_rows, kt_scale=kt_scale,
-                                           plain=plain),
+                                           readout_rows=readout_rows, plain=plain),
             out_kinds=("rows",) * (8 if inverse else 7) + (() if inverse else ("dummy",)))
         scale_rows = jnp.full((B,), spec.scale, jnp.float32)
-        k_steps = k.reshape(B, T * n, H, K)
         w, kt, qg, p, u, decay, bad, X = f(
-            q, k_steps, v.reshape((B, T * n) + v.shape[3:]), ch.g, ch.beta, scale_rows, rows)
-        if kt_scale:
-            kt = (k_steps, kt, rows)
+            q, k.reshape(B, T * n, H, K), v.reshape((B, T * n) + v.shape[3:]), ch.g,
+            ch.beta, scale_rows, rows)
         out = (w, kt, qg, p, u, decay), bad != 0
         return out + (X,) if inverse else out
 
     @staticmethod
     def raw_call_tokens(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm: bool,
                         inverse: bool = False, probe: bool = False,
-                        readout_rows: bool = False, kt_scale: bool = False,
-                        plain: bool = False):
+                        readout_rows: bool = False, plain: bool = False):
         """q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] (``ab_dtype``; L = n T
         interleaved steps), g, beta [B, NC, HV, C] float32, scale [B], rows [B, NC, 4]
         int32 (:func:`token_rows`) -> :meth:`raw_call`'s outputs for the chunk inputs those
@@ -253,17 +246,10 @@ class ChunkPrepKernel:
         :meth:`raw_call`'s. ``readout_rows`` (every row table's n >= 2 with
         C // (C // n) = n, ``grid.readout_every``): qg [B, NC, HV, R, K] and p
         [B, NC, HV, R, C], R = ``grid.READOUT_ROWS``, hold the read-out rows n - 1, 2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero),
-        the same values as those rows of the full tensors. ``kt_scale``: instead of Kt,
-        its row scales en [B, NC, HV, C] float32 - Kt = en k (the rows of ``k`` the table
-        gives, zero past ``count``) rounded once to ``ab_dtype`` is what Kt holds, NaN
-        rows included (the forward walk's ``k_rows`` forms it so); with ``l2norm`` only
-        under :data:`GRAM_NORM`. ``plain``: the plain forward's operands (u in
-        :func:`u_dtype`'s dtype for it)."""
+        the same values as those rows of the full tensors. ``plain``: the plain forward's
+        operands (u in :func:`u_dtype`'s dtype for it)."""
         if readout_rows and probe:
             raise ValueError("readout_rows: not with probe")
-        if kt_scale and (probe or (l2norm and not GRAM_NORM)):
-            raise ValueError("kt_scale: not with probe, nor with l2norm unless "
-                             "chunk_prep.GRAM_NORM (k's rows must stay raw)")
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
         if C_ != C:
@@ -285,18 +271,16 @@ class ChunkPrepKernel:
             raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {HV}; expected "
                              f"q's = k's, dividing v's")
         outputs = _outputs(B, NC, HV, K, V, ab, inverse=inverse,
-                           rows=grid.READOUT_ROWS if readout_rows else C, kt_scale=kt_scale,
-                           plain=plain)
+                           rows=grid.READOUT_ROWS if readout_rows else C, plain=plain)
         f32 = lambda x: x.astype(jnp.float32)
         return binding.custom_call(_launcher_tokens, "gdp_chunk_prep_sm90_tokens", outputs,
                                    (q, k, v, f32(g), f32(beta), f32(scale), rows),
-                                   tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 1 if kt_scale else 2,
-                                              2, 2, 2, 0, 1, 2 if inverse else 1),
+                                   tile_dims=(1, 1, 1, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1,
+                                              2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, l2norm=l2norm,
                                    **({"inverse": True} if inverse else {}),
                                    **({"probe": True} if probe else {}),
                                    **({"readout_rows": True} if readout_rows else {}),
-                                   **({"kt_scale": True} if kt_scale else {}),
                                    **_gram_norm(l2norm),
                                    **_gmma())
 
@@ -359,15 +343,13 @@ class ChunkPrepKernel:
         return out
 
 
-def _outputs(B, NC, HV, K, V, ab, inverse: bool, rows: int = C, kt_scale: bool = False,
-             plain: bool = False):
+def _outputs(B, NC, HV, K, V, ab, inverse: bool, rows: int = C, plain: bool = False):
     """The kernel's results: w, kt, qg, p (``ab``; qg, p on ``rows`` rows), u, decay, bad,
-    X (or its [1] placeholder), as :meth:`ChunkPrepKernel.raw_call` documents them; with
-    ``kt_scale`` Kt's float32 row scales [B, NC, HV, C] in kt's place."""
+    X (or its [1] placeholder), as :meth:`ChunkPrepKernel.raw_call` documents them (u in
+    :func:`u_dtype`'s dtype for ``plain``)."""
     r = (B, NC, HV, C)
     rr = (B, NC, HV, rows)
-    kt = binding.out(r, jnp.float32) if kt_scale else binding.out(r + (K,), ab)
-    return (binding.out(r + (K,), ab), kt, binding.out(rr + (K,), ab),
+    return (binding.out(r + (K,), ab), binding.out(r + (K,), ab), binding.out(rr + (K,), ab),
             binding.out(rr + (C,), ab), binding.out(r + (V,), u_dtype(ab, plain)),
             binding.out((B, NC, HV), jnp.float32), binding.out(r, jnp.int32),
             binding.out(r + (C,) if inverse else (1,), jnp.float32))
@@ -442,11 +424,10 @@ def _launcher_tokens():
                l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
                probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
                tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False,
-               gram_norm: cutlass.Constexpr = False, kt_scale: cutlass.Constexpr = False):
+               gram_norm: cutlass.Constexpr = False):
         # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
         mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
-                       readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm,
-                       kt_scale=kt_scale)(
+                       readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

@@ -139,7 +139,7 @@ class ChunkPrepSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
                  tokens: bool = False, l2norm: bool = False, readout_rows: bool = False,
-                 gmma: bool = False, gram_norm: bool = False, kt_scale: bool = False):
+                 gmma: bool = False, gram_norm: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -168,14 +168,6 @@ class ChunkPrepSm90:
         # rows hold an entry >= GRAM_BIG normalises them first (rho is then ~1).
         self.gram_norm = gram_norm
         assert l2norm or not gram_norm
-        # Kt's row scales instead of Kt: mKt is float32 [B, NC, HV, C] holding
-        # en_i = exp(G_last - G_i) (times rho_i with ``gram_norm``; NaN where the row does
-        # not enter), and the forward walk forms Kt = en k from the token-major k itself
-        # (``ChunkFwdSm90``'s ``k_rows``) - 16 KB less written a chunk-head. Kt's values
-        # were en_i k_i rounded once, so the walk's are the same bits, but for k rows of
-        # a warp normalised first (``GRAM_BIG``), whose en_i takes their norm's factor too
-        self.kt_scale = kt_scale
-        assert not kt_scale or (tokens and (gram_norm or not l2norm) and not probe)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -210,7 +202,6 @@ class ChunkPrepSm90:
             fQ: cute.struct.MemRange[I32, C]        # qg row (16-bit) not finite
             fWU: cute.struct.MemRange[I32, C]       # w (16-bit) or u row not finite
             srho: cute.struct.MemRange[F32, C]      # gram_norm: 1 / |k row|
-            srho1: cute.struct.MemRange[F32, C]     # kt_scale: a big row's first norm factor
             ok: cute.struct.MemRange[I32, C]        # state row enters (causal_operands)
 
         (mQ, mK, mV, mG, mBeta, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad, mX) = (
@@ -248,7 +239,7 @@ class ChunkPrepSm90:
         sg, sb, sgam, send = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.send)
         fK, fV, fA, fP, fQ = vec(st.fK), vec(st.fV), vec(st.fA), vec(st.fP), vec(st.fQ)
         fWU, ok = vec(st.fWU), vec(st.ok)
-        srho, srho1 = vec(st.srho), vec(st.srho1)
+        srho = vec(st.srho)
 
         marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
 
@@ -277,8 +268,6 @@ class ChunkPrepSm90:
             if cutlass.const_expr(self.readout_rows):
                 fP[tidx] = I32(0)                 # rows not read out: no flags
                 fQ[tidx] = I32(0)
-            if cutlass.const_expr(self.kt_scale):
-                srho1[tidx] = F32(1.0)
         cute.arch.sync_threads()
         # exp as ex2.approx (2^-22 relative; below ~1e-38 it flushes to 0): a short
         # dependency chain in these serial loops
@@ -306,10 +295,8 @@ class ChunkPrepSm90:
         # ---- phase 1: on this thread's cp.async elements (8 consecutive columns of a row
         # per pass, a row held by K/8 or V/8 consecutive lanes): flags, zeroed rows, Kt, qg
         n = mRows[b, c, 3] if cutlass.const_expr(self.readout_rows) else None
-        # (with kt_scale mKt holds Kt's row scales, written after the row rules)
-        gKt = None if cutlass.const_expr(self.kt_scale) else mKt[b, c, hv, None, None]
-        self._rows_of_k_and_q(cpK, tK, tQ, gKt, mQg[b, c, hv, None, None], scale, sgam,
-                              send, fK, fQ, n, srho1)
+        self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
+                              mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ, n)
         self._rows_of_v(cpV, tV, fV)
         if cutlass.const_expr(self.gmma):
             # what cp.async and the threads wrote to the tiles is what wgmma reads (the
@@ -414,7 +401,7 @@ class ChunkPrepSm90:
         else:
             c_tile(thr_c, mP[b, c, hv, None, None], (C, C), (0, 0)).store(
                 acc_qk.load().to(ab))
-        if cutlass.const_expr(self.gram_norm and not self.kt_scale):
+        if cutlass.const_expr(self.gram_norm):
             self._store_kt(cpK, tK, mKt[b, c, hv, None, None], send, srho)
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -457,15 +444,7 @@ class ChunkPrepSm90:
         if (ok[r0] == 0) | (ok[r1] == 0):
             self._zero_rows(thr_mma, mW[b, c, hv, None, None], (C, K), ok, r0)
             self._zero_rows(thr_mma, mU[b, c, hv, None, None], (C, V), ok, r0)
-        if cutlass.const_expr(self.kt_scale):
-            # Kt's row scales (the product _store_kt / phase 1 form, in that order), NaN
-            # for rows that do not enter
-            if tidx < C:
-                en = send[tidx]
-                if cutlass.const_expr(self.gram_norm):
-                    en = (en * srho[tidx]) * srho1[tidx]
-                mKt[b, c, hv, tidx] = _pick(ok[tidx] != 0, en, F32(float("nan")))
-        elif tidx < C:
+        if tidx < C:
             if ok[tidx] == 0:
                 for col in cutlass.range(K, unroll=1):
                     mKt[b, c, hv, tidx, col] = F32(float("nan")).to(ab)
@@ -527,7 +506,7 @@ class ChunkPrepSm90:
                     tV[e] = zero
 
     @cute.jit
-    def _rows_of_k_and_q(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ, n, srho1):
+    def _rows_of_k_and_q(self, cpK, tK, tQ, gKt, gQg, scale, sgam, send, fK, fQ, n):
         """Phase 1 for k and q: fK (the row is zeroed in smem if set), Kt = exp(G_last -
         G) k and qg = scale gam q to global, fQ (qg's 16-bit row not finite). With
         ``readout_rows`` q's tile row r is chunk row n r + n - 1 (gam's and fQ's index;
@@ -555,10 +534,7 @@ class ChunkPrepSm90:
                 for e in cutlass.range_constexpr(cute.size(rk)):
                     mx = cute.arch.fmax(mx, cute.math.absf(rk[e].to(F32)))
                 if cute.arch.vote_any_sync(mx >= F32(GRAM_BIG)):
-                    # with kt_scale the walk scales the raw row: its factor goes into en
-                    l2_normalize_rows(rk, tK, lanes, pieces, ab,
-                                      row_scale=srho1 if self.kt_scale else None, crd=crd,
-                                      group=group)
+                    l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
             else:
                 l2_normalize_rows(rk, tK, lanes, pieces, ab, group=group)
             l2_normalize_rows(rq, tQ, lanes, q_pieces, ab, group=group)
@@ -577,7 +553,7 @@ class ChunkPrepSm90:
             for e in cutlass.range_constexpr(8):
                 x = rk[8 * m + e].to(F32)
                 zk = zk + x * F32(0.0)
-                if cutlass.const_expr(not (self.gram_norm or self.kt_scale)):
+                if cutlass.const_expr(not self.gram_norm):
                     kt[e] = en * x
                 if cutlass.const_expr(has_q):
                     y = sc * rq[8 * m + e].to(F32)
@@ -597,7 +573,7 @@ class ChunkPrepSm90:
                     qg[e] = _pick(bad_q == 0, qg[e], F32(0.0))
             # 8 consecutive columns: one 128-bit store each (a 1-D view: the generic
             # objects' row strides are run-time values); with gram_norm Kt waits for rho
-            if cutlass.const_expr(not (self.gram_norm or self.kt_scale)):
+            if cutlass.const_expr(not self.gram_norm):
                 cute.local_tile(gKt[r, None], (8,), (col // 8,)).store(kt.load().to(ab))
             if cutlass.const_expr(has_q):
                 cute.local_tile(gQg[r, None], (8,), (col // 8,)).store(qg.load().to(ab))
@@ -781,11 +757,9 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                probe: bool = False, tokens: bool = False,
                l2norm: bool = False, readout_rows: bool = False,
-               gmma: bool = False, gram_norm: bool = False,
-               kt_scale: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm,
-           kt_scale)
+               gmma: bool = False, gram_norm: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, readout_rows, gmma, gram_norm, kt_scale)
+                                      l2norm, readout_rows, gmma, gram_norm)
     return _KERNELS[key]

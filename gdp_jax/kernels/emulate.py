@@ -40,15 +40,9 @@ def _scan_chunks(step, state_shape, dtype, xs, reverse=False):
 
 def chunk_kernel_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV, split=None, ckpt=0,
                       states_dtype=None, readout=True, stages=1, pairs=1,
-                      gmma=None, k_rows=None, o_tokens=None):
+                      gmma=None, o_tokens=None):
     del BV, split, stages, pairs, gmma
     B, NC, HV, C, K = w.shape
-    if k_rows is not None:
-        # Kt = en k on the table's rows of the token-major k, rounded once
-        en, rows = k_rows
-        kc = _gather_rows(rows, C, kt, False)
-        kc = jnp.repeat(kc, HV // kt.shape[2], axis=2)
-        kt = (en[..., None].astype(decay.dtype) * kc.astype(decay.dtype)).astype(w.dtype)
     acc = decay.dtype                                  # u may be 16-bit (chunk_prep.U16)
     u = zero_columns(u, h0.shape[-1] - u.shape[-1])    # u = 0 in the state columns past u's
     f = lambda x: x.astype(acc)
@@ -202,50 +196,29 @@ def _gather_rows(rows, C, x, readout):
 
 
 def chunk_prep_tokens_call(q, k, v, g, beta, scale, rows, *, ab_dtype, l2norm,
-                           inverse=False, readout_rows=False, kt_scale=False, plain=False):
+                           inverse=False, readout_rows=False, plain=False):
     """The token-major operands kernel's contract (``ChunkPrepKernel.raw_call_tokens``):
     the chunk inputs gathered from q [B, T, H, K], k [B, L, H, K], v [B, L, HV, V] by the
     row table ``rows`` [B, NC, 4] = (base, count, tok, n), q and k L2-normalised in
     float32 and rounded to ``ab_dtype`` with ``l2norm``, then :func:`chunk_prep_call`;
     ``readout_rows``: qg, p on their read-out rows (:func:`_readout_rows_of`). (The kernel
     under ``chunk_prep.GRAM_NORM`` skips k's rounding after the norm: the same to one
-    16-bit rounding of k.) ``plain``: the plain forward's (u's dtype). ``kt_scale``:
-    Kt's row scales en = exp(G_last - G) (times 1 / |k row| with ``l2norm``) in Kt's
-    place, NaN where Kt's row is."""
+    16-bit rounding of k.) ``plain``: the plain forward's (u's dtype)."""
     from gdp_jax.reference import l2_normalize
     HV, C = g.shape[2:]
     H = k.shape[2]
     qc, kc, vc = _gather_token_rows(rows, C, q, k, v)
-    kraw = kc
     if l2norm:
         norm = lambda x: l2_normalize(x.astype(jnp.float32)).astype(x.dtype)
         qc, kc = norm(qc), norm(kc)
     qc, kc = jnp.repeat(qc, HV // H, axis=2), jnp.repeat(kc, HV // H, axis=2)
     out = chunk_prep_call(qc, kc, vc, g, beta, scale, ab_dtype=ab_dtype, inverse=inverse,
                           plain=plain)
-    if kt_scale:
-        out = (out[0], _kt_scales(out[1], g, kraw, l2norm, HV // H)) + tuple(out[2:])
     if not readout_rows:
         return out
     w, kt, qg, p, *rest = out
     n = rows[..., 3]
     return (w, kt, _readout_rows_of(qg, n), _readout_rows_of(p, n), *rest)
-
-
-def _kt_scales(kt, g, k, l2norm: bool, group: int):
-    """Kt's row scales [B, NC, HV, C] (float32, float64 for float64 gates): exp(G_last - G_i)
-    - the gates after row i summed directly - times 1 / |k_i| with ``l2norm`` (``k``: the
-    chunk tiles' raw rows [B, NC, H, C, K]); NaN where ``kt``'s row is NaN."""
-    from gdp_jax.reference import l2_norm_scale
-    acc = jnp.promote_types(jnp.float32, g.dtype)
-    g = g.astype(acc)
-    incl = jnp.flip(jnp.cumsum(jnp.flip(g, -1), -1), -1)           # g_i + .. + g_{C-1}
-    after = jnp.concatenate([incl[..., 1:], jnp.zeros_like(incl[..., :1])], -1)
-    en = jnp.exp(after)
-    if l2norm:
-        rho = l2_norm_scale(k.astype(acc))[..., 0]
-        en = en * jnp.repeat(rho, group, axis=2)
-    return jnp.where(jnp.isnan(kt).any(-1), jnp.asarray(jnp.nan, acc), en)
 
 
 def _to_chunk_rows(x, n, C):

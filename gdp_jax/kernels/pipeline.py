@@ -58,7 +58,7 @@ from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 from gdp_jax.kernels.chunk_prep import ChunkPrepKernel, token_rows, u_dtype
 from gdp_jax.kernels.local_grad import LocalGradKernel
 from gdp_jax.kernels.state_grad import StateGradKernel
-from gdp_jax.kernels import chunk_forward, chunk_prep, wy_inverse
+from gdp_jax.kernels import chunk_forward, wy_inverse
 from gdp_jax.reference import l2_norm_scale
 
 
@@ -110,19 +110,16 @@ def masked_operands(spec, ch: grid.ChunkInputs, use_kernel: bool = True, tokens=
     ``readout``: where :func:`readout_rows_only` allows, qg and p hold the read-out rows
     alone ([.., grid.READOUT_ROWS, K / C]; :func:`forward_rows` trims the walk's rows);
     ``plain``: the plain forward's operands (nothing differentiates them) - on token-major
-    inputs u in ``chunk_prep.u_dtype(.., plain=True)`` and, where :func:`walk_forms_kt`
-    allows, kt the triple (k, en, rows) the forward walk forms Kt from
-    (:func:`forward_walk`)."""
+    inputs u in ``chunk_prep.u_dtype(.., plain=True)``."""
     B, NC, HV, _, K = ch.k.shape
     if use_kernel and ChunkPrepKernel.can_implement(
             ab_dtype=spec.ab_dtype, cdt=ch.k.dtype, K=K, V=ch.v.shape[-1], rows=B, NC=NC,
             HV=HV) is None:
         compact = readout and readout_rows_only(spec)
         if reads_tokens(spec, ch, use_kernel, tokens):
-            kt_scale = plain and walk_forms_kt(spec, normalized)
             return ChunkPrepKernel.call_tokens(spec, *tokens, ch, layout,
                                                normalized=normalized, readout_rows=compact,
-                                               kt_scale=kt_scale, plain=plain)
+                                               plain=plain)
         return ChunkPrepKernel.call(ch, scale=spec.scale, ab_dtype=spec.ab_dtype,
                                     readout_every=spec.n if compact else 1)
     return causal_operands(forward_operands(ch, spec.scale, spec.ab_dtype))
@@ -149,28 +146,6 @@ def walk_writes_tokens(spec, operands) -> bool:
     R, gmma = operands[2].shape[-2], chunk_forward.GMMA
     return chunk_forward.O_TOKENS and (
         (R < grid.CHUNK and gmma == "all") or (spec.n == 1 and gmma in (True, "all")))
-
-
-def walk_forms_kt(spec, normalized: bool) -> bool:
-    """Does the plain forward's walk form Kt from k's token-major rows and the operands
-    kernel's row scales (:data:`chunk_forward.K_ROWS`)? Only where the operands kernel
-    keeps k's rows raw: no norm in it, or the norm from K K^T's diagonal
-    (``chunk_prep.GRAM_NORM``)."""
-    if chunk_forward.K_ROWS not in (True, False):
-        raise ValueError(f"chunk_forward.K_ROWS={chunk_forward.K_ROWS!r}; expected True or "
-                         f"False")
-    l2norm = spec.use_qk_l2norm and not normalized
-    return chunk_forward.K_ROWS and (not l2norm or chunk_prep.GRAM_NORM is True)
-
-
-def forward_walk(operands, flags, h0, **kw):
-    """``ChunkForwardKernel.call`` on the forward operands (w, kt, qg, p, u, decay), kt
-    either Kt or the triple (k, en, rows) of :func:`masked_operands`' ``plain``."""
-    w, kt, *rest = operands
-    if isinstance(kt, tuple):
-        k, en, rows = kt
-        return ChunkForwardKernel.call(w, k, *rest, *flags, h0, k_rows=(en, rows), **kw)
-    return ChunkForwardKernel.call(*operands, *flags, h0, **kw)
 
 
 def saved_operands(spec, ch: grid.ChunkInputs, layout: grid.ChunkLayout, tokens=None):
@@ -576,9 +551,9 @@ class CuTeDSLEngine(Engine):
                 o_tokens = (rows, bad.astype(jnp.int32), spec.T)
         h0 = h0.astype(acc_dtype(spec.ab_dtype))
         ckpt = spec.checkpoint_stride if keep_states else 0
-        oc, final, states = forward_walk(operands, _flags(layout), h0, ckpt=ckpt,
-                                         states_dtype=spec.checkpoint_dtype,
-                                         o_tokens=o_tokens)
+        oc, final, states = ChunkForwardKernel.call(
+            *operands, *_flags(layout), h0, ckpt=ckpt, states_dtype=spec.checkpoint_dtype,
+            o_tokens=o_tokens)
         if o_tokens is None:
             oc, bad = forward_rows(spec, operands, oc, bad)
             oc = jnp.where(bad[..., None], jnp.asarray(jnp.nan, oc.dtype), oc)
@@ -642,8 +617,9 @@ class CuTeDSLEngine(Engine):
         h0p = h0p.astype(acc_dtype(spec.ab_dtype))
         h0 = identity_columns(h0p, K)
         # u has V columns: the kernel takes the response columns' u as 0 (no [u | 0] in HBM)
-        _, final, _ = forward_walk(operands, _flags(layout), h0, ckpt=0,
-                                   states_dtype=spec.checkpoint_dtype, readout=False)
+        _, final, _ = ChunkForwardKernel.call(*operands, *_flags(layout), h0, ckpt=0,
+                                              states_dtype=spec.checkpoint_dtype,
+                                              readout=False)
         final = where_has_tokens(layout, final, h0)
         M = final[..., V:]
         E = final[..., :V] - mm_exact(M, h0p)     # the map from a zero start, whatever h0p was
