@@ -275,9 +275,10 @@ class ChunkForwardKernel:
         the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
         same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
         same results). ``ahead``: a one-set, one-tile walk loads w, qg a chunk ahead
-        (None: :data:`LOAD_AHEAD`'s rule; the same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
-        the read-out rows' o products too (None: :data:`GMMA`, where the walk allows it;
-        an explicit one where it does not is a ValueError). ``o_tokens`` (rows, bad, T): o
+        (None: :data:`LOAD_AHEAD`'s rule; the same results). ``gmma``: the recursion's
+        products as warpgroup MMAs, "all" with the read-out rows' o products too (None:
+        :data:`GMMA`, where the walk allows it; an explicit one where it does not is a
+        ValueError). ``o_tokens`` (rows, bad, T): o
         comes back token-major, [B, T, HV, V] - the read-out rows' outputs at their tokens
         (rows [B, NC, 4] int32 the row table, ``chunk_prep.token_rows``; bad
         [B, NC, HV, C] int32 the operands kernel's rows whose outputs are NaN) - for a

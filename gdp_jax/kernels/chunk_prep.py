@@ -245,8 +245,9 @@ class ChunkPrepKernel:
         kernel scales the raw rows' products by their norms); ``inverse``, ``probe``: as
         :meth:`raw_call`'s. ``readout_rows`` (every row table's n >= 2 with
         C // (C // n) = n, ``grid.readout_every``): qg [B, NC, HV, R, K] and p
-        [B, NC, HV, R, C], R = ``grid.READOUT_ROWS``, hold the read-out rows n - 1, 2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero),
-        the same values as those rows of the full tensors. ``plain``: the plain forward's
+        [B, NC, HV, R, C], R = ``grid.READOUT_ROWS``, hold the read-out rows n - 1,
+        2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero), the same values as
+        those rows of the full tensors. ``plain``: the plain forward's
         operands (u in :func:`u_dtype`'s dtype for it)."""
         if readout_rows and probe:
             raise ValueError("readout_rows: not with probe")
