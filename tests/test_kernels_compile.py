@@ -1193,6 +1193,33 @@ def test_walk_gmma_default_steps_down(monkeypatch, walk):
     assert gmma(gmma=True) is True                    # an explicit request is kept
 
 
+def test_walk_loads_ahead_auto_follows_the_launch(monkeypatch):
+    """``LOAD_AHEAD = "auto"`` (both walks): a launch of rows x heads x value tiles CTAs
+    asks for the loads-ahead kernel where that is at most one CTA an SM and not beyond
+    (traced only: the custom call's compile-time arguments)."""
+    from gdp_jax.kernels import binding, chunk_forward, state_grad
+    from gdp_jax.kernels.state_grad import StateGradKernel
+    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "auto")
+    monkeypatch.setattr(state_grad, "LOAD_AHEAD", "auto")
+    asked = []
+    real = binding.custom_call
+    monkeypatch.setattr(binding, "custom_call", lambda *a, **kw: asked.append(
+        kw.get("ahead", False)) or real(*a, **kw))
+    V, BV, SMS = 128, 16, ChunkForwardKernel.SMS
+    fwd = {v.what: v for v in ChunkForwardKernel.variants()}
+    rev = {v.what: v for v in StateGradKernel.variants()}
+    for v in (fwd["gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=16 rows=32"],
+              rev["gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo "
+                  "BV=16 rows=32"]):
+        fn = functools.partial(v.fn.func, *v.fn.args, **{**v.fn.keywords, "ahead": None})
+        # rows x 1 head x V / BV tiles: SMS CTAs, then one row more
+        for rows, want in ((SMS // (V // BV), True), (SMS // (V // BV) + 1, False)):
+            asked.clear()
+            jax.eval_shape(fn, *(jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype)
+                                 for a in v.avals))
+            assert asked == [want], (v.what, rows, asked)
+
+
 def test_walk_loads_ahead_compiles(monkeypatch):
     """``chunk_forward.LOAD_AHEAD``: the forward walks loading the next chunk's w and qg
     during a chunk's second phase compile to sm_90a - the plain forward on all rows and
