@@ -93,20 +93,25 @@ def ahead_flavors(switch, name: str) -> tuple:
     return {False: (False,), True: (True,), "auto": (False, True)}[switch]
 
 
-def walk_loads_ahead(switch, name: str, stages: int, pairs: int, ctas: int) -> bool:
+def resolve_ahead(ahead, switch, name: str, *, stages: int, pairs: int, ctas: int) -> bool:
     """Does a recursion walk of ``stages`` operand sets, ``pairs`` tiles a CTA and
-    ``ctas`` CTAs load the next chunk's first-phase operands during a chunk, the switch
-    ``name`` being ``switch``? One-set, one-tile walks only; "auto": at most one CTA an
-    SM."""
-    flavors = ahead_flavors(switch, name)
-    if stages != 1 or pairs != 1 or True not in flavors:
+    ``ctas`` CTAs load the next chunk's first-phase operands during a chunk? ``ahead``,
+    or None for the switch ``name`` = ``switch``'s rule: one-set, one-tile walks only,
+    "auto" at most one CTA an SM; an explicit True for another walk is a ValueError."""
+    if ahead is not None:
+        if ahead and (stages != 1 or pairs != 1):
+            raise ValueError(f"ahead: a one-set, one-tile walk; got stages={stages}, "
+                             f"pairs={pairs}")
+        return bool(ahead)
+    if stages != 1 or pairs != 1 or True not in ahead_flavors(switch, name):
         return False
     return switch is True or ctas <= ChunkForwardKernel.SMS
 
 
 def load_ahead(stages: int, pairs: int, ctas: int) -> bool:
-    """:func:`walk_loads_ahead` for the forward walk (w, qg; :data:`LOAD_AHEAD`)."""
-    return walk_loads_ahead(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages, pairs, ctas)
+    """:func:`resolve_ahead`'s rule for the forward walk (w, qg; :data:`LOAD_AHEAD`)."""
+    return resolve_ahead(None, LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages=stages,
+                         pairs=pairs, ctas=ctas)
 
 
 class ChunkForwardKernel:
@@ -320,11 +325,8 @@ class ChunkForwardKernel:
             raise ValueError(f"o_tokens: a walk whose o tiles hold C rows on warpgroup MMAs "
                              f"(gmma 'all', or True with all {C_} rows); got gmma={gmma!r} "
                              f"with {R} rows")
-        if ahead is None:
-            ahead = load_ahead(stages, pairs, B * HV * (V // BV) // pairs)
-        elif ahead and (stages != 1 or pairs != 1):
-            raise ValueError(f"ahead: a one-set, one-tile walk; got stages={stages}, "
-                             f"pairs={pairs}")
+        ahead = resolve_ahead(ahead, LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages=stages,
+                              pairs=pairs, ctas=B * HV * (V // BV) // pairs)
         o_shape = (B, NC, HV, R, V)
         if o_tokens is not None:
             o_shape = (B, o_tokens[2], HV, V)
@@ -364,6 +366,7 @@ class ChunkForwardKernel:
         ``pick_bv`` picks (64 for calls that fill the GPU, 32 for few rows x heads, 16 for
         fewer)."""
         from gdp_jax.kernels import aot
+        switch = (LOAD_AHEAD, "chunk_forward.LOAD_AHEAD")
         out = []
         for name in cls.DTYPES:
             for K in cls.HEAD_DIMS:
@@ -374,7 +377,7 @@ class ChunkForwardKernel:
                             + [(V + K, 0, False)])
                     for (Vx, ckpt, readout) in runs:
                         for BV in cls.value_tiles(Vx):
-                            for stages, ahead in cls._walks(Vx, BV):
+                            for stages, ahead in cls.walks(Vx, BV, *switch):
                                 fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
                                                        states_dtype=checkpoint_dtype(name),
                                                        readout=readout, stages=stages,
@@ -388,7 +391,7 @@ class ChunkForwardKernel:
                     # the forward on the read-out rows (n >= 2), alone or differentiated
                     for ckpt in [0] + [r + 1 for r in recompute_chunk_nums]:
                         for BV in cls.value_tiles(V):
-                            for stages, ahead in cls._walks(V, BV):
+                            for stages, ahead in cls.walks(V, BV, *switch):
                                 fn = functools.partial(cls.raw_call, BV=BV, stages=stages,
                                                        ckpt=ckpt, ahead=ahead,
                                                        states_dtype=checkpoint_dtype(name))
@@ -401,9 +404,8 @@ class ChunkForwardKernel:
                     # O_TOKENS (opt-in: listed only while on): the plain forward writing o
                     # token-major, all rows and the read-out rows
                     for rows in (C, READOUT_ROWS) if O_TOKENS is True else ():
-                        for BV, ahead in itertools.product(
-                                cls.value_tiles(V),
-                                ahead_flavors(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD")):
+                        for BV, ahead in itertools.product(cls.value_tiles(V),
+                                                           ahead_flavors(*switch)):
                             fn = functools.partial(cls._rows_call, BV=BV, ahead=ahead)
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90_rows {name} K={K} V={V} ckpt=0 "
@@ -413,12 +415,12 @@ class ChunkForwardKernel:
         return out
 
     @classmethod
-    def _walks(cls, V: int, BV: int):
-        """(stages, ahead) of every forward walk of value tiles of BV on V state columns
-        (:meth:`stage_counts`; :data:`LOAD_AHEAD`'s flavors for one-set walks)."""
+    def walks(cls, V: int, BV: int, switch, name: str):
+        """(stages, ahead) of every recursion walk of value tiles of BV on V state columns
+        (:meth:`stage_counts`; the loads-ahead switch ``name`` = ``switch``'s flavors for
+        one-set walks) - the forward's and the reverse's prebuilt variants."""
         return [(stages, ahead) for stages in cls.stage_counts(V, BV)
-                for ahead in (ahead_flavors(LOAD_AHEAD, "chunk_forward.LOAD_AHEAD")
-                              if stages == 1 else (False,))]
+                for ahead in (ahead_flavors(switch, name) if stages == 1 else (False,))]
 
     @classmethod
     def _rows_call(cls, *a, BV: int, ahead: bool = False):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gdp_jax import grid
 from gdp_jax.grid import CHUNK, READOUT_ROWS
 from gdp_jax.kernels import binding
-from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, ahead_flavors, walk_loads_ahead
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, ahead_flavors, resolve_ahead
 
 # The reverse walk's products (Kt dS, P^T dO; w^T dDelta, qg^T dO) as Hopper warpgroup
 # MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkBwdDhSm90``; the forward walk's
@@ -35,16 +35,6 @@ GMMA = True
 # rule): a chunk's start waits for w, qg alone. The same bits (GPU test
 # ``test_walk_loads_ahead_same_bits``).
 LOAD_AHEAD = False
-
-
-def load_ahead(stages: int, pairs: int, ctas: int) -> bool:
-    """``chunk_forward.walk_loads_ahead`` for the reverse walk (Kt, P; :data:`LOAD_AHEAD`)."""
-    return walk_loads_ahead(LOAD_AHEAD, "state_grad.LOAD_AHEAD", stages, pairs, ctas)
-
-
-def _flavors(stages: int) -> tuple:
-    """The reverse walks a launch of ``stages`` operand sets may run (prebuilt variants)."""
-    return ahead_flavors(LOAD_AHEAD, "state_grad.LOAD_AHEAD") if stages == 1 else (False,)
 
 
 class StateGradKernel:
@@ -130,11 +120,8 @@ class StateGradKernel:
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
             raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
                              f"got {ds_dtype.name}")
-        if ahead is None:
-            ahead = load_ahead(stages, pairs, B * HV * (V // BV) // pairs)
-        elif ahead and (stages != 1 or pairs != 1):
-            raise ValueError(f"ahead: a one-set, one-tile walk; got stages={stages}, "
-                             f"pairs={pairs}")
+        ahead = resolve_ahead(ahead, LOAD_AHEAD, "state_grad.LOAD_AHEAD", stages=stages,
+                              pairs=pairs, ctas=B * HV * (V // BV) // pairs)
         outputs = (binding.out((B, NC, HV, K, V) if write_ds else (1,), ds_dtype),
                    binding.out(dfinal.shape, jnp.float32))
         return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
@@ -159,6 +146,7 @@ class StateGradKernel:
         V; no dS_end); ddo formed in the kernel or read; the value tiles as the forward's
         (``ChunkForwardKernel.value_tiles``)."""
         from gdp_jax.kernels import aot
+        switch = (LOAD_AHEAD, "state_grad.LOAD_AHEAD")
         out = []
         for name in ChunkForwardKernel.DTYPES:
             for K in ChunkForwardKernel.HEAD_DIMS:
@@ -168,9 +156,8 @@ class StateGradKernel:
                             (V + K, None, True), (V + K, None, False)]
                     for Vx, ds, fused in runs:
                         for BV in ChunkForwardKernel.value_tiles(Vx):
-                            for stages, ahead in [(s, a) for s in
-                                                  ChunkForwardKernel.stage_counts(Vx, BV)
-                                                  for a in _flavors(s)]:
+                            for stages, ahead in ChunkForwardKernel.walks(Vx, BV,
+                                                                          *switch):
                                 fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
                                                        fuse_ddo=fused, write_ds=ds is not None,
                                                        stages=stages, ahead=ahead)
@@ -183,7 +170,7 @@ class StateGradKernel:
                                     fn, _avals(name, K, Vx, fused, do_cols=V)))
                         if fused:       # qg, P, dO on the read-out rows (READOUT_ONLY_BWD)
                             for BV, ahead in [(b, a) for b in ChunkForwardKernel.value_tiles(Vx)
-                                              for a in _flavors(1)]:
+                                              for a in ahead_flavors(*switch)]:
                                 fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
                                                        fuse_ddo=True, write_ds=ds is not None,
                                                        ahead=ahead)
