@@ -146,6 +146,13 @@ def main(argv=None):
             res = timed("probe tokens l2norm=1", lambda *x: ChunkPrepKernel.raw_call_tokens(
                 *x, ab_dtype="bfloat16", l2norm=True, probe=True), *targs)
             report("probe tokens l2norm=1", res[6], PROBE_PHASES)
+            if n >= 2:
+                # the op's forward variant (read-out rows, the defaults' norm and MMAs)
+                res = timed("probe tokens l2norm=1 readout rows", lambda *x:
+                            ChunkPrepKernel.raw_call_tokens(*x, ab_dtype="bfloat16",
+                                                            l2norm=True, probe=True,
+                                                            readout_rows=True), *targs)
+                report("probe tokens l2norm=1 readout rows", res[6], PROBE_PHASES)
 
     if a.local_grad:
         from gdp_jax.kernels.chunk_grad_sm90 import PROBE_PHASES as LG_PHASES

@@ -249,8 +249,6 @@ class ChunkPrepKernel:
         2n - 1, .. of the chunk (row i at i // n; rows C // n.. zero), the same values as
         those rows of the full tensors. ``plain``: the plain forward's
         operands (u in :func:`u_dtype`'s dtype for it)."""
-        if readout_rows and probe:
-            raise ValueError("readout_rows: not with probe")
         B, NC, HV, C_ = g.shape
         K, V = k.shape[-1], v.shape[-1]
         if C_ != C:
