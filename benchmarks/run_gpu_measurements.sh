@@ -72,6 +72,10 @@
 #                                               # O_TOKENS with its row loads hoisted: GPU
 #                                               # tests, fwd A/B beside tuned FLA at the main
 #                                               # shapes, fwd+bwd at two, one long row
+#   TOTAL=560 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 53  # where the forward's cycles go: the
+#                                               # operands kernel's phase probe, Nsight Compute
+#                                               # on both forward kernels, a forward trace,
+#                                               # then mode 4's rest group
 #   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 44  # every kernel alone + probes,
 #                                               # traces of the forward and fwd+bwd (s39's defaults),
 #                                               # one long row's forward traced
@@ -454,6 +458,27 @@ case "${1:-2}" in
     --impl cutedsl-cpauto,cutedsl-cpauto+ahead+aheadb,fla \
     --shapes "1,65536,16,2" --deadline 90 --out $M/long
   rows $M/long.log ;;
+53)
+  # s43: where the operands kernel's and the walk's cycles go. The phase probe of the op's
+  # forward variant (token-major, read-out rows, gram norm, wgmma), the kernels alone; then
+  # Nsight Compute (counters: works on the H100's Firecracker runtime, not on gVisor) on
+  # one launch of each forward kernel: stall reasons, occupancy, memory throughput;
+  # a trace of the default forward; then mode 4's rest group
+  step 100 probe python -m benchmarks.prep_probe --tokens --bv 64 --shape 8,4096,16,2 \
+    --json $M/probe.json
+  grep -hE "s\] (prep tok|probe tok|fwd BV=64 split=0 wgmma)|  probe tokens l2norm=1 readout|Error" \
+    $M/probe.log | cut -c1-160
+  step 150 ncu ncu --clock-control none --target-processes all \
+    -k regex:"ChunkPrep|ChunkFwd" --launch-count 2 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    python -m benchmarks.run fwd --impl cutedsl --shapes 8,4096,16,2 --no-check --iters 1 \
+    --reps 1 --out /tmp/ncub
+  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "ChunkPrep|ChunkFwd|Duration|Throughput|Registers|Shared Memory Config|Achieved Occupancy|Theoretical Occupancy|Warp Cycles|Stall|stall|Issued Ipc|No Eligible|ERR|rror" | cut -c1-180 | head -80
+  step 60 trace_fwd python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --mode fwd
+  head -14 $M/trace_fwd.log | cut -c1-160
+  [ "$(left)" -gt 120 ] && { JOB_S=$(( $(left) - 15 )); el "rest ($JOB_S s)"
+    job rest $P tests/test_cutedsl_gpu.py -k "$REST_K"; wait; results rest; } ;;
 49)
   # s41: where the bytes go. The operands kernel and the forward walk alone (token-major,
   # read-out rows: the op's forward; BV = 64) on s40's defaults and with u in bfloat16
