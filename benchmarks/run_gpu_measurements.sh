@@ -447,17 +447,17 @@ case "${1:-2}" in
   # A/B beside tuned FLA at the main shapes, fwd+bwd at two of them, one long row
   step 150 t_ahead $P tests/test_cutedsl_gpu.py -k "walk_writes_o_tokens or walk_loads_ahead"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_ahead.log | tail -12 | cut -c1-230
-  step 150 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+ahead,cutedsl+otok,cutedsl+ahead+otok,fla --shapes main \
-    --deadline 135 --out $M/fwd
+  step 130 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+ahead,cutedsl+ahead+otok,cutedsl+otok,fla --shapes main \
+    --deadline 115 --out $M/fwd
   rows $M/fwd.log
-  step 110 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+ahead+aheadb,fla \
-    --shapes "2,16384,16,2;8,4096,16,2" --deadline 95 --out $M/fb
-  rows $M/fb.log
   step 100 long python -m benchmarks.run fwdbwd \
     --impl cutedsl-cpauto,cutedsl-cpauto+ahead+aheadb,fla \
     --shapes "1,65536,16,2" --deadline 90 --out $M/long
-  rows $M/long.log ;;
+  rows $M/long.log
+  step 110 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+ahead+aheadb,fla \
+    --shapes "2,16384,16,2;8,4096,16,2" --deadline 95 --out $M/fb
+  rows $M/fb.log ;;
 53)
   # s43: where the operands kernel's and the walk's cycles go. The phase probe of the op's
   # forward variant (token-major, read-out rows, gram norm, wgmma), the kernels alone; then
