@@ -800,6 +800,31 @@ def test_walk_writes_o_token_major(monkeypatch, case):
         run(inp.k)
 
 
+def test_walk_o_tokens_auto_follows_the_value_tile(monkeypatch):
+    """``chunk_forward.O_TOKENS = "auto"``: the plain forward's walk writes o token-major
+    exactly where it walks 64-column value tiles (``pick_bv``: rows x heads x V / 64
+    fill the GPU's SMs; emulated with the SM count patched), with the same outputs as the
+    XLA relayout."""
+    from gdp_jax.kernels import chunk_forward
+    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+    seen = []
+    walk = ChunkForwardKernel.raw_call
+    monkeypatch.setattr(ChunkForwardKernel, "raw_call", staticmethod(
+        lambda *a, **kw: seen.append((kw["BV"], kw.get("o_tokens") is not None))
+        or walk(*a, **kw)))
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", "auto")
+    run, inp, _ = _token_case_forward(43, "n2-gva", True)
+    outs = {}
+    for sms in (1, 10 ** 6):                 # 64-column tiles; then 32 (and 16)
+        monkeypatch.setattr(ChunkForwardKernel, "SMS", sms)
+        seen.clear()
+        outs[sms] = run(inp.k)
+        assert seen == [(64, True)] if sms == 1 else (len(seen) == 1
+                                                      and seen[0][0] < 64 and not seen[0][1])
+    for x, y in zip(outs[1], outs[10 ** 6]):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
 def test_walk_token_modes_under_vmap(monkeypatch):
     """``chunk_forward.O_TOKENS`` under jax.vmap: the mapped axis folds into the rows of
     the row table, the bad rows and the token-major o alike, and each mapped problem

@@ -1283,13 +1283,25 @@ def test_walk_loads_ahead_compiles(monkeypatch):
 
 
 def test_walk_writes_o_tokens_compiles(monkeypatch):
-    """``chunk_forward.O_TOKENS`` (opt-in): the forward walk writing o token-major (all rows
-    and the read-out rows, warpgroup MMAs as the default walk) compiles to sm_90a; its
-    variants are listed only while the switch is on."""
+    """``chunk_forward.O_TOKENS``: the forward walk writing o token-major (all rows and the
+    read-out rows, warpgroup MMAs as the default walk) compiles to sm_90a; its variants
+    are listed for the value tiles the switch applies to ("auto": 64 columns, where
+    ``pick_bv`` fills the GPU with them; none while off); other values are refused."""
     from gdp_jax.kernels import chunk_forward
     V = 128
     monkeypatch.setattr(chunk_forward, "O_TOKENS", False)
     assert not [v for v in ChunkForwardKernel.variants() if "_rows " in v.what]
+    assert not chunk_forward.writes_o_tokens(64, 16, V)
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", "auto")
+    auto = [v.what for v in ChunkForwardKernel.variants() if "_rows " in v.what]
+    assert auto and all(" BV=64" in w for w in auto)
+    SMS = ChunkForwardKernel.SMS
+    assert chunk_forward.writes_o_tokens(SMS // 2, 1, V)          # 132 CTAs of 64 columns
+    assert not chunk_forward.writes_o_tokens(SMS // 2 - 1, 1, V)  # 32-column tiles there
+    assert not chunk_forward.writes_o_tokens(SMS, 1, 32)
+    monkeypatch.setattr(chunk_forward, "O_TOKENS", "yes")
+    with pytest.raises(ValueError, match="chunk_forward.O_TOKENS='yes'; expected True"):
+        ChunkForwardKernel.variants()
     monkeypatch.setattr(chunk_forward, "O_TOKENS", True)
     walks = [v for v in ChunkForwardKernel.variants()
              if v.what.startswith("gdp_chunk_fwd_sm90_rows bfloat16 K=128 V=128")]

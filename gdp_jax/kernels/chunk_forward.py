@@ -66,14 +66,17 @@ PAIR_TILES = False
 # GMMA the forward 2.03 -> 1.82 ms at (8, 4096, 16, 2) (H100, s40-1). True: the read-out
 # rows' o products on warp MMAs (``+wg``); False: every product on warp MMAs (``+mmaf``).
 GMMA = "all"
-# Off: measured faster at B = 8, slower at (2, 16384, 16, 2) (CURRENT.md, s42; the row
-# loads moved to the chunk's start since, GPU mode 52). When on, the op's plain forward on
-# token-major inputs gets o from the walk token-major, [B, T, HV, V] (``o_tokens`` of
-# ``ChunkFwdSm90``: read-out row r of a chunk to token tok + r of the row table, NaN on the
-# operands kernel's bad rows) - no XLA pass relaying [B, NC, HV, R, V] rows to tokens
-# after the walk (~0.13 ms of a (8, 4096, 16, 2) step in s38's trace). For wgmma walks
-# whose o tiles hold C rows.
-O_TOKENS = False
+# When on, the op's plain forward on token-major inputs gets o from the walk token-major,
+# [B, T, HV, V] (``o_tokens`` of ``ChunkFwdSm90``: read-out row r of a chunk to token
+# tok + r of the row table, NaN on the operands kernel's bad rows) - no XLA pass relaying
+# [B, NC, HV, R, V] rows to tokens after the walk (0.086 ms of the 1.64 ms forward at
+# (8, 4096, 16, 2), H100 trace s43). For wgmma walks whose o tiles hold C rows. "auto"
+# (the default): walks of 64-column value tiles only (:func:`writes_o_tokens`): there
+# the forward is 2-9% faster (1.08 -> 0.98, 1.67 -> 1.59, 2.46 -> 2.36 ms at
+# (8, 4096, 16, n = 1, 2, 3)), while the narrower tiles of a launch with few rows x heads
+# lose 2% (2.17 -> 2.22 at (2, 16384, 16, 2)) - each CTA's store then carries the row
+# table for a quarter or half of the products (H100, s43-1: benchmarks/results/CURRENT.md).
+O_TOKENS = "auto"
 # Opt-in, NOT yet run on a GPU (s42): the forward walk loads chunk c + 1's w and qg while
 # chunk c's second phase runs, into the tiles its first phase is done with (``ahead`` of
 # ``ChunkFwdSm90``; no second operand set, unlike PIPELINE, and no extra barrier, unlike
@@ -82,6 +85,21 @@ O_TOKENS = False
 # version lost where two CTAs an SM overlap, won on a long row). The same bits (GPU
 # test ``test_walk_loads_ahead_same_bits``; GPU mode 52 measures it).
 LOAD_AHEAD = False
+
+
+def writes_o_tokens(rows: int, HV: int, V: int) -> bool:
+    """Does a plain forward walk of ``rows`` x ``HV`` heads on V value columns write o
+    token-major under :data:`O_TOKENS` (True; False; "auto": where :meth:`pick_bv
+    <ChunkForwardKernel.pick_bv>` takes 64-column tiles)? Any other value is refused."""
+    return o_tokens_tile(ChunkForwardKernel.pick_bv(rows, HV, V))
+
+
+def o_tokens_tile(BV: int) -> bool:
+    """:data:`O_TOKENS`' rule for walks of value tiles of BV columns."""
+    if O_TOKENS not in (True, False, "auto"):
+        raise ValueError(f"chunk_forward.O_TOKENS={O_TOKENS!r}; expected True, False or "
+                         f"'auto'")
+    return O_TOKENS is True or (O_TOKENS == "auto" and BV == 64)
 
 
 def ahead_flavors(switch, name: str) -> tuple:
@@ -401,11 +419,11 @@ class ChunkForwardKernel:
                                     + (" stages=2" if stages == 2 else "")
                                     + (" ahead" if ahead else ""),
                                     fn, _avals(name, K, V, rows=READOUT_ROWS)))
-                    # O_TOKENS (opt-in: listed only while on): the plain forward writing o
-                    # token-major, all rows and the read-out rows
-                    for rows in (C, READOUT_ROWS) if O_TOKENS is True else ():
-                        for BV, ahead in itertools.product(cls.value_tiles(V),
-                                                           ahead_flavors(*switch)):
+                    # O_TOKENS: the plain forward writing o token-major, all rows and the
+                    # read-out rows, on the value tiles it applies to ("auto": 64 only)
+                    o_tiles = [BV for BV in cls.value_tiles(V) if o_tokens_tile(BV)]
+                    for rows in (C, READOUT_ROWS) if o_tiles else ():
+                        for BV, ahead in itertools.product(o_tiles, ahead_flavors(*switch)):
                             fn = functools.partial(cls._rows_call, BV=BV, ahead=ahead)
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90_rows {name} K={K} V={V} ckpt=0 "

@@ -137,14 +137,13 @@ def reads_tokens(spec, ch: grid.ChunkInputs, use_kernel: bool, tokens) -> bool:
 
 
 def walk_writes_tokens(spec, operands) -> bool:
-    """Does the plain forward's walk write o token-major (:data:`chunk_forward.O_TOKENS`)?
-    Where its o tiles hold C rows on warpgroup MMAs: the read-out rows (qg on
-    ``READOUT_ROWS`` rows) under ``chunk_forward.GMMA = "all"``, or all rows at n = 1."""
-    if chunk_forward.O_TOKENS not in (True, False):
-        raise ValueError(f"chunk_forward.O_TOKENS={chunk_forward.O_TOKENS!r}; expected True "
-                         f"or False")
+    """Does the plain forward's walk write o token-major (:data:`chunk_forward.O_TOKENS`,
+    :func:`chunk_forward.writes_o_tokens` for its launch)? Where its o tiles hold C rows on
+    warpgroup MMAs: the read-out rows (qg on ``READOUT_ROWS`` rows) under
+    ``chunk_forward.GMMA = "all"``, or all rows at n = 1."""
+    B, _, HV, _, V = operands[4].shape                  # u [B, NC, HV, C, V]
     R, gmma = operands[2].shape[-2], chunk_forward.GMMA
-    return chunk_forward.O_TOKENS and (
+    return chunk_forward.writes_o_tokens(B, HV, V) and (
         (R < grid.CHUNK and gmma == "all") or (spec.n == 1 and gmma in (True, "all")))
 
 
