@@ -72,6 +72,9 @@
 #                                               # O_TOKENS with its row loads hoisted: GPU
 #                                               # tests, fwd A/B beside tuned FLA at the main
 #                                               # shapes, fwd+bwd at two, one long row
+#   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg):
+#                                               # GPU test, fwd A/B +/- u16f beside tuned FLA,
+#                                               # fwd+bwd at one shape, Nsight Compute
 #   TOTAL=560 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 53  # where the forward's cycles go: the
 #                                               # operands kernel's phase probe, Nsight Compute
 #                                               # on both forward kernels, a forward trace,
@@ -458,6 +461,27 @@ case "${1:-2}" in
   step 110 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+ahead+aheadb,fla \
     --shapes "2,16384,16,2;8,4096,16,2" --deadline 95 --out $M/fb
   rows $M/fb.log ;;
+54)
+  # s43: the operands kernel's w (and a 16-bit u) through shared memory in 16-byte row
+  # pieces (chunk_prep.STAGED_STORES, +stg): its GPU test (the same bits), the op's
+  # forward A/B with and without u in bfloat16 beside tuned FLA at the main shapes
+  # (O_TOKENS "auto", s43's default), fwd+bwd at one shape, the kernel under Nsight
+  # Compute (excess sectors, time)
+  step 120 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -8 | cut -c1-230
+  step 150 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+stg,cutedsl+u16f,cutedsl+stg+u16f,fla --shapes main \
+    --deadline 135 --out $M/fwd
+  rows $M/fwd.log
+  step 80 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+stg,fla \
+    --shapes "8,4096,16,2" --deadline 70 --out $M/fb
+  rows $M/fb.log
+  step 60 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
+    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section SourceCounters python -m benchmarks.run fwd --impl cutedsl+stg \
+    --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
+  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "Duration|Throughput|excessive|ERR|rror" \
+    | cut -c1-180 | head -20 ;;
 53)
   # s43: where the operands kernel's and the walk's cycles go. The phase probe of the op's
   # forward variant (token-major, read-out rows, gram norm, wgmma), the kernels alone; then

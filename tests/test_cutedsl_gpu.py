@@ -568,6 +568,40 @@ def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
 
 
 @pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
+    (8, 2, 16, 16, 128, 128, "bfloat16", False),   # the op's: tokens, norm, read-out rows
+    (2, 3, 1, 3, 64, 128, "bfloat16", True),       # GVA, K != V, packed
+    (2, 1, 2, 2, 128, 64, "float16", False),       # all rows, V = 64
+])
+def test_operands_staged_stores_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
+    """``chunk_prep.STAGED_STORES`` (opt-in: w, and u where 16-bit, leave the operands
+    kernel through shared memory as 16-byte row pieces): the same bits as the direct
+    stores - the plain forward (o, final) with u in float32 and in bfloat16
+    (``U16 = "forward"``), and the differentiated call (every gradient)."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    args, cu = _case(33, B, n, H, HV, K, V, dtype, packed)
+    seen = [_spy(monkeypatch, ChunkPrepKernel, name,
+                 lambda a, k: chunk_prep.STAGED_STORES)
+            for name in ("raw_call", "raw_call_tokens")]
+    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm=True, backend="cutedsl")
+    for u16 in (False, "forward"):
+        monkeypatch.setattr(chunk_prep, "U16", u16)
+        fw = []
+        for on in (False, True):
+            monkeypatch.setattr(chunk_prep, "STAGED_STORES", on)
+            fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
+        assert_same_bits(fw[1], fw[0])          # (o, final: the first two of grads' names)
+    monkeypatch.setattr(chunk_prep, "U16", False)
+    base, got = grads_off_on(monkeypatch, chunk_prep, "STAGED_STORES", args, cu)
+    calls = seen[0] + seen[1]
+    assert True in calls and False in calls, calls
+    assert_same_bits(got, base)
+    print(f"[staged stores B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}] "
+          f"o, final (u float32, bfloat16), every gradient: the same bits")
+
+
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
     (8, 2, 16, 16, 128, 128, "bfloat16", False),    # the op's: read-out rows
     (2, 3, 1, 3, 64, 128, "bfloat16", True),        # GVA, K != V, packed
     (2, 1, 2, 2, 128, 64, "float16", False),        # all rows (n = 1), V = 64

@@ -62,6 +62,11 @@ GMMA = True
 # Forward 1.76 -> 1.69 ms, fwd+bwd 7.62 -> 7.54 at (8, 4096, 16, 2) (H100, s40-3:
 # benchmarks/results/CURRENT.md). False: k normalised first (``+normk``).
 GRAM_NORM = True
+# Opt-in (s43, not yet measured): the operands kernel's 16-bit products (w; u where 16-bit)
+# leave through shared memory as 16-byte row pieces instead of from the accumulators' 4-byte
+# pairs (``staged`` of ``ChunkPrepSm90``; Nsight Compute on the H100, s43-1: 15% of the
+# kernel's L2 sectors were excess ones of such partial writes). The same values.
+STAGED_STORES = False
 
 
 def u_dtype(ab_dtype, plain: bool = False):
@@ -185,7 +190,7 @@ class ChunkPrepKernel:
                 (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta), f32(scale), rows),
                 tile_dims=(2, 2, 2, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 2 if inverse else 1),
                 K=K, V=V, ab_name=ab.name, l2norm=False, readout_rows=True, tokens=False,
-                **({"inverse": True} if inverse else {}), **_gmma())
+                **({"inverse": True} if inverse else {}), **_gmma(), **_staged())
         outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),
@@ -193,7 +198,8 @@ class ChunkPrepKernel:
                                    tile_dims=(2, 2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 0, 1,
                                               2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, inverse=inverse,
-                                   **({"probe": True} if probe else {}), **_gmma())
+                                   **({"probe": True} if probe else {}), **_gmma(),
+                                   **_staged())
 
     @staticmethod
     def can_read_tokens(spec, q, k, v) -> bool:
@@ -281,7 +287,7 @@ class ChunkPrepKernel:
                                    **({"probe": True} if probe else {}),
                                    **({"readout_rows": True} if readout_rows else {}),
                                    **_gram_norm(l2norm),
-                                   **_gmma())
+                                   **_gmma(), **_staged())
 
     @classmethod
     def variants(cls):
@@ -386,6 +392,11 @@ def _gmma() -> dict:
     return _switch("GMMA", "gmma")
 
 
+def _staged() -> dict:
+    """:data:`STAGED_STORES` as the launchers' ``staged``."""
+    return _switch("STAGED_STORES", "staged")
+
+
 def _gram_norm(l2norm: bool) -> dict:
     """:data:`GRAM_NORM` as the token launcher's ``gram_norm`` (only where it normalises)."""
     return _switch("GRAM_NORM", "gram_norm", l2norm)
@@ -402,9 +413,9 @@ def _launcher():
     def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False,
-               gmma: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, staged: cutlass.Constexpr = False):
         # (no row table: ``scale`` fills its slot, unread)
-        mod.get_kernel(K, V, ab_name, inverse, probe, gmma=gmma)(
+        mod.get_kernel(K, V, ab_name, inverse, probe, gmma=gmma, staged=staged)(
             stream, q, k, v, g, beta, scale, scale, w, kt, qg, p, u, decay, bad, X)
 
     return launch
@@ -423,10 +434,11 @@ def _launcher_tokens():
                l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
                probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
                tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False,
-               gram_norm: cutlass.Constexpr = False):
+               gram_norm: cutlass.Constexpr = False, staged: cutlass.Constexpr = False):
         # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
         mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
-                       readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm)(
+                       readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm,
+                       staged=staged)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

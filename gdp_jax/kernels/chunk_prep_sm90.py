@@ -139,7 +139,7 @@ class ChunkPrepSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
                  tokens: bool = False, l2norm: bool = False, readout_rows: bool = False,
-                 gmma: bool = False, gram_norm: bool = False):
+                 gmma: bool = False, gram_norm: bool = False, staged: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -168,6 +168,11 @@ class ChunkPrepSm90:
         # rows hold an entry >= GRAM_BIG normalises them first (rho is then ~1).
         self.gram_norm = gram_norm
         assert l2norm or not gram_norm
+        # w (and a 16-bit u) leave through shared memory: the accumulators go to a padded
+        # [C, N] tile in A's dead space, then 16-byte row pieces to global - whole
+        # 32-byte sectors and a quarter of the store instructions, where the accumulator
+        # layout stores 4 bytes a thread (half a sector a row a quad)
+        self.staged = staged
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -418,10 +423,14 @@ class ChunkPrepSm90:
                 gX[idx // C, idx % C] = sX[idx // C, idx % C]
 
         # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
+        # (the staging tile: A's float32 [C, PAD] space as 16-bit [C, 2 PAD], dead after
+        # the inverse)
+        sStage = st.sA.get_tensor(cute.make_layout((C, 2 * PAD), stride=(2 * PAD, 1)),
+                                  dtype=ab)
         w_bad = self._product(tidx, tiled_mma, cBt, sX, sK, K, sb, sgam, srho, True,
-                             mW[b, c, hv, None, None], r0)
+                             mW[b, c, hv, None, None], r0, sStage, False)
         u_bad = self._product(tidx, tiled_mma, cBt, sX, sV, V, sb, sgam, srho, False,
-                             mU[b, c, hv, None, None], r0)
+                             mU[b, c, hv, None, None], r0, sStage, True)
         if tidx % 4 == 0:                         # one lane of the quad holding the rows
             fWU[r0] = w_bad[0] | u_bad[0]
             fWU[r1] = w_bad[1] | u_bad[1]
@@ -685,14 +694,16 @@ class ChunkPrepSm90:
 
     @cute.jit
     def _product(self, tidx, tiled_mma, cBt, sX, sR, N: cutlass.Constexpr,
-                 sb, sgam, srho, with_gam: cutlass.Constexpr, gOut, r0):
+                 sb, sgam, srho, with_gam: cutlass.Constexpr, gOut, r0, sStage,
+                 stage_used: cutlass.Constexpr):
         """out = (X diag(s))_hi+lo R (s = beta gam, with ``gram_norm`` beta gam rho, or
         beta; a column with a non-finite s
         enters as zeros; X: the float32 smem tile ``sX``) on warp MMAs (``tiled_mma``, its
         B operand by ``cBt``) or with ``gmma`` warpgroup MMAs with A from registers, float32
         accumulation, stored to ``gOut`` (w 16-bit, u in ``gOut``'s dtype: 16-bit or
         float32); returns the non-finite flags of this thread's rows r0, r0 + 8 (as
-        stored), reduced over their quads."""
+        stored), reduced over their quads. With ``staged`` a 16-bit result leaves through
+        ``sStage`` (:meth:`_store_staged`; ``stage_used``: an earlier product staged there)."""
         ab = self.ab
         narrow = cutlass.const_expr(with_gam or gOut.element_type != F32)
         tiled = tiled_mma
@@ -728,12 +739,38 @@ class ChunkPrepSm90:
             y = acc[e].to(ab).to(F32) if narrow else acc[e]
             z = y * F32(0.0)
             z0, z1 = z0 + _pick(i == r0, z, F32(0.0)), z1 + _pick(i == r0, F32(0.0), z)
-        out = c_tile(thr_mma, gOut, (C, N), (0, 0))
-        if cutlass.const_expr(narrow):
-            out.store(acc.load().to(ab))
+        if cutlass.const_expr(self.staged and narrow):
+            self._store_staged(tidx, thr_mma, acc, sStage, gOut, N, stage_used)
         else:
-            out.store(acc.load())
+            out = c_tile(thr_mma, gOut, (C, N), (0, 0))
+            if cutlass.const_expr(narrow):
+                out.store(acc.load().to(ab))
+            else:
+                out.store(acc.load())
         return _nonfinite(z0, 4), _nonfinite(z1, 4)
+
+    @cute.jit
+    def _store_staged(self, tidx, thr_mma, acc, sStage, gOut, N: cutlass.Constexpr,
+                      stage_used: cutlass.Constexpr):
+        """gOut [C, N] (16-bit) = acc through the smem tile ``sStage`` ([C, 2 PAD]: rows
+        16 bytes apart mod 128, so a quad's 8 rows of an accumulator store hit distinct
+        banks): every thread writes its accumulators, then copies 16-byte row pieces,
+        consecutive threads along a row (coalesced). ``stage_used``: wait until every
+        thread has read the tile's previous contents."""
+        ab = self.ab
+        if cutlass.const_expr(stage_used):
+            cute.arch.sync_threads()
+        c_tile(thr_mma, sStage, (C, N), (0, 0)).store(acc.load().to(ab))
+        cute.arch.sync_threads()
+        per_row = N // 8
+        for e in cutlass.range_constexpr(C * per_row // NUM_THREADS):
+            idx = e * NUM_THREADS + tidx
+            r, p = idx // per_row, idx % per_row
+            off = cute.assume(r * (2 * PAD) + p * 8, divby=8)
+            piece = cute.make_rmem_tensor((8,), ab)
+            cute.autovec_copy(cute.make_tensor(sStage.iterator + off, cute.make_layout(8)),
+                              piece)
+            cute.local_tile(gOut[r, None], (8,), (p,)).store(piece.load())
 
     @cute.jit
     def _zero_rows(self, thr_mma, gOut, shape: cutlass.Constexpr, ok, r0):
@@ -757,9 +794,11 @@ PROBE_PHASES = ("loads+gates", "rows of k, q, v", "K K^T, Q K^T, P", "inverse",
 def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                probe: bool = False, tokens: bool = False,
                l2norm: bool = False, readout_rows: bool = False,
-               gmma: bool = False, gram_norm: bool = False) -> ChunkPrepSm90:
-    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm)
+               gmma: bool = False, gram_norm: bool = False,
+               staged: bool = False) -> ChunkPrepSm90:
+    key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm,
+           staged)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, readout_rows, gmma, gram_norm)
+                                      l2norm, readout_rows, gmma, gram_norm, staged)
     return _KERNELS[key]
