@@ -72,9 +72,9 @@
 #                                               # O_TOKENS with its row loads hoisted: GPU
 #                                               # tests, fwd A/B beside tuned FLA at the main
 #                                               # shapes, fwd+bwd at two, one long row
-#   TOTAL=420 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg):
-#                                               # GPU test, fwd A/B +/- u16f beside tuned FLA,
-#                                               # fwd+bwd at one shape, Nsight Compute
+#   TOTAL=300 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg):
+#                                               # fwd A/B +/- u16f beside tuned FLA, GPU
+#                                               # test, Nsight Compute
 #   TOTAL=560 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 53  # where the forward's cycles go: the
 #                                               # operands kernel's phase probe, Nsight Compute
 #                                               # on both forward kernels, a forward trace,
@@ -463,20 +463,16 @@ case "${1:-2}" in
   rows $M/fb.log ;;
 54)
   # s43: the operands kernel's w (and a 16-bit u) through shared memory in 16-byte row
-  # pieces (chunk_prep.STAGED_STORES, +stg): its GPU test (the same bits), the op's
-  # forward A/B with and without u in bfloat16 beside tuned FLA at the main shapes
-  # (O_TOKENS "auto", s43's default), fwd+bwd at one shape, the kernel under Nsight
-  # Compute (excess sectors, time)
-  step 120 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -8 | cut -c1-230
-  step 150 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+stg,cutedsl+u16f,cutedsl+stg+u16f,fla --shapes main \
-    --deadline 135 --out $M/fwd
+  # pieces (chunk_prep.STAGED_STORES, +stg): the op's forward A/B with and without u in
+  # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), its GPU test (the same
+  # bits), the kernel under Nsight Compute (excess sectors, time)
+  step 110 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+stg,cutedsl+u16f,cutedsl+stg+u16f,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 95 --out $M/fwd
   rows $M/fwd.log
-  step 80 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+stg,fla \
-    --shapes "8,4096,16,2" --deadline 70 --out $M/fb
-  rows $M/fb.log
-  step 60 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
+  step 90 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -8 | cut -c1-230
+  step 50 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
     --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section SourceCounters python -m benchmarks.run fwd --impl cutedsl+stg \
     --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
