@@ -294,9 +294,7 @@ class OursStep:
 # norms from the operands kernel's K K^T diagonal (the default since s40), ``+normk``: k
 # normalised first; ``+u16``: u in bfloat16 (chunk_prep.U16), ``+u16f``: in the plain
 # forward only; ``+otok``: the plain forward's walk writes o token-major
-# (chunk_forward.O_TOKENS); ``+ahead``: the forward walk loads the next chunk's w, qg
-# during a chunk's second phase (chunk_forward.LOAD_AHEAD), ``+aheadb``: the reverse walk
-# its Kt, P (state_grad.LOAD_AHEAD))
+# (chunk_forward.O_TOKENS))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -321,8 +319,6 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "u16": ("kernels.chunk_prep", "U16", True),
             "u16f": ("kernels.chunk_prep", "U16", "forward"),
             "otok": ("kernels.chunk_forward", "O_TOKENS", True),
-            "ahead": ("kernels.chunk_forward", "LOAD_AHEAD", True),
-            "aheadb": ("kernels.state_grad", "LOAD_AHEAD", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),
@@ -374,7 +370,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +wg / +mma / +gmma / +gmmao / +gmmaa / +ahead / +aheadb switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +wg / +mma / +gmma / +gmmao / +gmmaa switch suffixes, fla")
 
 
 def impl(name: str, bench: str):
