@@ -296,9 +296,7 @@ class OursStep:
 # forward only; ``+otok``: the plain forward's walk writes o token-major at every value
 # tile (chunk_forward.O_TOKENS; "auto", the default since s43: 64-column tiles only),
 # ``+xlao``: never (XLA relays o to tokens); ``+stg``: the operands kernel's 16-bit w, u
-# leave through shared memory in 16-byte row pieces (chunk_prep.STAGED_STORES); ``+ahead``: the forward walk loads the next chunk's w, qg
-# during a chunk's second phase (chunk_forward.LOAD_AHEAD), ``+aheadb``: the reverse walk
-# its Kt, P (state_grad.LOAD_AHEAD))
+# leave through shared memory in 16-byte row pieces (chunk_prep.STAGED_STORES))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -325,8 +323,6 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "otok": ("kernels.chunk_forward", "O_TOKENS", True),
             "xlao": ("kernels.chunk_forward", "O_TOKENS", False),
             "stg": ("kernels.chunk_prep", "STAGED_STORES", True),
-            "ahead": ("kernels.chunk_forward", "LOAD_AHEAD", True),
-            "aheadb": ("kernels.state_grad", "LOAD_AHEAD", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),
@@ -378,7 +374,7 @@ IMPL_NAMES = ("cutedsl, cutedsl-n<N> (recompute_chunk_num=N), cutedsl-save (the 
               "operands kept for the backward: pipeline.SAVE_OPERANDS), xla, "
               "cutedsl-inv / xla-inv (batch_invariant=True), "
               "<backend>-cp<S> and <backend>-cpauto (intra_cp), and cutedsl* with "
-              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +wg / +mma / +gmma / +gmmao / +gmmaa / +otok / +xlao / +stg / +ahead / +aheadb switch suffixes, fla")
+              "+narrow / +save / +pipe / +flat / +ro / +allrows / +rog / +allgrad / +rob / +nb / +xlanb / +dotok / +tb / +nk / +pair / +wg / +mma / +gmma / +gmmao / +gmmaa / +otok / +xlao / +stg switch suffixes, fla")
 
 
 def impl(name: str, bench: str):

@@ -68,10 +68,7 @@
 #                                               # walk alone +/- u16 (bytes or latency?), +u16
 #                                               # A/B beside tuned FLA, a forward trace, a long row
 #   (modes 50, 51 - s41's K_ROWS A/B, run as s42-1 - were removed with K_ROWS in s42)
-#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 52  # LOAD_AHEAD (+ahead, +aheadb) and
-#                                               # O_TOKENS with its row loads hoisted: GPU
-#                                               # tests, fwd A/B beside tuned FLA at the main
-#                                               # shapes, fwd+bwd at two, one long row
+#   (mode 52 - s42's LOAD_AHEAD and O_TOKENS A/B - ran as s43-1; LOAD_AHEAD was removed in s43)
 #   TOTAL=300 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg):
 #                                               # fwd A/B +/- u16f beside tuned FLA, GPU
 #                                               # test, Nsight Compute
@@ -443,24 +440,6 @@ case "${1:-2}" in
   rows $M/wgp.log
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
-52)
-  # s42: the forward walk's w, qg a chunk ahead (chunk_forward.LOAD_AHEAD, +ahead), the
-  # reverse walk's Kt, P (state_grad.LOAD_AHEAD, +aheadb) and O_TOKENS with its row loads at the chunk's start (s42-2, loaded at its end: -1..-7%
-  # at B = 8, +5% at (2, 16384, 16, 2)): their GPU tests (the same bits), the op's forward
-  # A/B beside tuned FLA at the main shapes, fwd+bwd at two of them, one long row
-  step 150 t_ahead $P tests/test_cutedsl_gpu.py -k "walk_writes_o_tokens or walk_loads_ahead"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_ahead.log | tail -12 | cut -c1-230
-  step 130 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+ahead,cutedsl+ahead+otok,cutedsl+otok,fla --shapes main \
-    --deadline 115 --out $M/fwd
-  rows $M/fwd.log
-  step 100 long python -m benchmarks.run fwdbwd \
-    --impl cutedsl-cpauto,cutedsl-cpauto+ahead+aheadb,fla \
-    --shapes "1,65536,16,2" --deadline 90 --out $M/long
-  rows $M/long.log
-  step 110 fb python -m benchmarks.run fwdbwd --impl cutedsl,cutedsl+ahead+aheadb,fla \
-    --shapes "2,16384,16,2;8,4096,16,2" --deadline 95 --out $M/fb
-  rows $M/fb.log ;;
 54)
   # s43: the operands kernel's w (and a 16-bit u) through shared memory in 16-byte row
   # pieces (chunk_prep.STAGED_STORES, +stg): the op's forward A/B with and without u in

@@ -636,52 +636,6 @@ def test_walk_writes_o_tokens_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, p
     assert DRY_RUN or seen == [False, False, True, True], seen
 
 
-@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed,segments", [
-    (8, 2, 16, 16, 128, 128, "bfloat16", False, None),    # the op's: read-out rows
-    (2, 3, 1, 3, 64, 128, "bfloat16", True, None),        # GVA, K != V, packed
-    (2, 1, 2, 2, 128, 64, "float16", False, None),        # all rows (n = 1), V = 64
-    (1, 2, 1, 2, 128, 128, "bfloat16", False, 4),         # intra_cp: summary + apply walks
-])
-def test_walk_loads_ahead_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed,
-                                    segments):
-    """``chunk_forward.LOAD_AHEAD`` / ``state_grad.LOAD_AHEAD``: the forward walk loading
-    chunk c + 1's w and qg during chunk c's second phase, the reverse walk chunk c - 1's
-    Kt and P, give the same bits as loading them at each chunk's start - the plain
-    forward (o, final), and fwd + bwd with both (every gradient; the forward walk then
-    keeps checkpoints) or, under ``intra_cp``, the split's summary walk (no readout) and
-    apply walk (T = 1000: 8 chunks a segment)."""
-    from gdp_jax.kernels import chunk_forward, state_grad
-    from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-    from gdp_jax.kernels.state_grad import StateGradKernel
-    args, cu = _case(46, B, n, H, HV, K, V, dtype, packed, T=1000 if segments else 203)
-    seen = _spy(monkeypatch, ChunkForwardKernel, "raw_call",
-                lambda a, k: chunk_forward.LOAD_AHEAD)
-    kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
-              use_qk_l2norm=True, backend="cutedsl", intra_cp=segments)
-    fw = []
-    for on in (False, True):
-        monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", on)
-        fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
-    assert_same_bits(fw[1], fw[0])          # (o, final: the first two of grads' names)
-    assert np.isfinite(np.asarray(fw[1][0], np.float32)).all()
-    tag = f"load ahead B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed} S={segments}"
-    print(f"[{tag}] o, final: the same bits")
-    if segments is None:
-        rev = _spy(monkeypatch, StateGradKernel, "raw_call",
-                   lambda a, k: state_grad.LOAD_AHEAD)
-        out = []
-        for on in (False, True):
-            monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", on)
-            monkeypatch.setattr(state_grad, "LOAD_AHEAD", on)
-            _grad_fn.cache_clear()
-            out.append(grads("cutedsl", args, cu=cu, N=0))
-        _grad_fn.cache_clear()
-        assert_same_bits(out[1], out[0])
-        print(f"[{tag}] fwd + bwd: every gradient the same bits")
-        assert DRY_RUN or (False in rev and True in rev), rev
-    assert DRY_RUN or (False in seen and True in seen), seen
-
-
 @pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed,big", [
     (8, 2, 16, 16, 128, 128, "bfloat16", False, False),   # the op's: read-out rows
     (2, 3, 1, 3, 64, 128, "bfloat16", True, False),       # GVA, K != V, packed

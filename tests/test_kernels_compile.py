@@ -5,7 +5,6 @@ cubin -> host launcher object) and embeds the object in the HLO; nothing execute
 Needs ``nvidia-cutlass-dsl[cu13]==4.8.1`` (Python >= 3.11, x86-64); the module is skipped
 only when that package cannot be imported.
 """
-import functools
 import os
 import re
 
@@ -1191,95 +1190,6 @@ def test_walk_gmma_default_steps_down(monkeypatch, walk):
     monkeypatch.setattr(module, "GMMA", False)
     assert gmma() is False
     assert gmma(gmma=True) is True                    # an explicit request is kept
-
-
-def test_walk_loads_ahead_auto_follows_the_launch(monkeypatch):
-    """``LOAD_AHEAD = "auto"`` (both walks): a launch of rows x heads x value tiles CTAs
-    asks for the loads-ahead kernel where that is at most one CTA an SM and not beyond
-    (traced only: the custom call's compile-time arguments)."""
-    from gdp_jax.kernels import binding, chunk_forward, state_grad
-    from gdp_jax.kernels.state_grad import StateGradKernel
-    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "auto")
-    monkeypatch.setattr(state_grad, "LOAD_AHEAD", "auto")
-    asked = []
-    real = binding.custom_call
-    monkeypatch.setattr(binding, "custom_call", lambda *a, **kw: asked.append(
-        kw.get("ahead", False)) or real(*a, **kw))
-    V, BV, SMS = 128, 16, ChunkForwardKernel.SMS
-    fwd = {v.what: v for v in ChunkForwardKernel.variants()}
-    rev = {v.what: v for v in StateGradKernel.variants()}
-    for v in (fwd["gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=16 rows=32"],
-              rev["gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo "
-                  "BV=16 rows=32"]):
-        fn = functools.partial(v.fn.func, *v.fn.args, **{**v.fn.keywords, "ahead": None})
-        # rows x 1 head x V / BV tiles: SMS CTAs, then one row more
-        for rows, want in ((SMS // (V // BV), True), (SMS // (V // BV) + 1, False)):
-            asked.clear()
-            jax.eval_shape(fn, *(jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype)
-                                 for a in v.avals))
-            assert asked == [want], (v.what, rows, asked)
-
-
-def test_walk_loads_ahead_compiles(monkeypatch):
-    """``chunk_forward.LOAD_AHEAD``: the forward walks loading the next chunk's w and qg
-    during a chunk's second phase compile to sm_90a - the plain forward on all rows and
-    on the read-out rows, the differentiated one (checkpoints), the CP summary walk (no
-    qg) and the token-row walk (O_TOKENS); ``state_grad.LOAD_AHEAD``: the reverse walks
-    loading Kt, P ahead (P formed ddo on the read-out rows, ddo read, the CP summary
-    walk); listed as " ahead" variants only while on (both flavors under "auto", which
-    loads ahead only in launches of at most one CTA an SM), never for two operand sets;
-    other values are refused."""
-    from gdp_jax.kernels import chunk_forward
-    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", False)
-    assert not [v for v in ChunkForwardKernel.variants() if " ahead" in v.what]
-    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", True)
-    monkeypatch.setattr(chunk_forward, "O_TOKENS", True)
-    listed = {v.what: v for v in ChunkForwardKernel.variants()}
-    assert not [w for w in listed if "stages=2" in w and " ahead" in w]
-    want = ["gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 ahead",
-            "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32 ahead",
-            "gdp_chunk_fwd_sm90 bfloat16 K=128 V=128 ckpt=1 BV=64 rows=32 ahead",
-            "gdp_chunk_fwd_sm90 bfloat16 K=128 V=256 ckpt=0 summary BV=64 ahead",
-            "gdp_chunk_fwd_sm90_rows bfloat16 K=128 V=128 ckpt=0 BV=64 rows=32 o_tokens ahead"]
-    for what in want:
-        v = listed[what]
-        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals), what
-    # "auto": both flavors listed; on only for launches of at most one CTA an SM
-    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "auto")
-    auto = [v.what for v in ChunkForwardKernel.variants()]
-    assert len(auto) == 2 * len([w for w in auto if " ahead" in w]) == 2 * len(listed)
-    SMS = ChunkForwardKernel.SMS
-    assert chunk_forward.load_ahead(1, 1, SMS) and not chunk_forward.load_ahead(1, 1, SMS + 1)
-    assert not chunk_forward.load_ahead(2, 1, 1) and not chunk_forward.load_ahead(1, 2, 1)
-    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", True)
-    assert chunk_forward.load_ahead(1, 1, 10 * SMS) and not chunk_forward.load_ahead(2, 1, 1)
-    with pytest.raises(ValueError, match="ahead: a one-set, one-tile walk; got stages=2"):
-        jax.eval_shape(functools.partial(ChunkForwardKernel.raw_call, BV=32, stages=2,
-                                         ahead=True),
-                       *listed[want[0]].avals)
-    monkeypatch.setattr(chunk_forward, "LOAD_AHEAD", "yes")
-    with pytest.raises(ValueError, match="chunk_forward.LOAD_AHEAD='yes'; expected True"):
-        ChunkForwardKernel.variants()
-    # the reverse walk's (state_grad.LOAD_AHEAD): Kt, P a chunk ahead
-    from gdp_jax.kernels import state_grad
-    from gdp_jax.kernels.state_grad import StateGradKernel
-    monkeypatch.setattr(state_grad, "LOAD_AHEAD", False)
-    assert not [v for v in StateGradKernel.variants() if " ahead" in v.what]
-    monkeypatch.setattr(state_grad, "LOAD_AHEAD", True)
-    listed = {v.what: v for v in StateGradKernel.variants()}
-    assert not [w for w in listed if "stages=2" in w and " ahead" in w]
-    for what in ["gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end bfloat16 fused ddo "
-                 "BV=64 rows=32 ahead",
-                 "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=128 dS_end float32 BV=64 ahead",
-                 "gdp_chunk_bwd_dh_sm90 bfloat16 K=128 V=256 summary fused ddo BV=64 ahead"]:
-        v = listed[what]
-        assert "CuteDSLRT_NvJaxCutlassCall" in _lower(v.fn, *v.avals), what
-    monkeypatch.setattr(state_grad, "LOAD_AHEAD", "auto")
-    auto = [v.what for v in StateGradKernel.variants()]
-    assert len(auto) == 2 * len([w for w in auto if " ahead" in w]) == 2 * len(listed)
-    monkeypatch.setattr(state_grad, "LOAD_AHEAD", 1.5)
-    with pytest.raises(ValueError, match="state_grad.LOAD_AHEAD=1.5; expected True"):
-        StateGradKernel.variants()
 
 
 def test_walk_writes_o_tokens_compiles(monkeypatch):

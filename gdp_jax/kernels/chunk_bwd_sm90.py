@@ -42,8 +42,7 @@ class ChunkBwdDhSm90:
 
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool,
                  fuse_ddo: bool = False, do_cols: int = 0, write_ds: bool = True,
-                 stages: int = 1, pairs: int = 1, rows: int = C, gmma: bool = False,
-                 ahead: bool = False):
+                 stages: int = 1, pairs: int = 1, rows: int = C, gmma: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and stages in (1, 2)
         # rows of qg, P and dO a chunk: C, or READOUT_ROWS (their read-out rows only, n >= 2:
         # the only rows where dO is not zero); one operand set, one value tile a CTA
@@ -72,11 +71,6 @@ class ChunkBwdDhSm90:
         # descriptors) - for the one-set, one-tile walk without the split
         self.gmma = gmma
         assert not gmma or (stages == 1 and pairs == 1 and not split)
-        # the next chunk's (c - 1's) Kt and P load while this chunk's second phase runs
-        # (the first phase alone reads them), in the same smem (the forward walk's
-        # ``ahead``): a chunk's start then waits for w, qg alone
-        self.ahead = ahead
-        assert not ahead or (stages == 1 and pairs == 1)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -195,11 +189,7 @@ class ChunkBwdDhSm90:
                 PT = operand(thr_mma, cAt, transpose_view(sP, R, C), True)    # P^T: [C, R]
             gP = g2s(copy_C, tidx_cta)
             tPsP = gP.dest(sP)
-        else:
-            gP = tPsP = None                    # ddo read by the threads: no P tile
 
-        if cutlass.const_expr(self.ahead):
-            self._load_first_phase(gK, gP, tKsKt, tPsP, mKt, mDdo, b, NC - 1, hv)
         for i in cutlass.range(NC, unroll=1):
             c = NC - 1 - i
             # the chunk's scalars first: their global loads then wait alongside the tile
@@ -209,12 +199,10 @@ class ChunkBwdDhSm90:
             reset = mReset[b, c]
             decay = mDecay[b, c, hv]
             # ---- operands of chunk c -> smem (async)
-            # (with ``ahead`` Kt and P are on their way since the last chunk)
-            if cutlass.const_expr(not self.ahead):
-                gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
+            gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
-            if cutlass.const_expr(self.fuse_ddo and not self.ahead):
+            if cutlass.const_expr(self.fuse_ddo):
                 gP.load(mDdo[b, c, hv, None, None], (R, C), tPsP)
             cute.arch.cp_async_commit_group()
 
@@ -257,10 +245,6 @@ class ChunkBwdDhSm90:
             else:
                 toD.store_split(-(ddo + acc_D.load()), tCsD, tCsDl, self.split)
             barrier(self.gmma)
-            if cutlass.const_expr(self.ahead):
-                # Kt, P of chunk c - 1 into the tiles the first phase is done with
-                if c > 0:
-                    self._load_first_phase(gK, gP, tKsKt, tPsP, mKt, mDdo, b, c - 1, hv)
 
             # ---- dS <- decay dS + qg^T dO + w^T (-dDelta)
             acc_S.store(acc_S.load() * decay)
@@ -283,14 +267,6 @@ class ChunkBwdDhSm90:
             # smem is overwritten by the next chunk's loads
             cute.arch.sync_threads()
 
-
-    @cute.jit
-    def _load_first_phase(self, gK, gP, tKsKt, tPsP, mKt, mDdo, b, c, hv):
-        """Start the cp.async of chunk c's first-phase operands: Kt, and P with
-        ``fuse_ddo`` (the products dDelta = P^T dO + Kt dS)."""
-        gK.load(mKt[b, c, hv, None, None], (C, self.K), tKsKt)
-        if cutlass.const_expr(self.fuse_ddo):
-            gP.load(mDdo[b, c, hv, None, None], (self.rows, C), tPsP)
 
     @cute.kernel
     def kernel_pipelined(self, mKt, mW, mQg, mDdo, mDo, mDecay, mReset, mSeq, mLast,
@@ -459,10 +435,10 @@ _KERNELS = {}
 def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                fuse_ddo: bool = False, do_cols: int = 0,
                write_ds: bool = True, stages: int = 1, pairs: int = 1,
-               rows: int = C, gmma: bool = False, ahead: bool = False) -> ChunkBwdDhSm90:
+               rows: int = C, gmma: bool = False) -> ChunkBwdDhSm90:
     key = (K, V, BV, ab_name, split, fuse_ddo, do_cols or V, write_ds, stages, pairs, rows,
-           gmma, ahead)
+           gmma)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkBwdDhSm90(K, V, BV, ab_type(ab_name), split, fuse_ddo, do_cols,
-                                       write_ds, stages, pairs, rows, gmma, ahead)
+                                       write_ds, stages, pairs, rows, gmma)
     return _KERNELS[key]

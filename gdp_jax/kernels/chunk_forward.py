@@ -9,7 +9,6 @@ ckpt-th chunk (the backward's checkpoints). The per-chunk start states never rea
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Optional
 
 import jax.numpy as jnp
@@ -77,14 +76,6 @@ GMMA = "all"
 # lose 2% (2.17 -> 2.22 at (2, 16384, 16, 2)) - each CTA's store then carries the row
 # table for a quarter or half of the products (H100, s43-1: benchmarks/results/CURRENT.md).
 O_TOKENS = "auto"
-# Opt-in, NOT yet run on a GPU (s42): the forward walk loads chunk c + 1's w and qg while
-# chunk c's second phase runs, into the tiles its first phase is done with (``ahead`` of
-# ``ChunkFwdSm90``; no second operand set, unlike PIPELINE, and no extra barrier, unlike
-# s21-2's reverted version), so a chunk's start waits for Kt and P alone. "auto": only
-# launches of at most one CTA an SM, where nothing else hides a chunk's loads (s21-2's
-# version lost where two CTAs an SM overlap, won on a long row). The same bits (GPU
-# test ``test_walk_loads_ahead_same_bits``; GPU mode 52 measures it).
-LOAD_AHEAD = False
 
 
 def writes_o_tokens(rows: int, HV: int, V: int) -> bool:
@@ -100,36 +91,6 @@ def o_tokens_tile(BV: int) -> bool:
         raise ValueError(f"chunk_forward.O_TOKENS={O_TOKENS!r}; expected True, False or "
                          f"'auto'")
     return O_TOKENS is True or (O_TOKENS == "auto" and BV == 64)
-
-
-def ahead_flavors(switch, name: str) -> tuple:
-    """The walks a one-set, one-tile launch may run under the switch ``name`` =
-    ``switch`` - (False,), (True,) or both for "auto" - for the prebuilt variants; any
-    other value is refused."""
-    if switch not in (True, False, "auto"):
-        raise ValueError(f"{name}={switch!r}; expected True, False or 'auto'")
-    return {False: (False,), True: (True,), "auto": (False, True)}[switch]
-
-
-def resolve_ahead(ahead, switch, name: str, *, stages: int, pairs: int, ctas: int) -> bool:
-    """Does a recursion walk of ``stages`` operand sets, ``pairs`` tiles a CTA and
-    ``ctas`` CTAs load the next chunk's first-phase operands during a chunk? ``ahead``,
-    or None for the switch ``name`` = ``switch``'s rule: one-set, one-tile walks only,
-    "auto" at most one CTA an SM; an explicit True for another walk is a ValueError."""
-    if ahead is not None:
-        if ahead and (stages != 1 or pairs != 1):
-            raise ValueError(f"ahead: a one-set, one-tile walk; got stages={stages}, "
-                             f"pairs={pairs}")
-        return bool(ahead)
-    if stages != 1 or pairs != 1 or True not in ahead_flavors(switch, name):
-        return False
-    return switch is True or ctas <= ChunkForwardKernel.SMS
-
-
-def load_ahead(stages: int, pairs: int, ctas: int) -> bool:
-    """:func:`resolve_ahead`'s rule for the forward walk (w, qg; :data:`LOAD_AHEAD`)."""
-    return resolve_ahead(None, LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages=stages,
-                         pairs=pairs, ctas=ctas)
 
 
 class ChunkForwardKernel:
@@ -279,7 +240,7 @@ class ChunkForwardKernel:
     def raw_call(w, kt, qg, p, u, decay, reset, seq, last, h0, *, BV: int,
                  split: Optional[bool] = None, ckpt: int = 0, states_dtype=jnp.float32,
                  readout: bool = True, stages: int = 1, pairs: int = 1, gmma=None,
-                 o_tokens: Optional[tuple] = None, ahead: Optional[bool] = None):
+                 o_tokens: Optional[tuple] = None):
         """Per-chunk operands -> (o rows [B, NC, HV, R, V], final [N, HV, K, V], states
         [B, ceil(NC / ckpt), HV, K, V] in ``states_dtype`` (float32 or the operand dtype),
         or a [1] float32 placeholder when ckpt = 0). ``readout=False``: the walk alone (qg,
@@ -297,11 +258,9 @@ class ChunkForwardKernel:
         ``states`` holds the start state of chunks 0, ckpt, 2 ckpt, ... ``stages`` = 2:
         the next chunk's operands load while a chunk computes (:meth:`pick_stages`; the
         same results). ``pairs`` = 2: a CTA walks two value tiles (:meth:`pick_pairs`; the
-        same results). ``ahead``: a one-set, one-tile walk loads w, qg a chunk ahead
-        (None: :data:`LOAD_AHEAD`'s rule; the same results). ``gmma``: the recursion's
-        products as warpgroup MMAs, "all" with the read-out rows' o products too (None:
-        :data:`GMMA`, where the walk allows it; an explicit one where it does not is a
-        ValueError). ``o_tokens`` (rows, bad, T): o
+        same results). ``gmma``: the recursion's products as warpgroup MMAs, "all" with
+        the read-out rows' o products too (None: :data:`GMMA`, where the walk allows it;
+        an explicit one where it does not is a ValueError). ``o_tokens`` (rows, bad, T): o
         comes back token-major, [B, T, HV, V] - the read-out rows' outputs at their tokens
         (rows [B, NC, 4] int32 the row table, ``chunk_prep.token_rows``; bad
         [B, NC, HV, C] int32 the operands kernel's rows whose outputs are NaN) - for a
@@ -343,8 +302,6 @@ class ChunkForwardKernel:
             raise ValueError(f"o_tokens: a walk whose o tiles hold C rows on warpgroup MMAs "
                              f"(gmma 'all', or True with all {C_} rows); got gmma={gmma!r} "
                              f"with {R} rows")
-        ahead = resolve_ahead(ahead, LOAD_AHEAD, "chunk_forward.LOAD_AHEAD", stages=stages,
-                              pairs=pairs, ctas=B * HV * (V // BV) // pairs)
         o_shape = (B, NC, HV, R, V)
         if o_tokens is not None:
             o_shape = (B, o_tokens[2], HV, V)
@@ -372,8 +329,7 @@ class ChunkForwardKernel:
                                    **({"pairs": 2} if pairs == 2 else {}),
                                    **({"gmma": True} if gmma else {}),
                                    **({"gmma_rows": True} if gmma == "all" and R < C_
-                                      else {}), **({"ahead": True} if ahead else {}),
-                                   **tables)
+                                      else {}), **tables)
 
     @classmethod
     def variants(cls, recompute_chunk_nums=(0,)):
@@ -384,7 +340,6 @@ class ChunkForwardKernel:
         ``pick_bv`` picks (64 for calls that fill the GPU, 32 for few rows x heads, 16 for
         fewer)."""
         from gdp_jax.kernels import aot
-        switch = (LOAD_AHEAD, "chunk_forward.LOAD_AHEAD")
         out = []
         for name in cls.DTYPES:
             for K in cls.HEAD_DIMS:
@@ -395,57 +350,46 @@ class ChunkForwardKernel:
                             + [(V + K, 0, False)])
                     for (Vx, ckpt, readout) in runs:
                         for BV in cls.value_tiles(Vx):
-                            for stages, ahead in cls.walks(Vx, BV, *switch):
+                            for stages in cls.stage_counts(Vx, BV):
                                 fn = functools.partial(cls.raw_call, BV=BV, ckpt=ckpt,
                                                        states_dtype=checkpoint_dtype(name),
-                                                       readout=readout, stages=stages,
-                                                       ahead=ahead)
+                                                       readout=readout, stages=stages)
                                 out.append(aot.Variant(
                                     f"gdp_chunk_fwd_sm90 {name} K={K} V={Vx} ckpt={ckpt}"
                                     + ("" if readout else " summary") + f" BV={BV}"
-                                    + (" stages=2" if stages == 2 else "")
-                                    + (" ahead" if ahead else ""),
+                                    + (" stages=2" if stages == 2 else ""),
                                     fn, _avals(name, K, Vx, u_cols=V)))
                     # the forward on the read-out rows (n >= 2), alone or differentiated
                     for ckpt in [0] + [r + 1 for r in recompute_chunk_nums]:
                         for BV in cls.value_tiles(V):
-                            for stages, ahead in cls.walks(V, BV, *switch):
+                            for stages in cls.stage_counts(V, BV):
                                 fn = functools.partial(cls.raw_call, BV=BV, stages=stages,
-                                                       ckpt=ckpt, ahead=ahead,
+                                                       ckpt=ckpt,
                                                        states_dtype=checkpoint_dtype(name))
                                 out.append(aot.Variant(
                                     f"gdp_chunk_fwd_sm90 {name} K={K} V={V} ckpt={ckpt} "
                                     f"BV={BV} rows={READOUT_ROWS}"
-                                    + (" stages=2" if stages == 2 else "")
-                                    + (" ahead" if ahead else ""),
+                                    + (" stages=2" if stages == 2 else ""),
                                     fn, _avals(name, K, V, rows=READOUT_ROWS)))
                     # O_TOKENS: the plain forward writing o token-major, all rows and the
                     # read-out rows, on the value tiles it applies to ("auto": 64 only)
                     o_tiles = [BV for BV in cls.value_tiles(V) if o_tokens_tile(BV)]
                     for rows in (C, READOUT_ROWS) if o_tiles else ():
-                        for BV, ahead in itertools.product(o_tiles, ahead_flavors(*switch)):
-                            fn = functools.partial(cls._rows_call, BV=BV, ahead=ahead)
+                        for BV in o_tiles:
+                            fn = functools.partial(cls._rows_call, BV=BV)
                             out.append(aot.Variant(
                                 f"gdp_chunk_fwd_sm90_rows {name} K={K} V={V} ckpt=0 "
                                 f"BV={BV}" + (f" rows={rows}" if rows < C else "")
-                                + " o_tokens" + (" ahead" if ahead else ""),
+                                + " o_tokens",
                                 fn, _avals(name, K, V, rows=rows, tokens=True)))
         return out
 
     @classmethod
-    def walks(cls, V: int, BV: int, switch, name: str):
-        """(stages, ahead) of every recursion walk of value tiles of BV on V state columns
-        (:meth:`stage_counts`; the loads-ahead switch ``name`` = ``switch``'s flavors for
-        one-set walks) - the forward's and the reverse's prebuilt variants."""
-        return [(stages, ahead) for stages in cls.stage_counts(V, BV)
-                for ahead in (ahead_flavors(switch, name) if stages == 1 else (False,))]
-
-    @classmethod
-    def _rows_call(cls, *a, BV: int, ahead: bool = False):
+    def _rows_call(cls, *a, BV: int):
         """:meth:`raw_call` as the plain forward runs it under :data:`O_TOKENS`
         (``_avals(.., tokens=True)``'s operands: the row table, the bad rows; o for T = 1
         token)."""
-        return cls.raw_call(*a[:10], BV=BV, o_tokens=(a[10], a[11], 1), ahead=ahead)
+        return cls.raw_call(*a[:10], BV=BV, o_tokens=(a[10], a[11], 1))
 
     @classmethod
     def stage_counts(cls, V: int, BV: int):
@@ -492,10 +436,9 @@ def _launcher_rows():
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
                rows: cutlass.Constexpr = C, gmma: cutlass.Constexpr = False,
-               gmma_rows: cutlass.Constexpr = False, o_tokens: cutlass.Constexpr = False,
-               ahead: cutlass.Constexpr = False):
+               gmma_rows: cutlass.Constexpr = False, o_tokens: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       1, gmma, gmma_rows, o_tokens, ahead)(
+                       1, gmma, gmma_rows, o_tokens)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states, table,
             bad)
 
@@ -516,10 +459,9 @@ def _launcher():
                ckpt: cutlass.Constexpr, readout: cutlass.Constexpr,
                u_cols: cutlass.Constexpr, stages: cutlass.Constexpr,
                rows: cutlass.Constexpr = C, pairs: cutlass.Constexpr = 1,
-               gmma: cutlass.Constexpr = False, gmma_rows: cutlass.Constexpr = False,
-               ahead: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, gmma_rows: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, ckpt, readout, u_cols, stages, rows,
-                       pairs, gmma, gmma_rows, ahead=ahead)(
+                       pairs, gmma, gmma_rows)(
             stream, w, kt, qg, p, u, decay, reset, seq, last, h0, o, final, states)
 
     return launch

@@ -50,7 +50,7 @@ class ChunkFwdSm90:
     def __init__(self, K: int, V: int, BV: int, ab_dtype, split: bool, ckpt: int = 0,
                  readout: bool = True, u_cols: int = 0, stages: int = 1, rows: int = C,
                  pairs: int = 1, gmma: bool = False, gmma_rows: bool = False,
-                 o_tokens: bool = False, ahead: bool = False):
+                 o_tokens: bool = False):
         assert K in (64, 128) and V % BV == 0 and BV in (16, 32, 64, 128) and ckpt >= 0
         assert stages in (1, 2)
         # 2: a CTA of two 4-warp groups walks two adjacent value tiles (group g: tile
@@ -95,11 +95,6 @@ class ChunkFwdSm90:
         # on C-row tiles)
         self.o_tokens = o_tokens
         assert not o_tokens or (readout and gmma and (rows == C or gmma_rows))
-        # the next chunk's w and qg tiles load while this chunk's second phase runs (they
-        # are read only in the first): a chunk's start then waits for Kt and P alone, in
-        # the same smem (unlike ``stages`` = 2's second operand set)
-        self.ahead = ahead
-        assert not ahead or (stages == 1 and pairs == 1)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -239,11 +234,7 @@ class ChunkFwdSm90:
             tKsQ, tPsP = zero_below(gK, sQ, R, K, ab), zero_below(gP, sP, R, C, ab)
         elif cutlass.const_expr(self.readout):
             tKsQ, tPsP = gK.dest(sQ), gP.dest(sP)
-        else:
-            tKsQ = None                                 # the summary walk: no qg
 
-        if cutlass.const_expr(self.ahead):
-            self._load_first_phase(gK, tKsW, tKsQ, mW, mQg, b, 0, hv)
         for c in cutlass.range(NC, unroll=1):
             # the chunk's scalars first: their global loads then wait alongside the tile
             # loads instead of each stalling a later phase (a use after a barrier)
@@ -256,13 +247,10 @@ class ChunkFwdSm90:
                 # alongside the tile loads, not on the serial path after the products
                 o_rows = self._o_token_rows(thr_mma, mBad, mRows, b, c, hv)
             # ---- operands of chunk c -> smem (async; with pairs, one copy for both groups)
-            # (with ``ahead`` w and qg are on their way since the last chunk)
-            if cutlass.const_expr(not self.ahead):
-                gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
+            gK.load(mW[b, c, hv, None, None], (C, K), tKsW)
             gK.load(mKt[b, c, hv, None, None], (C, K), tKsKt)
             if cutlass.const_expr(self.readout):
-                if cutlass.const_expr(not self.ahead):
-                    gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
+                gK.load(mQg[b, c, hv, None, None], (R, K), tKsQ)
                 gP.load(mP[b, c, hv, None, None], (R, C), tPsP)
             cute.arch.cp_async_commit_group()
 
@@ -298,10 +286,6 @@ class ChunkFwdSm90:
                 mma_split_b(tiled_mma_o, K // MMA_K, [(acc_O, Q_o)], S_o, Sl_o, self.split)
             toD.store_split(u - acc_D.load(), tCsD, tCsDl, self.split)
             barrier(self.gmma)
-            if cutlass.const_expr(self.ahead):
-                # w, qg of chunk c + 1 into the tiles the first phase is done with
-                if c + 1 < NC:
-                    self._load_first_phase(gK, tKsW, tKsQ, mW, mQg, b, c + 1, hv)
 
             # ---- S <- decay S + Kt^T Delta ;  o += P Delta  (shared B operand Delta)
             acc_S.store(acc_S.load() * decay)
@@ -336,14 +320,6 @@ class ChunkFwdSm90:
             # smem is overwritten by the next chunk's loads
             cute.arch.sync_threads()
 
-
-    @cute.jit
-    def _load_first_phase(self, gK, tKsW, tKsQ, mW, mQg, b, c, hv):
-        """Start the cp.async of chunk c's first-phase operands: w, and qg with a readout
-        (the products Delta = u - w S, o = qg S)."""
-        gK.load(mW[b, c, hv, None, None], (C, self.K), tKsW)
-        if cutlass.const_expr(self.readout):
-            gK.load(mQg[b, c, hv, None, None], (self.rows, self.K), tKsQ)
 
     @cute.jit
     def _o_token_rows(self, thr_mma, mBad, mRows, b, c, hv):
@@ -557,11 +533,10 @@ def get_kernel(K: int, V: int, BV: int, ab_name: str, split: bool,
                ckpt: int = 0, readout: bool = True, u_cols: int = 0,
                stages: int = 1, rows: int = C, pairs: int = 1,
                gmma: bool = False, gmma_rows: bool = False,
-               o_tokens: bool = False, ahead: bool = False) -> ChunkFwdSm90:
+               o_tokens: bool = False) -> ChunkFwdSm90:
     key = (K, V, BV, ab_name, split, ckpt, readout, u_cols or V, stages, rows, pairs, gmma,
-           gmma_rows, o_tokens, ahead)
+           gmma_rows, o_tokens)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkFwdSm90(K, V, BV, ab_type(ab_name), split, ckpt, readout,
-                                     u_cols, stages, rows, pairs, gmma, gmma_rows, o_tokens,
-                                     ahead)
+                                     u_cols, stages, rows, pairs, gmma, gmma_rows, o_tokens)
     return _KERNELS[key]

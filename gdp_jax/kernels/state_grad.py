@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gdp_jax import grid
 from gdp_jax.grid import CHUNK, READOUT_ROWS
 from gdp_jax.kernels import binding
-from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, ahead_flavors, resolve_ahead
+from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
 
 # The reverse walk's products (Kt dS, P^T dO; w^T dDelta, qg^T dO) as Hopper warpgroup
 # MMAs instead of ldmatrix + mma.sync (``gmma`` of ``ChunkBwdDhSm90``; the forward walk's
@@ -29,13 +29,6 @@ from gdp_jax.kernels.chunk_forward import ChunkForwardKernel, ahead_flavors, res
 # (BV = 64), 1.386 -> 1.237 (BV = 16) at (8, 4096, 16, 2) (H100, s39-2:
 # benchmarks/results/CURRENT.md). False: warp MMAs (``+mmab``).
 GMMA = True
-# Opt-in, NOT yet run on a GPU (s42): the reverse walk loads chunk c - 1's Kt and P while
-# chunk c's second phase runs, into the tiles its first phase is done with (``ahead`` of
-# ``ChunkBwdDhSm90``; the forward walk's ``chunk_forward.LOAD_AHEAD``, "auto" the same
-# rule): a chunk's start waits for w, qg alone. The same bits (GPU test
-# ``test_walk_loads_ahead_same_bits``).
-LOAD_AHEAD = False
-
 
 class StateGradKernel:
     """Limits and the (vmappable) call of the reverse state-gradient kernel."""
@@ -72,8 +65,7 @@ class StateGradKernel:
     @staticmethod
     def raw_call(kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, *, BV: int,
                  split: Optional[bool] = None, ds_dtype=None, fuse_ddo: bool = False,
-                 write_ds: bool = True, stages: int = 1, pairs: int = 1, gmma=None,
-                 ahead: Optional[bool] = None):
+                 write_ds: bool = True, stages: int = 1, pairs: int = 1, gmma=None):
         """-> (dS_end [B, NC, HV, K, V] in ``ds_dtype`` (None: float32, the accumulator;
         or the operands' 16-bit dtype: what the local-gradient kernel rounds it to for its
         MMAs anyway) - a [1] placeholder with ``write_ds=False`` (the walk for dh0 alone) -,
@@ -90,8 +82,7 @@ class StateGradKernel:
         results). ``pairs`` = 2: a CTA walks two value tiles
         (``ChunkForwardKernel.pick_pairs``; the same results). ``gmma``: the products as
         warpgroup MMAs (None: :data:`GMMA` where the walk allows it - stages = pairs = 1,
-        no split; True where it does not is a ValueError). ``ahead``: a one-set, one-tile
-        walk loads Kt, P a chunk ahead (None: :data:`LOAD_AHEAD`'s rule; the same results).
+        no split; True where it does not is a ValueError).
         """
         B, NC, HV, C, K = kt.shape
         V, Vo = dfinal.shape[-1], do.shape[-1]
@@ -120,8 +111,6 @@ class StateGradKernel:
         if ds_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(kt.dtype)):
             raise ValueError(f"ds_dtype: float32 or the operands' {jnp.dtype(kt.dtype).name}; "
                              f"got {ds_dtype.name}")
-        ahead = resolve_ahead(ahead, LOAD_AHEAD, "state_grad.LOAD_AHEAD", stages=stages,
-                              pairs=pairs, ctas=B * HV * (V // BV) // pairs)
         outputs = (binding.out((B, NC, HV, K, V) if write_ds else (1,), ds_dtype),
                    binding.out(dfinal.shape, jnp.float32))
         return binding.custom_call(_launcher, "gdp_chunk_bwd_dh_sm90", outputs,
@@ -135,8 +124,7 @@ class StateGradKernel:
                                    **({"stages": 2} if stages == 2 else {}),
                                    **({"pairs": 2} if pairs == 2 else {}),
                                    **({"rows": R} if R != C else {}),
-                                   **({"gmma": True} if gmma else {}),
-                                   **({"ahead": True} if ahead else {}))
+                                   **({"gmma": True} if gmma else {}))
 
     @classmethod
     def variants(cls):
@@ -146,7 +134,6 @@ class StateGradKernel:
         V; no dS_end); ddo formed in the kernel or read; the value tiles as the forward's
         (``ChunkForwardKernel.value_tiles``)."""
         from gdp_jax.kernels import aot
-        switch = (LOAD_AHEAD, "state_grad.LOAD_AHEAD")
         out = []
         for name in ChunkForwardKernel.DTYPES:
             for K in ChunkForwardKernel.HEAD_DIMS:
@@ -156,29 +143,24 @@ class StateGradKernel:
                             (V + K, None, True), (V + K, None, False)]
                     for Vx, ds, fused in runs:
                         for BV in ChunkForwardKernel.value_tiles(Vx):
-                            for stages, ahead in ChunkForwardKernel.walks(Vx, BV,
-                                                                          *switch):
+                            for stages in ChunkForwardKernel.stage_counts(Vx, BV):
                                 fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
                                                        fuse_ddo=fused, write_ds=ds is not None,
-                                                       stages=stages, ahead=ahead)
+                                                       stages=stages)
                                 out.append(aot.Variant(
                                     f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
                                     + (f"dS_end {ds}" if ds else "summary")
                                     + (" fused ddo" if fused else "") + f" BV={BV}"
-                                    + (" stages=2" if stages == 2 else "")
-                                    + (" ahead" if ahead else ""),
+                                    + (" stages=2" if stages == 2 else ""),
                                     fn, _avals(name, K, Vx, fused, do_cols=V)))
                         if fused:       # qg, P, dO on the read-out rows (READOUT_ONLY_BWD)
-                            for BV, ahead in [(b, a) for b in ChunkForwardKernel.value_tiles(Vx)
-                                              for a in ahead_flavors(*switch)]:
+                            for BV in ChunkForwardKernel.value_tiles(Vx):
                                 fn = functools.partial(cls.raw_call, BV=BV, ds_dtype=ds,
-                                                       fuse_ddo=True, write_ds=ds is not None,
-                                                       ahead=ahead)
+                                                       fuse_ddo=True, write_ds=ds is not None)
                                 out.append(aot.Variant(
                                     f"gdp_chunk_bwd_dh_sm90 {name} K={K} V={Vx} "
                                     + (f"dS_end {ds}" if ds else "summary")
-                                    + f" fused ddo BV={BV} rows={READOUT_ROWS}"
-                                    + (" ahead" if ahead else ""),
+                                    + f" fused ddo BV={BV} rows={READOUT_ROWS}",
                                     fn, _avals(name, K, Vx, True, do_cols=V,
                                                rows=READOUT_ROWS)))
         return out
@@ -212,9 +194,9 @@ def _launcher():
                fuse_ddo: cutlass.Constexpr = False, do_cols: cutlass.Constexpr = 0,
                write_ds: cutlass.Constexpr = True, stages: cutlass.Constexpr = 1,
                pairs: cutlass.Constexpr = 1, rows: cutlass.Constexpr = CHUNK,
-               gmma: cutlass.Constexpr = False, ahead: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False):
         mod.get_kernel(K, V, BV, ab_name, split, fuse_ddo, do_cols, write_ds, stages,
-                       pairs, rows, gmma, ahead)(
+                       pairs, rows, gmma)(
             stream, kt, w, qg, ddo, do, decay, reset, seq, last, dfinal, ds_end, dh0)
 
     return launch
