@@ -72,6 +72,9 @@
 #   TOTAL=300 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg):
 #                                               # fwd A/B +/- u16f beside tuned FLA, GPU
 #                                               # test, Nsight Compute
+#   TOTAL=150 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 55  # Nsight Compute on fwd+bwd's
+#                                               # kernels (operands with X, reverse walk,
+#                                               # local gradients)
 #   TOTAL=560 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 53  # where the forward's cycles go: the
 #                                               # operands kernel's phase probe, Nsight Compute
 #                                               # on both forward kernels, a forward trace,
@@ -457,6 +460,17 @@ case "${1:-2}" in
     --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
   grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "Duration|Throughput|excessive|ERR|rror" \
     | cut -c1-180 | head -20 ;;
+55)
+  # s43: where fwd+bwd's kernels stand (Nsight Compute, one launch each at (8, 4096, 16,
+  # 2)): the operands kernel with X, the reverse walk, the local-gradient kernel - DRAM
+  # and issue-slot use, occupancy and its limit, stall reasons, excess sectors
+  step 120 ncu_fb ncu --clock-control none --target-processes all \
+    -k regex:"ChunkPrep|ChunkBwdDh|ChunkGrad" --launch-count 3 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    python -m benchmarks.run fwdbwd --impl cutedsl --shapes 8,4096,16,2 --no-check \
+    --iters 1 --reps 1 --out /tmp/ncub
+  grep -vE "^==PROF==|^\[" $M/ncu_fb.log | grep -E "^  [a-z_]*kernel|Duration|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Block Limit (Reg|Shared)|Issued Warp|excessive|stalled|ERR|rror" | cut -c1-170 | head -60 ;;
 53)
   # s43: where the operands kernel's and the walk's cycles go. The phase probe of the op's
   # forward variant (token-major, read-out rows, gram norm, wgmma), the kernels alone; then

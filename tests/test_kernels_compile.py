@@ -1135,6 +1135,29 @@ def test_operands_gmma_compiles(monkeypatch, match):
         jax.eval_shape(v.fn, *v.avals)
 
 
+@pytest.mark.parametrize("match,u16", [
+    ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", False),
+    ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", True),
+    ("gdp_chunk_prep_sm90_tokens float16 K=64 V=64 l2norm inverse readout_rows", False),
+    ("gdp_chunk_prep_sm90 bfloat16 K=64 V=128", False),                     # P on all rows
+])
+def test_operands_staged_stores_compiles(monkeypatch, match, u16):
+    """``chunk_prep.STAGED_STORES`` (opt-in): the operands kernel writing P, w (and a 16-bit
+    u) through shared memory in 16-byte row pieces compiles to sm_90a - another object than
+    the direct stores' (the forward's, with u in float32 and bfloat16; the backward's with
+    X; the chunk-major kernel's P on all rows); a value other than True / False is
+    refused."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    monkeypatch.setattr(chunk_prep, "U16", u16)
+    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
+    _assert_switch_changes_object(monkeypatch, chunk_prep, "STAGED_STORES", True, v)
+    monkeypatch.setattr(chunk_prep, "STAGED_STORES", "yes")
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="chunk_prep.STAGED_STORES='yes'; expected True"):
+        jax.eval_shape(v.fn, *v.avals)
+
+
 @pytest.mark.parametrize("match", [
     "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows",   # the forward's
     "gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm",                 # all rows

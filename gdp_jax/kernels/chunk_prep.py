@@ -62,7 +62,7 @@ GMMA = True
 # Forward 1.76 -> 1.69 ms, fwd+bwd 7.62 -> 7.54 at (8, 4096, 16, 2) (H100, s40-3:
 # benchmarks/results/CURRENT.md). False: k normalised first (``+normk``).
 GRAM_NORM = True
-# Opt-in (s43, not yet measured): the operands kernel's 16-bit products (w; u where 16-bit)
+# Opt-in (s43, not yet measured): the operands kernel's 16-bit products (P, w; u where 16-bit)
 # leave through shared memory as 16-byte row pieces instead of from the accumulators' 4-byte
 # pairs (``staged`` of ``ChunkPrepSm90``; Nsight Compute on the H100, s43-1: 15% of the
 # kernel's L2 sectors were excess ones of such partial writes). The same values.

@@ -168,10 +168,10 @@ class ChunkPrepSm90:
         # rows hold an entry >= GRAM_BIG normalises them first (rho is then ~1).
         self.gram_norm = gram_norm
         assert l2norm or not gram_norm
-        # w (and a 16-bit u) leave through shared memory: the accumulators go to a padded
-        # [C, N] tile in A's dead space, then 16-byte row pieces to global - whole
-        # 32-byte sectors and a quarter of the store instructions, where the accumulator
-        # layout stores 4 bytes a thread (half a sector a row a quad)
+        # P, w (and a 16-bit u) leave through shared memory: the accumulators go to a
+        # padded tile (P: q's dead tile; w, u: A's), then 16-byte row pieces to global -
+        # whole 32-byte sectors and a quarter of the store instructions, where the
+        # accumulator layout stores 4 bytes a thread (half a sector a row a quad)
         self.staged = staged
 
     # ------------------------------------------------------------------ host side
@@ -397,7 +397,16 @@ class ChunkPrepSm90:
             i, _ = crd[e]
             keep = cutlass.Boolean(cutlass.select_(i == r0, rok0, rok1))
             acc_qk[e] = _pick(keep, acc_qk[e], F32(0.0))
-        if cutlass.const_expr(self.readout_rows):
+        if cutlass.const_expr(self.staged):
+            # P through q's tile (dead since the products; X overwrites it in phase 3)
+            sPst = st.sQ.get_tensor(cute.make_layout((C, C + 8), stride=(C + 8, 1)))
+            p_rows = READOUT_ROWS if self.readout_rows else C
+            if tidx < 32 * (p_rows // 16):               # 16 accumulator rows a warp
+                c_tile(thr_c, sPst, (C, C), (0, 0)).store(acc_qk.load().to(ab))
+            cute.arch.sync_threads()
+            self._copy_rows(tidx, sPst, C + 8, mP[b, c, hv, None, None], p_rows, C)
+            cute.arch.sync_threads()
+        elif cutlass.const_expr(self.readout_rows):
             # accumulator rows 0 .. READOUT_ROWS - 1 (warps 0, 1) are P's rows; a [C, C]
             # view of P's [READOUT_ROWS, C] rows, stored by those warps only
             gP = top_rows_view(mP[b, c, hv, None, None], C)
@@ -757,18 +766,24 @@ class ChunkPrepSm90:
         banks): every thread writes its accumulators, then copies 16-byte row pieces,
         consecutive threads along a row (coalesced). ``stage_used``: wait until every
         thread has read the tile's previous contents."""
-        ab = self.ab
         if cutlass.const_expr(stage_used):
             cute.arch.sync_threads()
-        c_tile(thr_mma, sStage, (C, N), (0, 0)).store(acc.load().to(ab))
+        c_tile(thr_mma, sStage, (C, N), (0, 0)).store(acc.load().to(self.ab))
         cute.arch.sync_threads()
+        self._copy_rows(tidx, sStage, 2 * PAD, gOut, C, N)
+
+    @cute.jit
+    def _copy_rows(self, tidx, sSrc, stride: cutlass.Constexpr, gOut,
+                   rows: cutlass.Constexpr, N: cutlass.Constexpr):
+        """gOut[:rows, :N] = the smem rows ``sSrc`` (16-bit, rows ``stride`` elements apart,
+        16-byte aligned) in 16-byte pieces, consecutive threads along a row."""
         per_row = N // 8
-        for e in cutlass.range_constexpr(C * per_row // NUM_THREADS):
+        for e in cutlass.range_constexpr(rows * per_row // NUM_THREADS):
             idx = e * NUM_THREADS + tidx
             r, p = idx // per_row, idx % per_row
-            off = cute.assume(r * (2 * PAD) + p * 8, divby=8)
-            piece = cute.make_rmem_tensor((8,), ab)
-            cute.autovec_copy(cute.make_tensor(sStage.iterator + off, cute.make_layout(8)),
+            off = cute.assume(r * stride + p * 8, divby=8)
+            piece = cute.make_rmem_tensor((8,), self.ab)
+            cute.autovec_copy(cute.make_tensor(sSrc.iterator + off, cute.make_layout(8)),
                               piece)
             cute.local_tile(gOut[r, None], (8,), (p,)).store(piece.load())
 
