@@ -444,7 +444,7 @@ case "${1:-2}" in
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
 54)
-  # s43: the operands kernel's w (and a 16-bit u) through shared memory in 16-byte row
+  # s43: the operands kernel's P, w (and a 16-bit u) through shared memory in 16-byte row
   # pieces (chunk_prep.STAGED_STORES, +stg): the op's forward A/B with and without u in
   # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), its GPU test (the same
   # bits), the kernel under Nsight Compute (excess sectors, time)
