@@ -72,6 +72,8 @@
 #   TOTAL=300 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg):
 #                                               # fwd A/B +/- u16f beside tuned FLA, GPU
 #                                               # test, Nsight Compute
+#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 56  # modes 54 and 55 in one
+#                                               # call, then mode 4's rest group
 #   TOTAL=150 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 55  # Nsight Compute on fwd+bwd's
 #                                               # kernels (operands with X, reverse walk,
 #                                               # local gradients)
@@ -160,6 +162,42 @@ layers_and_trace() {
   step 90 trace python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl \
     --set kernels.pipeline.SAVE_OPERANDS=True
   tail -8 $M/layers.log; head -12 $M/trace.log | cut -c1-160
+}
+stg_ab() {
+  # s43: the operands kernel's P, w (and a 16-bit u) through shared memory in 16-byte row
+  # pieces (chunk_prep.STAGED_STORES, +stg): the op's forward A/B with and without u in
+  # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), its GPU test (the same
+  # bits), the kernel under Nsight Compute (excess sectors, time)
+  step 110 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+stg,cutedsl+u16f,cutedsl+stg+u16f,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 95 --out $M/fwd
+  rows $M/fwd.log
+  step 90 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -8 | cut -c1-230
+  step 50 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
+    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section SourceCounters python -m benchmarks.run fwd --impl cutedsl+stg \
+    --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
+  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "Duration|Throughput|excessive|ERR|rror" \
+    | cut -c1-180 | head -20
+}
+# mode 4's rest group for the call's time left (when that is worth a pytest start)
+rest_in_what_is_left() {
+  [ "$(left)" -gt 100 ] || return 0
+  JOB_S=$(( $(left) - 15 )); el "rest ($JOB_S s)"
+  job rest $P tests/test_cutedsl_gpu.py -k "$REST_K"; wait; results rest
+}
+ncu_backward() {
+  # s43: where fwd+bwd's kernels stand (Nsight Compute, one launch each at (8, 4096, 16,
+  # 2)): the operands kernel with X, the reverse walk, the local-gradient kernel - DRAM
+  # and issue-slot use, occupancy and its limit, stall reasons, excess sectors
+  step 120 ncu_fb ncu --clock-control none --target-processes all \
+    -k regex:"ChunkPrep|ChunkBwdDh|ChunkGrad" --launch-count 3 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    python -m benchmarks.run fwdbwd --impl cutedsl --shapes 8,4096,16,2 --no-check \
+    --iters 1 --reps 1 --out /tmp/ncub
+  grep -vE "^==PROF==|^\[" $M/ncu_fb.log | grep -E "^  [a-z_]*kernel|Duration|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Block Limit (Reg|Shared)|Issued Warp|excessive|stalled|ERR|rror" | cut -c1-170 | head -60
 }
 case "${1:-2}" in
 2)
@@ -444,33 +482,15 @@ case "${1:-2}" in
   step 260 t_wgp $P tests/test_cutedsl_gpu.py -k "operands_gmma or walk_gmma"
   grep -hE "^(FAILED|ERROR|PASSED)|passed|failed|Error" $M/t_wgp.log | tail -14 | cut -c1-250 ;;
 54)
-  # s43: the operands kernel's P, w (and a 16-bit u) through shared memory in 16-byte row
-  # pieces (chunk_prep.STAGED_STORES, +stg): the op's forward A/B with and without u in
-  # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), its GPU test (the same
-  # bits), the kernel under Nsight Compute (excess sectors, time)
-  step 110 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+stg,cutedsl+u16f,cutedsl+stg+u16f,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 95 --out $M/fwd
-  rows $M/fwd.log
-  step 90 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -8 | cut -c1-230
-  step 50 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
-    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section SourceCounters python -m benchmarks.run fwd --impl cutedsl+stg \
-    --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
-  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "Duration|Throughput|excessive|ERR|rror" \
-    | cut -c1-180 | head -20 ;;
+  stg_ab ;;
 55)
-  # s43: where fwd+bwd's kernels stand (Nsight Compute, one launch each at (8, 4096, 16,
-  # 2)): the operands kernel with X, the reverse walk, the local-gradient kernel - DRAM
-  # and issue-slot use, occupancy and its limit, stall reasons, excess sectors
-  step 120 ncu_fb ncu --clock-control none --target-processes all \
-    -k regex:"ChunkPrep|ChunkBwdDh|ChunkGrad" --launch-count 3 --section SpeedOfLight \
-    --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
-    python -m benchmarks.run fwdbwd --impl cutedsl --shapes 8,4096,16,2 --no-check \
-    --iters 1 --reps 1 --out /tmp/ncub
-  grep -vE "^==PROF==|^\[" $M/ncu_fb.log | grep -E "^  [a-z_]*kernel|Duration|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Block Limit (Reg|Shared)|Issued Warp|excessive|stalled|ERR|rror" | cut -c1-170 | head -60 ;;
+  ncu_backward ;;
+56)
+  # modes 54 and 55 in one call, then mode 4's rest group with what time is left (the
+  # next session's first call)
+  stg_ab
+  ncu_backward
+  rest_in_what_is_left ;;
 53)
   # s43: where the operands kernel's and the walk's cycles go. The phase probe of the op's
   # forward variant (token-major, read-out rows, gram norm, wgmma), the kernels alone; then
@@ -490,8 +510,7 @@ case "${1:-2}" in
   grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "ChunkPrep|ChunkFwd|Duration|Throughput|Registers|Shared Memory Config|Achieved Occupancy|Theoretical Occupancy|Warp Cycles|Stall|stall|Issued Ipc|No Eligible|ERR|rror" | cut -c1-180 | head -80
   step 60 trace_fwd python -m benchmarks.trace --shape 8,4096,16,2 --impl cutedsl --mode fwd
   head -14 $M/trace_fwd.log | cut -c1-160
-  [ "$(left)" -gt 120 ] && { JOB_S=$(( $(left) - 15 )); el "rest ($JOB_S s)"
-    job rest $P tests/test_cutedsl_gpu.py -k "$REST_K"; wait; results rest; } ;;
+  rest_in_what_is_left ;;
 49)
   # s41: where the bytes go. The operands kernel and the forward walk alone (token-major,
   # read-out rows: the op's forward; BV = 64) on s40's defaults and with u in bfloat16
