@@ -908,9 +908,7 @@ def test_value_tile_fills_the_gpu(monkeypatch):
     assert names and all(" ckpt=" in n for n in names)
     assert ChunkForwardKernel.value_tiles(128) == [32, 64]
     for kernel in (ChunkForwardKernel, StateGradKernel):
-        tiles = {}
-        for v in kernel.variants():
-            tiles.setdefault(v.what.rsplit(" BV=", 1)[0], set()).add(v.fn.keywords["BV"])
+        tiles = _listed_tiles(kernel)
         assert tiles and all(t == {32, 64} for t in tiles.values()), kernel
 
 
@@ -924,10 +922,20 @@ def test_narrow_tiles_only_when_32_leaves_sms_idle():
     assert pick(1, 16, 128) == 16 and pick(1, 8, 128) == 16 and pick(1, 2, 64) == 16
     assert ChunkForwardKernel.value_tiles(128) == [16, 32, 64]
     for kernel in (ChunkForwardKernel, StateGradKernel):
-        tiles = {}
-        for v in kernel.variants():
-            tiles.setdefault(v.what.rsplit(" BV=", 1)[0], set()).add(v.fn.keywords["BV"])
+        tiles = _listed_tiles(kernel)
         assert tiles and all(t == {16, 32, 64} for t in tiles.values()), kernel
+
+
+def _listed_tiles(kernel) -> dict:
+    """{variant name without its tile: the value tiles listed} of ``kernel``'s prebuilt
+    variants, but the token-row walks (``chunk_forward.O_TOKENS``), which under the default
+    "auto" are listed on the one tile they run on - checked here: 64 columns."""
+    tiles = {}
+    for v in kernel.variants():
+        tiles.setdefault(v.what.rsplit(" BV=", 1)[0], set()).add(v.fn.keywords["BV"])
+    o_rows = {k: t for k, t in tiles.items() if k.startswith("gdp_chunk_fwd_sm90_rows ")}
+    assert all(t == {64} for t in o_rows.values()), o_rows
+    return {k: t for k, t in tiles.items() if k not in o_rows}
 
 
 def _built_resources(every_kernel_variant, prefix: str) -> dict:
