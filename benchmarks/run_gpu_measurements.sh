@@ -69,9 +69,9 @@
 #                                               # A/B beside tuned FLA, a forward trace, a long row
 #   (modes 50, 51 - s41's K_ROWS A/B, run as s42-1 - were removed with K_ROWS in s42)
 #   (mode 52 - s42's LOAD_AHEAD and O_TOKENS A/B - ran as s43-1; LOAD_AHEAD was removed in s43)
-#   TOTAL=300 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg):
-#                                               # fwd A/B +/- u16f beside tuned FLA, GPU
-#                                               # test, Nsight Compute
+#   TOTAL=340 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg),
+#                                               # LATE_V (+latev): fwd A/B +/- u16f beside
+#                                               # tuned FLA, GPU tests, Nsight Compute
 #   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 56  # modes 54 and 55 in one
 #                                               # call, then mode 4's rest group
 #   TOTAL=150 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 55  # Nsight Compute on fwd+bwd's
@@ -165,27 +165,29 @@ layers_and_trace() {
 }
 stg_ab() {
   # s43: the operands kernel's P, w (and a 16-bit u) through shared memory in 16-byte row
-  # pieces (chunk_prep.STAGED_STORES, +stg): the op's forward A/B with and without u in
-  # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), its GPU test (the same
-  # bits), the kernel under Nsight Compute (excess sectors, time)
-  step 110 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+stg,cutedsl+u16f,cutedsl+stg+u16f,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 95 --out $M/fwd
+  # pieces (chunk_prep.STAGED_STORES, +stg); s44: its v tile waited for only before the
+  # w, u products (chunk_prep.LATE_V, +latev): the op's forward A/B with and without u in
+  # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), their GPU tests (the same
+  # bits), the kernel with both under Nsight Compute (excess sectors, time)
+  step 150 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+stg,cutedsl+latev,cutedsl+stg+latev,cutedsl+stg+u16f,cutedsl+stg+u16f+latev,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 135 --out $M/fwd
   rows $M/fwd.log
-  step 90 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -8 | cut -c1-230
+  step 120 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores or late_v"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -10 | cut -c1-230
   step 50 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
     --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section SourceCounters python -m benchmarks.run fwd --impl cutedsl+stg \
-    --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
-  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "Duration|Throughput|excessive|ERR|rror" \
+    --section SchedulerStats --section SourceCounters python -m benchmarks.run fwd \
+    --impl cutedsl+stg+latev --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
+  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "Duration|Throughput|excessive|Issued|ERR|rror" \
     | cut -c1-180 | head -20
 }
 # mode 4's rest group for the call's time left (when that is worth a pytest start)
 rest_in_what_is_left() {
   [ "$(left)" -gt 100 ] || return 0
   JOB_S=$(( $(left) - 15 )); el "rest ($JOB_S s)"
-  job rest $P tests/test_cutedsl_gpu.py -k "$REST_K"; wait; results rest
+  job rest $P tests/test_cutedsl_gpu.py -k "$REST_K and not staged_stores and not late_v"
+  wait; results rest
 }
 ncu_backward() {
   # s43: where fwd+bwd's kernels stand (Nsight Compute, one launch each at (8, 4096, 16,

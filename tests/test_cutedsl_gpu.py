@@ -567,21 +567,23 @@ def test_operands_gmma_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
             got, grads("reference", args, cu=cu), GRAD_TOL)
 
 
-@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [
+_OPERANDS_SWITCH_CASES = [
     (8, 2, 16, 16, 128, 128, "bfloat16", False),   # the op's: tokens, norm, read-out rows
     (2, 3, 1, 3, 64, 128, "bfloat16", True),       # GVA, K != V, packed
     (2, 1, 2, 2, 128, 64, "float16", False),       # all rows, V = 64
-])
-def test_operands_staged_stores_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
-    """``chunk_prep.STAGED_STORES`` (opt-in: w, and u where 16-bit, leave the operands
-    kernel through shared memory as 16-byte row pieces): the same bits as the direct
-    stores - the plain forward (o, final) with u in float32 and in bfloat16
-    (``U16 = "forward"``), and the differentiated call (every gradient)."""
+]
+
+
+def _operands_switch_same_bits(monkeypatch, switch, B, n, H, HV, K, V, dtype, packed):
+    """The operands kernel with the bool ``chunk_prep.<switch>`` on gives the same bits as
+    off: the plain forward (o, final) with u in float32 and in bfloat16 (``U16 =
+    "forward"``), with an inf value row and a NaN key row (the row rules), and the
+    differentiated call (every gradient); both kernels ran."""
     from gdp_jax.kernels import chunk_prep
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     args, cu = _case(33, B, n, H, HV, K, V, dtype, packed)
     seen = [_spy(monkeypatch, ChunkPrepKernel, name,
-                 lambda a, k: chunk_prep.STAGED_STORES)
+                 lambda a, k: getattr(chunk_prep, switch))
             for name in ("raw_call", "raw_call_tokens")]
     kw = dict(initial_state=args[5], output_final_state=True, cu_seqlens=cu,
               use_qk_l2norm=True, backend="cutedsl")
@@ -589,16 +591,43 @@ def test_operands_staged_stores_same_bits(monkeypatch, B, n, H, HV, K, V, dtype,
         monkeypatch.setattr(chunk_prep, "U16", u16)
         fw = []
         for on in (False, True):
-            monkeypatch.setattr(chunk_prep, "STAGED_STORES", on)
+            monkeypatch.setattr(chunk_prep, switch, on)
             fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
         assert_same_bits(fw[1], fw[0])          # (o, final: the first two of grads' names)
     monkeypatch.setattr(chunk_prep, "U16", False)
-    base, got = grads_off_on(monkeypatch, chunk_prep, "STAGED_STORES", args, cu)
+    # the row rules: an inf value row and a NaN key row (the flags move with LATE_V)
+    bad = list(args)
+    bad[2] = args[2].at[0, 50].set(jnp.inf)
+    bad[1] = args[1].at[0, 120].set(jnp.nan)
+    fw = []
+    for on in (False, True):
+        monkeypatch.setattr(chunk_prep, switch, on)
+        fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*bad[:5]))
+    assert not np.isfinite(np.asarray(fw[0][0], np.float32)).all()
+    assert_same_bits(fw[1], fw[0])
+    base, got = grads_off_on(monkeypatch, chunk_prep, switch, args, cu)
     calls = seen[0] + seen[1]
     assert True in calls and False in calls, calls
     assert_same_bits(got, base)
-    print(f"[staged stores B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}] "
+    print(f"[{switch} B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}] "
           f"o, final (u float32, bfloat16), every gradient: the same bits")
+
+
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", _OPERANDS_SWITCH_CASES)
+def test_operands_staged_stores_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
+    """``chunk_prep.STAGED_STORES`` (opt-in: P, w, and u where 16-bit, leave the operands
+    kernel through shared memory as 16-byte row pieces): the same bits as the direct
+    stores."""
+    _operands_switch_same_bits(monkeypatch, "STAGED_STORES", B, n, H, HV, K, V, dtype,
+                               packed)
+
+
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", _OPERANDS_SWITCH_CASES)
+def test_operands_late_v_same_bits(monkeypatch, B, n, H, HV, K, V, dtype, packed):
+    """``chunk_prep.LATE_V`` (opt-in: the operands kernel waits for v's tile only before
+    its w, u products, taking v's row flags there): the same bits as waiting for q, k, v
+    together."""
+    _operands_switch_same_bits(monkeypatch, "LATE_V", B, n, H, HV, K, V, dtype, packed)
 
 
 @pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", [

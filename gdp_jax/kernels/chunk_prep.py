@@ -67,6 +67,11 @@ GRAM_NORM = True
 # pairs (``staged`` of ``ChunkPrepSm90``; Nsight Compute on the H100, s43-1: 15% of the
 # kernel's L2 sectors were excess ones of such partial writes). The same values.
 STAGED_STORES = False
+# Opt-in (s44, not yet measured): v's tile arrives in its own cp.async group, waited for
+# just before phase 4 (``late_v`` of ``ChunkPrepSm90``): its 16 KB load overlaps phases
+# 1-3, where today every CTA waits for q, k and v before phase 1 (phase 0 is ~26% of the
+# kernel's cycles, the kernel latency-bound: s43-1). The same values.
+LATE_V = False
 
 
 def u_dtype(ab_dtype, plain: bool = False):
@@ -190,7 +195,8 @@ class ChunkPrepKernel:
                 (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta), f32(scale), rows),
                 tile_dims=(2, 2, 2, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 2 if inverse else 1),
                 K=K, V=V, ab_name=ab.name, l2norm=False, readout_rows=True, tokens=False,
-                **({"inverse": True} if inverse else {}), **_gmma(), **_staged())
+                **({"inverse": True} if inverse else {}), **_gmma(), **_staged(),
+                **_late_v())
         outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),
@@ -199,7 +205,7 @@ class ChunkPrepKernel:
                                               2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, inverse=inverse,
                                    **({"probe": True} if probe else {}), **_gmma(),
-                                   **_staged())
+                                   **_staged(), **_late_v())
 
     @staticmethod
     def can_read_tokens(spec, q, k, v) -> bool:
@@ -287,7 +293,7 @@ class ChunkPrepKernel:
                                    **({"probe": True} if probe else {}),
                                    **({"readout_rows": True} if readout_rows else {}),
                                    **_gram_norm(l2norm),
-                                   **_gmma(), **_staged())
+                                   **_gmma(), **_staged(), **_late_v())
 
     @classmethod
     def variants(cls):
@@ -397,6 +403,11 @@ def _staged() -> dict:
     return _switch("STAGED_STORES", "staged")
 
 
+def _late_v() -> dict:
+    """:data:`LATE_V` as the launchers' ``late_v``."""
+    return _switch("LATE_V", "late_v")
+
+
 def _gram_norm(l2norm: bool) -> dict:
     """:data:`GRAM_NORM` as the token launcher's ``gram_norm`` (only where it normalises)."""
     return _switch("GRAM_NORM", "gram_norm", l2norm)
@@ -413,9 +424,11 @@ def _launcher():
     def launch(stream, q, k, v, g, beta, scale, w, kt, qg, p, u, decay, bad, X, *,
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False,
-               gmma: cutlass.Constexpr = False, staged: cutlass.Constexpr = False):
+               gmma: cutlass.Constexpr = False, staged: cutlass.Constexpr = False,
+               late_v: cutlass.Constexpr = False):
         # (no row table: ``scale`` fills its slot, unread)
-        mod.get_kernel(K, V, ab_name, inverse, probe, gmma=gmma, staged=staged)(
+        mod.get_kernel(K, V, ab_name, inverse, probe, gmma=gmma, staged=staged,
+                       late_v=late_v)(
             stream, q, k, v, g, beta, scale, scale, w, kt, qg, p, u, decay, bad, X)
 
     return launch
@@ -434,11 +447,12 @@ def _launcher_tokens():
                l2norm: cutlass.Constexpr, inverse: cutlass.Constexpr = False,
                probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
                tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False,
-               gram_norm: cutlass.Constexpr = False, staged: cutlass.Constexpr = False):
+               gram_norm: cutlass.Constexpr = False, staged: cutlass.Constexpr = False,
+               late_v: cutlass.Constexpr = False):
         # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
         mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
                        readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm,
-                       staged=staged)(
+                       staged=staged, late_v=late_v)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

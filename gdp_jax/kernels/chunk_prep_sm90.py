@@ -139,7 +139,8 @@ class ChunkPrepSm90:
 
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
                  tokens: bool = False, l2norm: bool = False, readout_rows: bool = False,
-                 gmma: bool = False, gram_norm: bool = False, staged: bool = False):
+                 gmma: bool = False, gram_norm: bool = False, staged: bool = False,
+                 late_v: bool = False):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -173,6 +174,10 @@ class ChunkPrepSm90:
         # whole 32-byte sectors and a quarter of the store instructions, where the
         # accumulator layout stores 4 bytes a thread (half a sector a row a quad)
         self.staged = staged
+        # v's tile arrives in a cp.async group of its own, waited for only before phase 4
+        # (the one product that reads it): its load overlaps phases 1-3 instead of
+        # holding up phase 1; its row flags are taken then
+        self.late_v = late_v
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -264,6 +269,8 @@ class ChunkPrepSm90:
                     bottom[e] = F32(0.0).to(self.ab)
             else:
                 cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
+            if cutlass.const_expr(self.late_v):
+                cute.arch.cp_async_commit_group()
             cpV.load(mV[b, c, hv, None, None], (C, V), tV)
         cute.arch.cp_async_commit_group()
         scale = mScale[b]
@@ -292,7 +299,7 @@ class ChunkPrepSm90:
             for jj in cutlass.range(C - 1 - i, unroll=1):
                 t = t + sg[C - 1 - jj]
             send[i] = cute.math.exp(t, fastmath=True)
-        cute.arch.cp_async_wait_group(0)
+        cute.arch.cp_async_wait_group(1 if self.late_v else 0)   # (late_v: all but v's)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -302,7 +309,8 @@ class ChunkPrepSm90:
         n = mRows[b, c, 3] if cutlass.const_expr(self.readout_rows) else None
         self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
                               mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ, n)
-        self._rows_of_v(cpV, tV, fV)
+        if cutlass.const_expr(not self.late_v):
+            self._rows_of_v(cpV, tV, fV)
         if cutlass.const_expr(self.gmma):
             # what cp.async and the threads wrote to the tiles is what wgmma reads (the
             # async proxy) after the barrier
@@ -431,6 +439,15 @@ class ChunkPrepSm90:
                 idx = e * NUM_THREADS + tidx
                 gX[idx // C, idx % C] = sX[idx // C, idx % C]
 
+        if cutlass.const_expr(self.late_v):
+            # v's tile (this thread's cp.async elements), its flags and zeroed rows, seen
+            # by every thread (and wgmma's async proxy) after the barrier
+            cute.arch.cp_async_wait_group(0)
+            self._rows_of_v(cpV, tV, fV)
+            if cutlass.const_expr(self.gmma):
+                cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
         # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
         # (the staging tile: A's float32 [C, PAD] space as 16-bit [C, 2 PAD], dead after
         # the inverse)
@@ -513,6 +530,8 @@ class ChunkPrepSm90:
                 else:
                     for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                         tQ[e] = zero
+        if cutlass.const_expr(self.late_v):
+            cute.arch.cp_async_commit_group()     # k, q; then v's group (phase 0's commit)
         crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
         for m in cutlass.range_constexpr(cute.size(tV) // 8):
             r, col = crd[8 * m]
@@ -810,10 +829,10 @@ def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                probe: bool = False, tokens: bool = False,
                l2norm: bool = False, readout_rows: bool = False,
                gmma: bool = False, gram_norm: bool = False,
-               staged: bool = False) -> ChunkPrepSm90:
+               staged: bool = False, late_v: bool = False) -> ChunkPrepSm90:
     key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm,
-           staged)
+           staged, late_v)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, readout_rows, gmma, gram_norm, staged)
+                                      l2norm, readout_rows, gmma, gram_norm, staged, late_v)
     return _KERNELS[key]
