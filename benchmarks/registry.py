@@ -297,7 +297,8 @@ class OursStep:
 # tile (chunk_forward.O_TOKENS; "auto", the default since s43: 64-column tiles only),
 # ``+xlao``: never (XLA relays o to tokens); ``+stg``: the operands kernel's 16-bit w, u
 # leave through shared memory in 16-byte row pieces (chunk_prep.STAGED_STORES); ``+latev``:
-# the operands kernel waits for v's tile only before its w, u products (chunk_prep.LATE_V))
+# the operands kernel waits for v's tile only before its w, u products (chunk_prep.LATE_V);
+# ``+prep2``: its registers capped for 2 CTAs an SM, not 3 (chunk_prep.CTAS_PER_SM))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -325,6 +326,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "xlao": ("kernels.chunk_forward", "O_TOKENS", False),
             "stg": ("kernels.chunk_prep", "STAGED_STORES", True),
             "latev": ("kernels.chunk_prep", "LATE_V", True),
+            "prep2": ("kernels.chunk_prep", "CTAS_PER_SM", 2),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),

@@ -77,6 +77,8 @@
 #   TOTAL=150 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 55  # Nsight Compute on fwd+bwd's
 #                                               # kernels (operands with X, reverse walk,
 #                                               # local gradients)
+#   TOTAL=400 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 57  # the operands kernel's phase
+#                                               # probe: default, +latev, +prep2, all three
 #   TOTAL=560 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 53  # where the forward's cycles go: the
 #                                               # operands kernel's phase probe, Nsight Compute
 #                                               # on both forward kernels, a forward trace,
@@ -166,12 +168,14 @@ layers_and_trace() {
 stg_ab() {
   # s43: the operands kernel's P, w (and a 16-bit u) through shared memory in 16-byte row
   # pieces (chunk_prep.STAGED_STORES, +stg); s44: its v tile waited for only before the
-  # w, u products (chunk_prep.LATE_V, +latev): the op's forward A/B with and without u in
+  # w, u products (chunk_prep.LATE_V, +latev), its registers for 2 CTAs an SM
+  # (chunk_prep.CTAS_PER_SM, +prep2): the op's forward A/B with and without u in
   # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), their GPU tests (the same
   # bits), the kernel with both under Nsight Compute (excess sectors, time)
-  step 150 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+stg,cutedsl+latev,cutedsl+stg+latev,cutedsl+stg+u16f,cutedsl+stg+u16f+latev,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 135 --out $M/fwd
+  # (+prep2: the operands kernel's registers capped for 2 CTAs an SM instead of 3)
+  step 170 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+latev,cutedsl+stg+latev,cutedsl+stg+u16f,cutedsl+stg+u16f+latev,cutedsl+prep2,cutedsl+stg+latev+prep2,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 155 --out $M/fwd
   rows $M/fwd.log
   step 120 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores or late_v"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -10 | cut -c1-230
@@ -492,6 +496,21 @@ case "${1:-2}" in
   # next session's first call)
   stg_ab
   ncu_backward
+  rest_in_what_is_left ;;
+57)
+  # s44: the operands kernel's phases (SM cycles a CTA, the probe of the op's forward
+  # variant) on the default, +latev (v waited for before phase 4), +prep2 (2 CTAs an SM,
+  # ~186 registers) and +stg+latev+prep2: is the kernel faster a CTA with fewer neighbours
+  # and more registers (what a 2-CTA pipelined kernel would start from)?
+  probe() { step 90 $1 python -m benchmarks.prep_probe --tokens --bv "" \
+    --shape 8,4096,16,2 --json $M/$1.json "${@:2}"
+    grep -hE "s\] (prep tok|probe tok)|  probe tokens l2norm=1 readout|Error" $M/$1.log \
+      | cut -c1-160; }
+  probe probe_def
+  probe probe_latev --set kernels.chunk_prep.LATE_V=True
+  probe probe_prep2 --set kernels.chunk_prep.CTAS_PER_SM=2
+  probe probe_all --set kernels.chunk_prep.CTAS_PER_SM=2 --set kernels.chunk_prep.LATE_V=True \
+    --set kernels.chunk_prep.STAGED_STORES=True
   rest_in_what_is_left ;;
 53)
   # s43: where the operands kernel's and the walk's cycles go. The phase probe of the op's

@@ -1170,6 +1170,48 @@ def test_operands_staged_stores_compiles(monkeypatch, match, u16):
         jax.eval_shape(v.fn, *v.avals)
 
 
+@pytest.mark.parametrize("match,staged", [
+    ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", False),
+    ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", True),
+    ("gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm inverse readout_rows", False),
+    ("gdp_chunk_prep_sm90 bfloat16 K=64 V=64", False),                       # chunk-major
+])
+def test_operands_late_v_compiles(monkeypatch, match, staged):
+    """``chunk_prep.LATE_V`` (opt-in): the operands kernel with v's tile in a cp.async
+    group of its own, waited for before phase 4, compiles to sm_90a - another object than
+    the default's (alone and with STAGED_STORES; token-major and chunk-major loads); a
+    value other than True / False is refused."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    monkeypatch.setattr(chunk_prep, "STAGED_STORES", staged)
+    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
+    _assert_switch_changes_object(monkeypatch, chunk_prep, "LATE_V", True, v)
+    monkeypatch.setattr(chunk_prep, "LATE_V", 1.5)
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="chunk_prep.LATE_V=1.5; expected True"):
+        jax.eval_shape(v.fn, *v.avals)
+
+
+def test_operands_two_ctas_an_sm_compiles(monkeypatch):
+    """``chunk_prep.CTAS_PER_SM = 2`` (a measurement): the op's operands kernel compiled
+    for 2 CTAs an SM is another object than the default's (3); other values are refused."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    (v,) = [v for v in ChunkPrepKernel.variants()
+            if v.what == "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows"]
+    texts = []
+    for ctas in (3, 2):
+        monkeypatch.setattr(chunk_prep, "CTAS_PER_SM", ctas)
+        jax.clear_caches()
+        texts.append(_lower(v.fn, *v.avals))
+    assert texts[0] != texts[1]
+    for bad in (4, True):
+        monkeypatch.setattr(chunk_prep, "CTAS_PER_SM", bad)
+        jax.clear_caches()
+        with pytest.raises(ValueError, match=f"chunk_prep.CTAS_PER_SM={bad!r}; expected 2 or 3"):
+            jax.eval_shape(v.fn, *v.avals)
+
+
 @pytest.mark.parametrize("match", [
     "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows",   # the forward's
     "gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm",                 # all rows

@@ -72,6 +72,11 @@ STAGED_STORES = False
 # 1-3, where today every CTA waits for q, k and v before phase 1 (phase 0 is ~26% of the
 # kernel's cycles, the kernel latency-bound: s43-1). The same values.
 LATE_V = False
+# Measurement (s44, not yet run): the CTAs an SM the operands kernel's registers are capped
+# for - 3 (the default: ~167 registers a thread, 12 warps an SM) or 2 (the assembler's
+# choice, ~190): do its latency-bound phases run faster per CTA with more registers and
+# fewer neighbours? (What a 2-CTA pipelined kernel would start from.)
+CTAS_PER_SM = 3
 
 
 def u_dtype(ab_dtype, plain: bool = False):
@@ -196,7 +201,7 @@ class ChunkPrepKernel:
                 tile_dims=(2, 2, 2, 1, 1, 0, 1, 2, 2, 2, 2, 2, 0, 1, 2 if inverse else 1),
                 K=K, V=V, ab_name=ab.name, l2norm=False, readout_rows=True, tokens=False,
                 **({"inverse": True} if inverse else {}), **_gmma(), **_staged(),
-                **_late_v())
+                **_late_v(), **_ctas())
         outputs = _outputs(B, NC, HV, K, V, ab, inverse)
         return binding.custom_call(_launcher, "gdp_chunk_prep_sm90", outputs,
                                    (to_ab(q), to_ab(k), to_ab(v), f32(g), f32(beta),
@@ -205,7 +210,7 @@ class ChunkPrepKernel:
                                               2 if inverse else 1),
                                    K=K, V=V, ab_name=ab.name, inverse=inverse,
                                    **({"probe": True} if probe else {}), **_gmma(),
-                                   **_staged(), **_late_v())
+                                   **_staged(), **_late_v(), **_ctas())
 
     @staticmethod
     def can_read_tokens(spec, q, k, v) -> bool:
@@ -293,7 +298,7 @@ class ChunkPrepKernel:
                                    **({"probe": True} if probe else {}),
                                    **({"readout_rows": True} if readout_rows else {}),
                                    **_gram_norm(l2norm),
-                                   **_gmma(), **_staged(), **_late_v())
+                                   **_gmma(), **_staged(), **_late_v(), **_ctas())
 
     @classmethod
     def variants(cls):
@@ -408,6 +413,13 @@ def _late_v() -> dict:
     return _switch("LATE_V", "late_v")
 
 
+def _ctas() -> dict:
+    """:data:`CTAS_PER_SM` as the launchers' ``ctas`` (absent at the default 3)."""
+    if CTAS_PER_SM not in (2, 3) or isinstance(CTAS_PER_SM, bool):
+        raise ValueError(f"chunk_prep.CTAS_PER_SM={CTAS_PER_SM!r}; expected 2 or 3")
+    return {} if CTAS_PER_SM == 3 else {"ctas": CTAS_PER_SM}
+
+
 def _gram_norm(l2norm: bool) -> dict:
     """:data:`GRAM_NORM` as the token launcher's ``gram_norm`` (only where it normalises)."""
     return _switch("GRAM_NORM", "gram_norm", l2norm)
@@ -425,10 +437,10 @@ def _launcher():
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False,
                gmma: cutlass.Constexpr = False, staged: cutlass.Constexpr = False,
-               late_v: cutlass.Constexpr = False):
+               late_v: cutlass.Constexpr = False, ctas: cutlass.Constexpr = 3):
         # (no row table: ``scale`` fills its slot, unread)
         mod.get_kernel(K, V, ab_name, inverse, probe, gmma=gmma, staged=staged,
-                       late_v=late_v)(
+                       late_v=late_v, ctas=ctas)(
             stream, q, k, v, g, beta, scale, scale, w, kt, qg, p, u, decay, bad, X)
 
     return launch
@@ -448,11 +460,11 @@ def _launcher_tokens():
                probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
                tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False,
                gram_norm: cutlass.Constexpr = False, staged: cutlass.Constexpr = False,
-               late_v: cutlass.Constexpr = False):
+               late_v: cutlass.Constexpr = False, ctas: cutlass.Constexpr = 3):
         # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
         mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
                        readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm,
-                       staged=staged, late_v=late_v)(
+                       staged=staged, late_v=late_v, ctas=ctas)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

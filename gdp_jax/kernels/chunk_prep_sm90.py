@@ -140,7 +140,7 @@ class ChunkPrepSm90:
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
                  tokens: bool = False, l2norm: bool = False, readout_rows: bool = False,
                  gmma: bool = False, gram_norm: bool = False, staged: bool = False,
-                 late_v: bool = False):
+                 late_v: bool = False, ctas: int = CTAS_PER_SM):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -178,6 +178,10 @@ class ChunkPrepSm90:
         # (the one product that reads it): its load overlaps phases 1-3 instead of
         # holding up phase 1; its row flags are taken then
         self.late_v = late_v
+        # CTAs an SM the registers are capped for (3: ~167 a thread; 2: the assembler's
+        # choice up to 255) - a measurement of whether the phases speed up with registers
+        assert ctas in (2, 3)
+        self.ctas = ctas
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -223,7 +227,7 @@ class ChunkPrepSm90:
                     sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
                     warp_mma(ab), Storage).launch(grid=(NC, HV, B),
                                                   block=[NUM_THREADS, 1, 1], stream=stream,
-                                                  min_blocks_per_mp=CTAS_PER_SM,
+                                                  min_blocks_per_mp=self.ctas,
                                                   preferred_smem_carveout=100)
 
     # ---------------------------------------------------------------- device side
@@ -829,10 +833,12 @@ def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                probe: bool = False, tokens: bool = False,
                l2norm: bool = False, readout_rows: bool = False,
                gmma: bool = False, gram_norm: bool = False,
-               staged: bool = False, late_v: bool = False) -> ChunkPrepSm90:
+               staged: bool = False, late_v: bool = False,
+               ctas: int = CTAS_PER_SM) -> ChunkPrepSm90:
     key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm,
-           staged, late_v)
+           staged, late_v, ctas)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
-                                      l2norm, readout_rows, gmma, gram_norm, staged, late_v)
+                                      l2norm, readout_rows, gmma, gram_norm, staged, late_v,
+                                      ctas)
     return _KERNELS[key]
