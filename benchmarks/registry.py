@@ -298,7 +298,8 @@ class OursStep:
 # ``+xlao``: never (XLA relays o to tokens); ``+stg``: the operands kernel's 16-bit w, u
 # leave through shared memory in 16-byte row pieces (chunk_prep.STAGED_STORES); ``+latev``:
 # the operands kernel waits for v's tile only before its w, u products (chunk_prep.LATE_V);
-# ``+prep2``: its registers capped for 2 CTAs an SM, not 3 (chunk_prep.CTAS_PER_SM))
+# ``+prep2``: its registers capped for 2 CTAs an SM, not 3 (chunk_prep.CTAS_PER_SM);
+# ``+pipe2``: it persistent and pipelined, 2 CTAs an SM (chunk_prep.PIPELINED))
 SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "pair": ("kernels.chunk_forward", "PAIR_TILES", True),
             "rog": ("kernels.pipeline", "READOUT_ONLY_GRAD", True),
@@ -327,6 +328,7 @@ SWITCHES = {"narrow": ("kernels.chunk_forward", "NARROW_TILES"),
             "stg": ("kernels.chunk_prep", "STAGED_STORES", True),
             "latev": ("kernels.chunk_prep", "LATE_V", True),
             "prep2": ("kernels.chunk_prep", "CTAS_PER_SM", 2),
+            "pipe2": ("kernels.chunk_prep", "PIPELINED", True),
             "gmma": ("kernels.local_grad", "GMMA", True),
             "gmmao": ("kernels.local_grad", "GMMA", "overlap"),
             "gmmaa": ("kernels.local_grad", "GMMA", "all"),

@@ -72,13 +72,14 @@
 #   TOTAL=340 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 54  # STAGED_STORES (+stg),
 #                                               # LATE_V (+latev): fwd A/B +/- u16f beside
 #                                               # tuned FLA, GPU tests, Nsight Compute
-#   TOTAL=560 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 56  # modes 54 and 55 in one
-#                                               # call, then mode 4's rest group
+#   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 56  # mode 54 (with +prep2,
+#                                               # +pipe2), then mode 4's rest group
 #   TOTAL=150 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 55  # Nsight Compute on fwd+bwd's
 #                                               # kernels (operands with X, reverse walk,
 #                                               # local gradients)
-#   TOTAL=400 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 57  # the operands kernel's phase
-#                                               # probe: default, +latev, +prep2, all three
+#   TOTAL=520 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 57  # the operands kernel's phase
+#                                               # probe: default, +latev, +prep2, +pipe2;
+#                                               # then mode 55 (ncu of fwd+bwd's kernels)
 #   TOTAL=560 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 53  # where the forward's cycles go: the
 #                                               # operands kernel's phase probe, Nsight Compute
 #                                               # on both forward kernels, a forward trace,
@@ -172,25 +173,27 @@ stg_ab() {
   # (chunk_prep.CTAS_PER_SM, +prep2): the op's forward A/B with and without u in
   # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), their GPU tests (the same
   # bits), the kernel with both under Nsight Compute (excess sectors, time)
-  # (+prep2: the operands kernel's registers capped for 2 CTAs an SM instead of 3)
-  step 170 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+latev,cutedsl+stg+latev,cutedsl+stg+u16f,cutedsl+stg+u16f+latev,cutedsl+prep2,cutedsl+stg+latev+prep2,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 155 --out $M/fwd
+  # (+prep2: the operands kernel's registers capped for 2 CTAs an SM instead of 3; +pipe2:
+  # it persistent and pipelined, 2 CTAs an SM - chunk_prep.PIPELINED)
+  step 190 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+latev,cutedsl+stg+latev,cutedsl+stg+u16f+latev,cutedsl+prep2,cutedsl+pipe2,cutedsl+pipe2+stg,cutedsl+pipe2+stg+u16f,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 175 --out $M/fwd
   rows $M/fwd.log
-  step 120 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores or late_v"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -10 | cut -c1-230
-  step 50 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
-    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section SchedulerStats --section SourceCounters python -m benchmarks.run fwd \
-    --impl cutedsl+stg+latev --shapes 8,4096,16,2 --no-check --iters 1 --reps 1 --out /tmp/ncub
-  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "Duration|Throughput|excessive|Issued|ERR|rror" \
-    | cut -c1-180 | head -20
+  step 160 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores or late_v or pipelined_same"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230
+  step 60 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
+    --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section SchedulerStats --section Occupancy --section SourceCounters \
+    python -m benchmarks.run fwd --impl cutedsl+stg+latev,cutedsl+pipe2+stg --shapes 8,4096,16,2 \
+    --no-check --iters 1 --reps 1 --out /tmp/ncub
+  grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "ChunkPrep|Duration|Throughput|excessive|Issued|Achieved Occ|ERR|rror" \
+    | cut -c1-180 | head -30
 }
 # mode 4's rest group for the call's time left (when that is worth a pytest start)
 rest_in_what_is_left() {
   [ "$(left)" -gt 100 ] || return 0
   JOB_S=$(( $(left) - 15 )); el "rest ($JOB_S s)"
-  job rest $P tests/test_cutedsl_gpu.py -k "$REST_K and not staged_stores and not late_v"
+  job rest $P tests/test_cutedsl_gpu.py -k "$REST_K and not staged_stores and not late_v and not pipelined_same"
   wait; results rest
 }
 ncu_backward() {
@@ -492,16 +495,15 @@ case "${1:-2}" in
 55)
   ncu_backward ;;
 56)
-  # modes 54 and 55 in one call, then mode 4's rest group with what time is left (the
-  # next session's first call)
+  # mode 54, then mode 4's rest group with what time is left (the next session's first
+  # call; mode 55's ncu of the backward moved to mode 57)
   stg_ab
-  ncu_backward
   rest_in_what_is_left ;;
 57)
   # s44: the operands kernel's phases (SM cycles a CTA, the probe of the op's forward
   # variant) on the default, +latev (v waited for before phase 4), +prep2 (2 CTAs an SM,
-  # ~186 registers) and +stg+latev+prep2: is the kernel faster a CTA with fewer neighbours
-  # and more registers (what a 2-CTA pipelined kernel would start from)?
+  # ~186 registers) and +pipe2 (persistent, pipelined: where do its cycles go?); then
+  # mode 55 (Nsight Compute on fwd+bwd's kernels)
   probe() { step 90 $1 python -m benchmarks.prep_probe --tokens --bv "" \
     --shape 8,4096,16,2 --json $M/$1.json "${@:2}"
     grep -hE "s\] (prep tok|probe tok)|  probe tokens l2norm=1 readout|Error" $M/$1.log \
@@ -509,8 +511,8 @@ case "${1:-2}" in
   probe probe_def
   probe probe_latev --set kernels.chunk_prep.LATE_V=True
   probe probe_prep2 --set kernels.chunk_prep.CTAS_PER_SM=2
-  probe probe_all --set kernels.chunk_prep.CTAS_PER_SM=2 --set kernels.chunk_prep.LATE_V=True \
-    --set kernels.chunk_prep.STAGED_STORES=True
+  probe probe_pipe2 --set kernels.chunk_prep.PIPELINED=True
+  ncu_backward
   rest_in_what_is_left ;;
 53)
   # s43: where the operands kernel's and the walk's cycles go. The phase probe of the op's

@@ -574,7 +574,8 @@ _OPERANDS_SWITCH_CASES = [
 ]
 
 
-def _operands_switch_same_bits(monkeypatch, switch, B, n, H, HV, K, V, dtype, packed):
+def _operands_switch_same_bits(monkeypatch, switch, B, n, H, HV, K, V, dtype, packed,
+                               value=True):
     """The operands kernel with the bool ``chunk_prep.<switch>`` on gives the same bits as
     off: the plain forward (o, final) with u in float32 and in bfloat16 (``U16 =
     "forward"``), with an inf value row and a NaN key row (the row rules), and the
@@ -590,7 +591,7 @@ def _operands_switch_same_bits(monkeypatch, switch, B, n, H, HV, K, V, dtype, pa
     for u16 in (False, "forward"):
         monkeypatch.setattr(chunk_prep, "U16", u16)
         fw = []
-        for on in (False, True):
+        for on in (False, value):
             monkeypatch.setattr(chunk_prep, switch, on)
             fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*args[:5]))
         assert_same_bits(fw[1], fw[0])          # (o, final: the first two of grads' names)
@@ -600,14 +601,14 @@ def _operands_switch_same_bits(monkeypatch, switch, B, n, H, HV, K, V, dtype, pa
     bad[2] = args[2].at[0, 50].set(jnp.inf)
     bad[1] = args[1].at[0, 120].set(jnp.nan)
     fw = []
-    for on in (False, True):
+    for on in (False, value):
         monkeypatch.setattr(chunk_prep, switch, on)
         fw.append(jax.jit(lambda *a: gated_delta_product(*a, **kw))(*bad[:5]))
     assert not np.isfinite(np.asarray(fw[0][0], np.float32)).all()
     assert_same_bits(fw[1], fw[0])
-    base, got = grads_off_on(monkeypatch, chunk_prep, switch, args, cu)
+    base, got = grads_off_on(monkeypatch, chunk_prep, switch, args, cu, value=value)
     calls = seen[0] + seen[1]
-    assert True in calls and False in calls, calls
+    assert value in calls and False in calls, calls
     assert_same_bits(got, base)
     print(f"[{switch} B={B} n={n} HV={HV} K={K} V={V} {dtype} packed={packed}] "
           f"o, final (u float32, bfloat16), every gradient: the same bits")
@@ -620,6 +621,19 @@ def test_operands_staged_stores_same_bits(monkeypatch, B, n, H, HV, K, V, dtype,
     stores."""
     _operands_switch_same_bits(monkeypatch, "STAGED_STORES", B, n, H, HV, K, V, dtype,
                                packed)
+
+
+@pytest.mark.parametrize("ctas", [True, 5])
+@pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", _OPERANDS_SWITCH_CASES)
+def test_operands_pipelined_same_bits(monkeypatch, ctas, B, n, H, HV, K, V, dtype, packed):
+    """``chunk_prep.PIPELINED`` (opt-in: the operands kernel persistent, 2 CTAs an SM, the
+    next chunk's tiles loading while one computes): the same bits as one CTA a chunk - on
+    the default grid (2 x SMs CTAs) and on 5 CTAs, where every CTA walks many chunks and
+    both smem stages turn over."""
+    from gdp_jax.kernels import chunk_prep
+    monkeypatch.setattr(chunk_prep, "PIPELINED", False)
+    _operands_switch_same_bits(monkeypatch, "PIPELINED", B, n, H, HV, K, V, dtype, packed,
+                               value=ctas)
 
 
 @pytest.mark.parametrize("B,n,H,HV,K,V,dtype,packed", _OPERANDS_SWITCH_CASES)

@@ -77,6 +77,13 @@ LATE_V = False
 # choice, ~190): do its latency-bound phases run faster per CTA with more registers and
 # fewer neighbours? (What a 2-CTA pipelined kernel would start from.)
 CTAS_PER_SM = 3
+# Opt-in (s44, not yet run on a GPU): the operands kernel persistent and pipelined
+# (``pipelined`` of ``ChunkPrepSm90``): 2 CTAs an SM, each walking its chunks while the
+# next chunk's k, q (a second smem stage) and v tiles load - the structural fix for a
+# kernel at 40% of its issue slots with every CTA waiting on its loads (docs/KERNELS.md,
+# "What the counters say"). The same values. An int n >= 1: n CTAs (tests: every CTA walks
+# many chunks at small shapes).
+PIPELINED = False
 
 
 def u_dtype(ab_dtype, plain: bool = False):
@@ -414,9 +421,20 @@ def _late_v() -> dict:
 
 
 def _ctas() -> dict:
-    """:data:`CTAS_PER_SM` as the launchers' ``ctas`` (absent at the default 3)."""
+    """:data:`CTAS_PER_SM` and :data:`PIPELINED` as the launchers' ``ctas`` (absent at the
+    default 3) and ``pipelined`` (the persistent grid: 2 CTAs an SM)."""
     if CTAS_PER_SM not in (2, 3) or isinstance(CTAS_PER_SM, bool):
         raise ValueError(f"chunk_prep.CTAS_PER_SM={CTAS_PER_SM!r}; expected 2 or 3")
+    if PIPELINED is True:
+        # (the SM count lives with the walks; chunk_forward imports this module)
+        from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
+        return {"ctas": 2, "pipelined": 2 * ChunkForwardKernel.SMS}
+    if PIPELINED is not False and (isinstance(PIPELINED, bool)
+                                   or not isinstance(PIPELINED, int) or PIPELINED < 1):
+        raise ValueError(f"chunk_prep.PIPELINED={PIPELINED!r}; expected True, False or an "
+                         f"int >= 1 (CTAs)")
+    if PIPELINED:
+        return {"ctas": 2, "pipelined": PIPELINED}
     return {} if CTAS_PER_SM == 3 else {"ctas": CTAS_PER_SM}
 
 
@@ -437,10 +455,11 @@ def _launcher():
                K: cutlass.Constexpr, V: cutlass.Constexpr, ab_name: cutlass.Constexpr,
                inverse: cutlass.Constexpr, probe: cutlass.Constexpr = False,
                gmma: cutlass.Constexpr = False, staged: cutlass.Constexpr = False,
-               late_v: cutlass.Constexpr = False, ctas: cutlass.Constexpr = 3):
+               late_v: cutlass.Constexpr = False, ctas: cutlass.Constexpr = 3,
+               pipelined: cutlass.Constexpr = 0):
         # (no row table: ``scale`` fills its slot, unread)
         mod.get_kernel(K, V, ab_name, inverse, probe, gmma=gmma, staged=staged,
-                       late_v=late_v, ctas=ctas)(
+                       late_v=late_v, ctas=ctas, pipelined=pipelined)(
             stream, q, k, v, g, beta, scale, scale, w, kt, qg, p, u, decay, bad, X)
 
     return launch
@@ -460,11 +479,12 @@ def _launcher_tokens():
                probe: cutlass.Constexpr = False, readout_rows: cutlass.Constexpr = False,
                tokens: cutlass.Constexpr = True, gmma: cutlass.Constexpr = False,
                gram_norm: cutlass.Constexpr = False, staged: cutlass.Constexpr = False,
-               late_v: cutlass.Constexpr = False, ctas: cutlass.Constexpr = 3):
+               late_v: cutlass.Constexpr = False, ctas: cutlass.Constexpr = 3,
+               pipelined: cutlass.Constexpr = 0):
         # tokens=False: the chunk-major kernel with a row table (readout_rows' n)
         mod.get_kernel(K, V, ab_name, inverse, probe=probe, tokens=tokens, l2norm=l2norm,
                        readout_rows=readout_rows, gmma=gmma, gram_norm=gram_norm,
-                       staged=staged, late_v=late_v, ctas=ctas)(
+                       staged=staged, late_v=late_v, ctas=ctas, pipelined=pipelined)(
             stream, q, k, v, g, beta, scale, rows, w, kt, qg, p, u, decay, bad, X)
 
     return launch

@@ -97,6 +97,12 @@ def _nonfinite(z, lanes: int):
     return I32(cutlass.select_((good & group) == group, I32(0), I32(1)))
 
 
+def _chunk_coords(t, NC, HV):
+    """(b, c, hv) of the pipelined kernel's chunk number t (c fastest, as the one-CTA-a-chunk
+    grid (NC, HV, B))."""
+    return t // (NC * HV), t % NC, (t // NC) % HV
+
+
 def _quad(sM, i, l0):
     """sM[i, l0 .. l0 + 3] of a float32 [C, C] tile (rows PAD apart; ``l0`` a multiple of
     4) as one 16-byte shared load: 4 registers."""
@@ -140,7 +146,7 @@ class ChunkPrepSm90:
     def __init__(self, K: int, V: int, ab_dtype, inverse: bool = False, probe: bool = False,
                  tokens: bool = False, l2norm: bool = False, readout_rows: bool = False,
                  gmma: bool = False, gram_norm: bool = False, staged: bool = False,
-                 late_v: bool = False, ctas: int = CTAS_PER_SM):
+                 late_v: bool = False, ctas: int = CTAS_PER_SM, pipelined: int = 0):
         assert K in (64, 128) and V in (64, 128)
         self.K, self.V, self.ab = K, V, ab_dtype
         self.inverse = inverse        # also write X = (I + A)^-1 (the backward's factor)
@@ -182,6 +188,12 @@ class ChunkPrepSm90:
         # choice up to 255) - a measurement of whether the phases speed up with registers
         assert ctas in (2, 3)
         self.ctas = ctas
+        # a persistent kernel of ``pipelined`` CTAs (0: one CTA a chunk), 2 an SM, each
+        # walking its chunks with the next chunk's k, q tiles loading into a second stage
+        # (and its v tile, as with ``late_v``, into the one v tile once the u product has
+        # read it) while this chunk computes: no CTA waits on HBM but for its first chunk
+        self.pipelined = pipelined
+        assert not pipelined or ctas == 2
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -196,11 +208,12 @@ class ChunkPrepSm90:
         # q's tile is dead after Q K^T: X (float32) reuses it (~70 KB in all at K = V =
         # 128: three CTAs an SM)
         qx_elems = max(cute.cosize(sK_layout), 2 * C * PAD)
+        stages = 2 if self.pipelined else 1        # (a multiple of 1024 bytes a stage)
 
         @cute.struct
         class Storage:
-            sK: smem_tile(ab, sK_layout)
-            sQ: cute.struct.Align[cute.struct.MemRange[ab, qx_elems], 1024]   # q, then X
+            sK: smem_tile(ab, sK_layout, stages)
+            sQ: cute.struct.Align[cute.struct.MemRange[ab, stages * qx_elems], 1024]  # q, X
             sV: smem_tile(ab, sV_layout)
             sA: cute.struct.Align[cute.struct.MemRange[F32, C * PAD], 128]  # Gam, A
             sT: cute.struct.Align[cute.struct.MemRange[F32, HB * (HB + 1)], 128]
@@ -225,10 +238,16 @@ class ChunkPrepSm90:
         self.kernel(mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
                     mX,
                     sK_layout, sV_layout, pad, sT_layout, g2s_copy(ab, K), g2s_copy(ab, V),
-                    warp_mma(ab), Storage).launch(grid=(NC, HV, B),
+                    warp_mma(ab), Storage).launch(grid=self._grid(B, NC, HV),
                                                   block=[NUM_THREADS, 1, 1], stream=stream,
                                                   min_blocks_per_mp=self.ctas,
                                                   preferred_smem_carveout=100)
+
+    def _grid(self, B, NC, HV):
+        """One CTA a chunk, or ``pipelined`` CTAs (at most one a chunk)."""
+        if self.pipelined:
+            return (cutlass.min(B * NC * HV, I32(self.pipelined)), 1, 1)
+        return (NC, HV, B)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -237,50 +256,145 @@ class ChunkPrepSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                pad: cute.Layout, sT_layout: cute.Layout, copy_K: cute.TiledCopy,
                copy_V: cute.TiledCopy, tiled_mma: cute.TiledMma, Storage: cutlass.Constexpr):
-        K, V, ab = self.K, self.V, self.ab
         tidx, _, _ = cute.arch.thread_idx()
-        c, hv, b = cute.arch.block_idx()
-
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
-        sK = st.sK.get_tensor(sK_layout)
-        sQ = st.sQ.get_tensor(sK_layout)
-        sV = st.sV.get_tensor(sV_layout)
-        sA = st.sA.get_tensor(pad)               # Gam, then A in place
-        sX = st.sQ.get_tensor(pad, dtype=F32)   # from phase 3 on
-        sT = st.sT.get_tensor(sT_layout)
         vec = lambda f: f.get_tensor(cute.make_layout(C))
-        sg, sb, sgam, send = vec(st.sg), vec(st.sb), vec(st.sgam), vec(st.send)
-        fK, fV, fA, fP, fQ = vec(st.fK), vec(st.fV), vec(st.fA), vec(st.fP), vec(st.fQ)
-        fWU, ok = vec(st.fWU), vec(st.ok)
-        srho = vec(st.srho)
-
-        marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
-
-        # ---- phase 0: q, k, v -> smem (async) | gates
+        sm = dict(sV=st.sV.get_tensor(sV_layout),
+                  sA=st.sA.get_tensor(pad),                # Gam, then A in place
+                  sT=st.sT.get_tensor(sT_layout),
+                  # (the 16-bit staging tile of w, u: A's space, dead after the inverse)
+                  sStage=st.sA.get_tensor(cute.make_layout((C, 2 * PAD), stride=(2 * PAD, 1)),
+                                          dtype=self.ab))
+        for name in ("sg", "sb", "sgam", "send", "fK", "fV", "fA", "fP", "fQ", "fWU", "ok",
+                     "srho"):
+            sm[name] = vec(getattr(st, name))
         cpK, cpV = g2s(copy_K, tidx), g2s(copy_V, tidx)
-        tK, tQ, tV = cpK.dest(sK), cpK.dest(sQ), cpV.dest(sV)
-        if cutlass.const_expr(self.tokens):
-            self._load_token_rows(cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv)
+        tV = cpV.dest(sm["sV"])
+        gmem = (mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad, mX)
+        P_layout = cute.make_layout((C, C + 8), stride=(C + 8, 1))
+        if cutlass.const_expr(self.pipelined):
+            self._persistent(tidx, st, sm, gmem, cpK, cpV, tV, sK_layout, pad, P_layout,
+                             tiled_mma)
         else:
-            cpK.load(mK[b, c, hv, None, None], (C, K), tK)
-            if cutlass.const_expr(self.readout_rows):
-                # compact q: its READOUT_ROWS rows to the tile's first ones, zeros after
-                top = cute.local_tile(sQ, (READOUT_ROWS, K), (0, 0))
-                cpK.load(mQ[b, c, hv, None, None], (READOUT_ROWS, K), cpK.dest(top))
-                bottom = cpK.dest(cute.local_tile(sQ, (READOUT_ROWS, K), (1, 0)))
-                for e in cutlass.range_constexpr(cute.size(bottom)):
-                    bottom[e] = F32(0.0).to(self.ab)
-            else:
-                cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
-            if cutlass.const_expr(self.late_v):
+            c, hv, b = cute.arch.block_idx()
+            sK = st.sK.get_tensor(sK_layout)
+            sQ = st.sQ.get_tensor(sK_layout)
+            sX = st.sQ.get_tensor(pad, dtype=F32)       # from phase 3 on
+            sPst = st.sQ.get_tensor(P_layout)           # staged P (q's tile, dead by then)
+            marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
+            # ---- phase 0: q, k, v -> smem (async) | gates
+            tK, tQ = cpK.dest(sK), cpK.dest(sQ)
+            self._issue_loads(cpK, cpV, tK, tQ, tV, sQ, gmem, b, c, hv, True, True)
+            cute.arch.cp_async_commit_group()
+            self._tile(tidx, sm, gmem, cpK, cpV, tK, tQ, tV, sK, sQ, sX, sPst, tiled_mma,
+                       b, c, hv, marks)
+
+    @cute.jit
+    def _issue_loads(self, cpK, cpV, tK, tQ, tV, sQ, gmem, b, c, hv, kq: cutlass.Constexpr,
+                     v: cutlass.Constexpr):
+        """Phase 0's cp.async of chunk (b, c, hv)'s k and q tiles (``kq``) and / or its v
+        tile (``v``); with both and ``late_v`` k, q form a cp.async group of their own
+        (the caller commits the last group)."""
+        mQ, mK, mV, mRows = gmem[0], gmem[1], gmem[2], gmem[6]
+        K, V = self.K, self.V
+        if cutlass.const_expr(self.tokens):
+            self._load_token_rows(cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv,
+                                  kq=kq, v=v)
+        else:
+            if cutlass.const_expr(kq):
+                cpK.load(mK[b, c, hv, None, None], (C, K), tK)
+                if cutlass.const_expr(self.readout_rows):
+                    # compact q: its READOUT_ROWS rows to the tile's first ones, zeros after
+                    top = cute.local_tile(sQ, (READOUT_ROWS, K), (0, 0))
+                    cpK.load(mQ[b, c, hv, None, None], (READOUT_ROWS, K), cpK.dest(top))
+                    bottom = cpK.dest(cute.local_tile(sQ, (READOUT_ROWS, K), (1, 0)))
+                    for e in cutlass.range_constexpr(cute.size(bottom)):
+                        bottom[e] = F32(0.0).to(self.ab)
+                else:
+                    cpK.load(mQ[b, c, hv, None, None], (C, K), tQ)
+            if cutlass.const_expr(self.late_v and kq and v):
                 cute.arch.cp_async_commit_group()
-            cpV.load(mV[b, c, hv, None, None], (C, V), tV)
+            if cutlass.const_expr(v):
+                cpV.load(mV[b, c, hv, None, None], (C, V), tV)
+
+    @cute.jit
+    def _persistent(self, tidx, st, sm, gmem, cpK, cpV, tV, sK_layout, pad, P_layout,
+                    tiled_mma):
+        """``pipelined``: this CTA's chunks t = block + i grid, in order; chunk t + grid's
+        k, q tiles load into the other stage (k: ``sK``'s second tile, q / X: ``sQ``'s)
+        while chunk t computes, its v tile once chunk t's u product has read ``sV``, and
+        its g, beta into registers. cp.async groups, oldest first, when chunk t starts:
+        k q (t), v (t), k q (t + grid) - so phase 1 waits for all but 2 and phase 4 for
+        all but 1."""
+        mG, mBeta = gmem[3], gmem[4]
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        NC, HV = mG.shape[1], mG.shape[2]
+        tiles = mG.shape[0] * NC * HV
+        k_elems = cute.cosize(sK_layout)
+        q_elems = max(k_elems, 2 * C * PAD)         # a stage of sQ: q, then X (float32)
+        gi = tidx % C
+
+        b0, c0, hv0 = _chunk_coords(bid, NC, HV)
+        sK0 = cute.make_tensor(st.sK.data_ptr(), sK_layout)
+        sQ0 = cute.make_tensor(st.sQ.data_ptr(), sK_layout)
+        self._issue_loads(cpK, cpV, cpK.dest(sK0), cpK.dest(sQ0), tV, sQ0, gmem, b0, c0, hv0,
+                          True, False)
         cute.arch.cp_async_commit_group()
+        self._issue_loads(cpK, cpV, None, None, tV, None, gmem, b0, c0, hv0, False, True)
+        cute.arch.cp_async_commit_group()
+        g_next = mG[b0, c0, hv0, gi].to(F32)
+        beta_next = mBeta[b0, c0, hv0, gi].to(F32)
+        for i in cutlass.range((tiles - bid + grid - 1) // grid, unroll=1):
+            t = bid + i * grid
+            b, c, hv = _chunk_coords(t, NC, HV)
+            stage = i % 2
+            marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
+            kptr = st.sK.data_ptr() + cute.assume(stage * k_elems, divby=k_elems)
+            qptr = st.sQ.data_ptr() + cute.assume(stage * q_elems, divby=q_elems)
+            sK = cute.make_tensor(kptr, sK_layout)
+            sQ = cute.make_tensor(qptr, sK_layout)
+            tn = t + grid
+            bn, cn, hvn = _chunk_coords(cutlass.min(tn, tiles - 1), NC, HV)
+            if tn < tiles:
+                nk = st.sK.data_ptr() + cute.assume((1 - stage) * k_elems, divby=k_elems)
+                nq = st.sQ.data_ptr() + cute.assume((1 - stage) * q_elems, divby=q_elems)
+                sQn = cute.make_tensor(nq, sK_layout)
+                self._issue_loads(cpK, cpV, cpK.dest(cute.make_tensor(nk, sK_layout)),
+                                  cpK.dest(sQn), tV, sQn, gmem, bn, cn, hvn, True, False)
+            cute.arch.cp_async_commit_group()
+            g_now, beta_now = g_next, beta_next
+            g_next = mG[bn, cn, hvn, gi].to(F32)
+            beta_next = mBeta[bn, cn, hvn, gi].to(F32)
+            self._tile(tidx, sm, gmem, cpK, cpV, cpK.dest(sK), cpK.dest(sQ), tV, sK, sQ,
+                       cute.make_tensor(cute.recast_ptr(qptr, dtype=F32), pad),
+                       cute.make_tensor(qptr, P_layout), tiled_mma, b, c, hv, marks,
+                       g_now, beta_now, tn < tiles, (bn, cn, hvn))
+
+    @cute.jit
+    def _tile(self, tidx, sm, gmem, cpK, cpV, tK, tQ, tV, sK, sQ, sX, sPst, tiled_mma, b, c,
+              hv, marks, g_in=None, beta_in=None, has_next=None, nxt=None):
+        """Phases 0 (gates; the caller issued the loads) to 4 and the row rules of chunk
+        (b, c, hv). ``pipelined``: ``g_in``, ``beta_in`` are this thread's g, beta entry
+        (row tidx % C), and after the u product chunk ``nxt``'s v tile is issued where
+        ``has_next``."""
+        K, V, ab = self.K, self.V, self.ab
+        late = self.late_v or self.pipelined
+        (mQ, mK, mV, mG, mBeta, mScale, mRows, mW, mKt, mQg, mP, mU, mDecay, mBad,
+         mX) = gmem
+        sV, sA, sT, sStage = sm["sV"], sm["sA"], sm["sT"], sm["sStage"]
+        sg, sb, sgam, send = sm["sg"], sm["sb"], sm["sgam"], sm["send"]
+        fK, fV, fA, fP, fQ = sm["fK"], sm["fV"], sm["fA"], sm["fP"], sm["fQ"]
+        fWU, ok, srho = sm["fWU"], sm["ok"], sm["srho"]
         scale = mScale[b]
         if tidx < C:
-            sg[tidx] = mG[b, c, hv, tidx].to(F32)
-            sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
+            if cutlass.const_expr(self.pipelined):
+                sg[tidx] = g_in
+                sb[tidx] = beta_in
+            else:
+                sg[tidx] = mG[b, c, hv, tidx].to(F32)
+                sb[tidx] = mBeta[b, c, hv, tidx].to(F32)
             if cutlass.const_expr(self.readout_rows):
                 fP[tidx] = I32(0)                 # rows not read out: no flags
                 fQ[tidx] = I32(0)
@@ -303,7 +417,8 @@ class ChunkPrepSm90:
             for jj in cutlass.range(C - 1 - i, unroll=1):
                 t = t + sg[C - 1 - jj]
             send[i] = cute.math.exp(t, fastmath=True)
-        cute.arch.cp_async_wait_group(1 if self.late_v else 0)   # (late_v: all but v's)
+        # all groups (late_v: but v's; pipelined: but v's and the next chunk's k, q)
+        cute.arch.cp_async_wait_group(2 if self.pipelined else (1 if self.late_v else 0))
         cute.arch.sync_threads()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -313,7 +428,7 @@ class ChunkPrepSm90:
         n = mRows[b, c, 3] if cutlass.const_expr(self.readout_rows) else None
         self._rows_of_k_and_q(cpK, tK, tQ, mKt[b, c, hv, None, None],
                               mQg[b, c, hv, None, None], scale, sgam, send, fK, fQ, n)
-        if cutlass.const_expr(not self.late_v):
+        if cutlass.const_expr(not late):
             self._rows_of_v(cpV, tV, fV)
         if cutlass.const_expr(self.gmma):
             # what cp.async and the threads wrote to the tiles is what wgmma reads (the
@@ -411,7 +526,6 @@ class ChunkPrepSm90:
             acc_qk[e] = _pick(keep, acc_qk[e], F32(0.0))
         if cutlass.const_expr(self.staged):
             # P through q's tile (dead since the products; X overwrites it in phase 3)
-            sPst = st.sQ.get_tensor(cute.make_layout((C, C + 8), stride=(C + 8, 1)))
             p_rows = READOUT_ROWS if self.readout_rows else C
             if tidx < 32 * (p_rows // 16):               # 16 accumulator rows a warp
                 c_tile(thr_c, sPst, (C, C), (0, 0)).store(acc_qk.load().to(ab))
@@ -443,20 +557,16 @@ class ChunkPrepSm90:
                 idx = e * NUM_THREADS + tidx
                 gX[idx // C, idx % C] = sX[idx // C, idx % C]
 
-        if cutlass.const_expr(self.late_v):
+        if cutlass.const_expr(late):
             # v's tile (this thread's cp.async elements), its flags and zeroed rows, seen
             # by every thread (and wgmma's async proxy) after the barrier
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(1 if self.pipelined else 0)
             self._rows_of_v(cpV, tV, fV)
             if cutlass.const_expr(self.gmma):
                 cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
         # ---- phase 4: w = Xw K, u = Xu V (Xw = X diag(beta gam), Xu = X diag(beta))
-        # (the staging tile: A's float32 [C, PAD] space as 16-bit [C, 2 PAD], dead after
-        # the inverse)
-        sStage = st.sA.get_tensor(cute.make_layout((C, 2 * PAD), stride=(2 * PAD, 1)),
-                                  dtype=ab)
         w_bad = self._product(tidx, tiled_mma, cBt, sX, sK, K, sb, sgam, srho, True,
                              mW[b, c, hv, None, None], r0, sStage, False)
         u_bad = self._product(tidx, tiled_mma, cBt, sX, sV, V, sb, sgam, srho, False,
@@ -465,6 +575,12 @@ class ChunkPrepSm90:
             fWU[r0] = w_bad[0] | u_bad[0]
             fWU[r1] = w_bad[1] | u_bad[1]
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.pipelined):
+            # every thread has read sV: the next chunk's v tile may land there
+            if has_next:
+                self._issue_loads(cpK, cpV, None, None, tV, None, gmem, nxt[0], nxt[1],
+                                  nxt[2], False, True)
+            cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
 
@@ -493,14 +609,20 @@ class ChunkPrepSm90:
             if tidx == 0:
                 for s in cutlass.range_constexpr(len(marks) - 1):
                     mBad[b, c, hv, s] = marks[s + 1] - marks[s]
+        if cutlass.const_expr(self.pipelined):
+            # the next chunk writes its gates and flags where this one's are read
+            cute.arch.sync_threads()
 
     # ------------------------------------------------------------ device-side pieces
     @cute.jit
-    def _load_token_rows(self, cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv):
+    def _load_token_rows(self, cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv,
+                         kq: cutlass.Constexpr = True, v: cutlass.Constexpr = True):
         """Phase 0's cp.async of q, k, v from the token-major tensors q [B, T, H, K],
         k [B, L, H, K], v [B, L, HV, V] (L = n T interleaved steps): chunk row i is step
         base + i for i < count (else zeros); q sits on rows i = n - 1 (mod n), token
-        tok + i // n. mRows[b, c] = (base, count, tok, n). Key head: hv // (HV / H)."""
+        tok + i // n. mRows[b, c] = (base, count, tok, n). Key head: hv // (HV / H).
+        ``kq`` / ``v``: issue k's and q's copies / v's (the pipelined kernel issues them
+        at different points)."""
         ab = self.ab
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), ab,
@@ -510,7 +632,7 @@ class ChunkPrepSm90:
         tok, n = mRows[b, c, 2], mRows[b, c, 3]
         zero = F32(0.0).to(ab)
         crd = cpK.thr.partition_D(cute.make_identity_tensor((C, self.K)))
-        for m in cutlass.range_constexpr(cute.size(tK) // 8):
+        for m in cutlass.range_constexpr(cute.size(tK) // 8 if kq else 0):
             r, col = crd[8 * m]
             if r < count:
                 cute.copy(atom, cute.local_tile(mK[b, base + r, hk, None], (8,), (col // 8,)),
@@ -534,10 +656,10 @@ class ChunkPrepSm90:
                 else:
                     for e in cutlass.range_constexpr(8 * m, 8 * m + 8):
                         tQ[e] = zero
-        if cutlass.const_expr(self.late_v):
+        if cutlass.const_expr(self.late_v and kq and v):
             cute.arch.cp_async_commit_group()     # k, q; then v's group (phase 0's commit)
         crd = cpV.thr.partition_D(cute.make_identity_tensor((C, self.V)))
-        for m in cutlass.range_constexpr(cute.size(tV) // 8):
+        for m in cutlass.range_constexpr(cute.size(tV) // 8 if v else 0):
             r, col = crd[8 * m]
             if r < count:
                 cute.copy(atom, cute.local_tile(mV[b, base + r, hv, None], (8,), (col // 8,)),
@@ -834,11 +956,11 @@ def get_kernel(K: int, V: int, ab_name: str, inverse: bool = False,
                l2norm: bool = False, readout_rows: bool = False,
                gmma: bool = False, gram_norm: bool = False,
                staged: bool = False, late_v: bool = False,
-               ctas: int = CTAS_PER_SM) -> ChunkPrepSm90:
+               ctas: int = CTAS_PER_SM, pipelined: int = 0) -> ChunkPrepSm90:
     key = (K, V, ab_name, inverse, probe, tokens, l2norm, readout_rows, gmma, gram_norm,
-           staged, late_v, ctas)
+           staged, late_v, ctas, pipelined)
     if key not in _KERNELS:
         _KERNELS[key] = ChunkPrepSm90(K, V, ab_type(ab_name), inverse, probe, tokens,
                                       l2norm, readout_rows, gmma, gram_norm, staged, late_v,
-                                      ctas)
+                                      ctas, pipelined)
     return _KERNELS[key]
