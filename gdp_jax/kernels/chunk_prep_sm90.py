@@ -42,6 +42,13 @@ Phases, separated by CTA barriers:
   4. w = (X diag(beta gam))_hi+lo K, u = (X diag(beta))_hi+lo V on warp MMAs, the A
      operands built in registers from X; row flags; stores; row rules.
 
+Where the tiles wait (opt-ins): ``late_v`` commits v's cp.async group apart and waits for
+it, and takes v's row flags, only before phase 4. ``pipelined`` makes the kernel persistent
+(2 x SMs CTAs, 2 an SM; each takes chunks block, block + grid, ...): k's and q's tiles have
+two smem stages, so the next chunk's k, q load while this one computes, its v tile (one
+stage) loads once this chunk's u product has read it, its g, beta into registers; phases
+0-4 and the row rules are the same code (``_tile``) either way.
+
 Row flags (is a row finite?) come without branches: each lane sums x * 0 over its
 elements of the row (0, or NaN if one is inf or NaN) and the lanes holding the row (a
 half warp or less in phase 1, a quad of an MMA accumulator) combine theirs by one warp
