@@ -46,7 +46,8 @@ Where the tiles wait (opt-ins): ``late_v`` commits v's cp.async group apart and 
 it, and takes v's row flags, only before phase 4. ``pipelined`` makes the kernel persistent
 (2 x SMs CTAs, 2 an SM; each takes chunks block, block + grid, ...): k's and q's tiles have
 two smem stages, so the next chunk's k, q load while this one computes, its v tile (one
-stage) loads once this chunk's u product has read it, its g, beta into registers; phases
+stage) loads once this chunk's u product has read it, its g, beta into registers (the
+row-table entry a chunk earlier still); phases
 0-4 and the row rules are the same code (``_tile``) either way.
 
 Row flags (is a row finite?) come without branches: each lane sums x * 0 over its
@@ -299,15 +300,16 @@ class ChunkPrepSm90:
 
     @cute.jit
     def _issue_loads(self, cpK, cpV, tK, tQ, tV, sQ, gmem, b, c, hv, kq: cutlass.Constexpr,
-                     v: cutlass.Constexpr):
+                     v: cutlass.Constexpr, rows=None):
         """Phase 0's cp.async of chunk (b, c, hv)'s k and q tiles (``kq``) and / or its v
         tile (``v``); with both and ``late_v`` k, q form a cp.async group of their own
-        (the caller commits the last group)."""
+        (the caller commits the last group). ``rows``: the chunk's row-table entry, if
+        already loaded (token-major inputs)."""
         mQ, mK, mV, mRows = gmem[0], gmem[1], gmem[2], gmem[6]
         K, V = self.K, self.V
         if cutlass.const_expr(self.tokens):
             self._load_token_rows(cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv,
-                                  kq=kq, v=v)
+                                  kq=kq, v=v, rows=rows)
         else:
             if cutlass.const_expr(kq):
                 cpK.load(mK[b, c, hv, None, None], (C, K), tK)
@@ -353,6 +355,13 @@ class ChunkPrepSm90:
         cute.arch.cp_async_commit_group()
         g_next = mG[b0, c0, hv0, gi].to(F32)
         beta_next = mBeta[b0, c0, hv0, gi].to(F32)
+        if cutlass.const_expr(self.tokens):
+            # the row-table entry of the chunk after next, a chunk ahead in registers (its
+            # copies are addressed from it: no L2 round trip before they issue)
+            mRows = gmem[6]
+            b1, c1, _ = _chunk_coords(cutlass.min(bid + grid, tiles - 1), NC, HV)
+            rb, rc, rt, rn = mRows[b1, c1, 0], mRows[b1, c1, 1], mRows[b1, c1, 2], \
+                mRows[b1, c1, 3]
         for i in cutlass.range((tiles - bid + grid - 1) // grid, unroll=1):
             t = bid + i * grid
             b, c, hv = _chunk_coords(t, NC, HV)
@@ -364,12 +373,19 @@ class ChunkPrepSm90:
             sQ = cute.make_tensor(qptr, sK_layout)
             tn = t + grid
             bn, cn, hvn = _chunk_coords(cutlass.min(tn, tiles - 1), NC, HV)
+            rows = None
+            if cutlass.const_expr(self.tokens):
+                rows = (rb, rc, rt, rn)
+                b2, c2, _ = _chunk_coords(cutlass.min(tn + grid, tiles - 1), NC, HV)
+                rb, rc, rt, rn = mRows[b2, c2, 0], mRows[b2, c2, 1], mRows[b2, c2, 2], \
+                    mRows[b2, c2, 3]
             if tn < tiles:
                 nk = st.sK.data_ptr() + cute.assume((1 - stage) * k_elems, divby=k_elems)
                 nq = st.sQ.data_ptr() + cute.assume((1 - stage) * q_elems, divby=q_elems)
                 sQn = cute.make_tensor(nq, sK_layout)
                 self._issue_loads(cpK, cpV, cpK.dest(cute.make_tensor(nk, sK_layout)),
-                                  cpK.dest(sQn), tV, sQn, gmem, bn, cn, hvn, True, False)
+                                  cpK.dest(sQn), tV, sQn, gmem, bn, cn, hvn, True, False,
+                                  rows)
             cute.arch.cp_async_commit_group()
             g_now, beta_now = g_next, beta_next
             g_next = mG[bn, cn, hvn, gi].to(F32)
@@ -377,7 +393,7 @@ class ChunkPrepSm90:
             self._tile(tidx, sm, gmem, cpK, cpV, cpK.dest(sK), cpK.dest(sQ), tV, sK, sQ,
                        cute.make_tensor(cute.recast_ptr(qptr, dtype=F32), pad),
                        cute.make_tensor(qptr, P_layout), tiled_mma, b, c, hv, marks,
-                       g_now, beta_now, tn < tiles, (bn, cn, hvn))
+                       g_now, beta_now, tn < tiles, (bn, cn, hvn, rows))
 
     @cute.jit
     def _tile(self, tidx, sm, gmem, cpK, cpV, tK, tQ, tV, sK, sQ, sX, sPst, tiled_mma, b, c,
@@ -586,7 +602,7 @@ class ChunkPrepSm90:
             # every thread has read sV: the next chunk's v tile may land there
             if has_next:
                 self._issue_loads(cpK, cpV, None, None, tV, None, gmem, nxt[0], nxt[1],
-                                  nxt[2], False, True)
+                                  nxt[2], False, True, nxt[3])
             cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.probe):
             marks.append(cute.arch.clock())
@@ -623,20 +639,24 @@ class ChunkPrepSm90:
     # ------------------------------------------------------------ device-side pieces
     @cute.jit
     def _load_token_rows(self, cpK, cpV, tK, tQ, tV, mQ, mK, mV, mRows, b, c, hv,
-                         kq: cutlass.Constexpr = True, v: cutlass.Constexpr = True):
+                         kq: cutlass.Constexpr = True, v: cutlass.Constexpr = True,
+                         rows=None):
         """Phase 0's cp.async of q, k, v from the token-major tensors q [B, T, H, K],
         k [B, L, H, K], v [B, L, HV, V] (L = n T interleaved steps): chunk row i is step
         base + i for i < count (else zeros); q sits on rows i = n - 1 (mod n), token
         tok + i // n. mRows[b, c] = (base, count, tok, n). Key head: hv // (HV / H).
         ``kq`` / ``v``: issue k's and q's copies / v's (the pipelined kernel issues them
-        at different points)."""
+        at different points); ``rows``: mRows[b, c] already in registers."""
         ab = self.ab
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), ab,
             num_bits_per_copy=128)
         hk = hv // (mV.shape[2] // mK.shape[2])
-        base, count = mRows[b, c, 0], mRows[b, c, 1]
-        tok, n = mRows[b, c, 2], mRows[b, c, 3]
+        if cutlass.const_expr(rows is None):
+            base, count = mRows[b, c, 0], mRows[b, c, 1]
+            tok, n = mRows[b, c, 2], mRows[b, c, 3]
+        else:
+            base, count, tok, n = rows
         zero = F32(0.0).to(ab)
         crd = cpK.thr.partition_D(cute.make_identity_tensor((C, self.K)))
         for m in cutlass.range_constexpr(cute.size(tK) // 8 if kq else 0):
