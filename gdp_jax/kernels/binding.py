@@ -38,6 +38,7 @@ from gdp_jax.kernels import aot
 
 MAX_ELEMS = 2 ** 31 - 1      # 32-bit extents (and offsets, in the per-shape objects)
 MAX_GRID_Y = 65535           # CTAs along a launch grid's y (and z) axis
+SMS = 132                    # streaming multiprocessors of the targets (H100 / H200 SXM)
 
 
 def grid_limit(rows: int, heads: int):

@@ -130,8 +130,8 @@ class ChunkForwardKernel:
                                f"offsets")
         return None
 
-    # streaming multiprocessors of the GPUs the kernels target (H100 / H200 SXM: 132)
-    SMS = 132
+    # streaming multiprocessors of the GPUs the kernels target (tests patch this one)
+    SMS = binding.SMS
 
     @staticmethod
     def pick_bv(rows: int, HV: int, V: int) -> int:

@@ -426,9 +426,7 @@ def _ctas() -> dict:
     if CTAS_PER_SM not in (2, 3) or isinstance(CTAS_PER_SM, bool):
         raise ValueError(f"chunk_prep.CTAS_PER_SM={CTAS_PER_SM!r}; expected 2 or 3")
     if PIPELINED is True:
-        # (the SM count lives with the walks; chunk_forward imports this module)
-        from gdp_jax.kernels.chunk_forward import ChunkForwardKernel
-        return {"ctas": 2, "pipelined": 2 * ChunkForwardKernel.SMS}
+        return {"ctas": 2, "pipelined": 2 * binding.SMS}
     if PIPELINED is not False and (isinstance(PIPELINED, bool)
                                    or not isinstance(PIPELINED, int) or PIPELINED < 1):
         raise ValueError(f"chunk_prep.PIPELINED={PIPELINED!r}; expected True, False or an "
