@@ -172,19 +172,20 @@ stg_ab() {
   # w, u products (chunk_prep.LATE_V, +latev), its registers for 2 CTAs an SM
   # (chunk_prep.CTAS_PER_SM, +prep2): the op's forward A/B with and without u in
   # bfloat16 beside tuned FLA (O_TOKENS "auto", s43's default), their GPU tests (the same
-  # bits), the kernel with both under Nsight Compute (excess sectors, time)
+  # bits), the pipelined kernel under Nsight Compute
   # (+prep2: the operands kernel's registers capped for 2 CTAs an SM instead of 3; +pipe2:
   # it persistent and pipelined, 2 CTAs an SM - chunk_prep.PIPELINED)
   step 190 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+latev,cutedsl+stg+latev,cutedsl+stg+u16f+latev,cutedsl+prep2,cutedsl+pipe2,cutedsl+pipe2+stg,cutedsl+pipe2+stg+u16f,fla \
+    --impl cutedsl,cutedsl+pipe2,cutedsl+latev,cutedsl+stg+latev,cutedsl+prep2,cutedsl+pipe2+stg,cutedsl+stg+u16f+latev,cutedsl+pipe2+stg+u16f,fla \
     --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 175 --out $M/fwd
   rows $M/fwd.log
   step 160 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores or late_v or pipelined_same"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230
+  # (the pipelined kernel: where a 2-CTA kernel's issue slots and bandwidth stand)
   step 60 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
-    --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section SchedulerStats --section Occupancy --section SourceCounters \
-    python -m benchmarks.run fwd --impl cutedsl+stg+latev,cutedsl+pipe2+stg --shapes 8,4096,16,2 \
+    python -m benchmarks.run fwd --impl cutedsl+pipe2+stg --shapes 8,4096,16,2 \
     --no-check --iters 1 --reps 1 --out /tmp/ncub
   grep -vE "^==PROF==|^\[" $M/ncu.log | grep -E "ChunkPrep|Duration|Throughput|excessive|Issued|Achieved Occ|ERR|rror" \
     | cut -c1-180 | head -30
