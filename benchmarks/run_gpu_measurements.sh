@@ -77,9 +77,10 @@
 #   TOTAL=150 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 55  # Nsight Compute on fwd+bwd's
 #                                               # kernels (operands with X, reverse walk,
 #                                               # local gradients)
-#   TOTAL=520 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 57  # the operands kernel's phase
-#                                               # probe: default, +latev, +prep2, +pipe2;
-#                                               # then mode 55 (ncu of fwd+bwd's kernels)
+#   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 57  # +pipe2 in fwd+bwd and
+#                                               # a long row beside tuned FLA; the operands
+#                                               # kernel's phase probe: default, +prep2,
+#                                               # +pipe2; then mode 55 (ncu of fwd+bwd)
 #   TOTAL=560 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 53  # where the forward's cycles go: the
 #                                               # operands kernel's phase probe, Nsight Compute
 #                                               # on both forward kernels, a forward trace,
@@ -502,15 +503,20 @@ case "${1:-2}" in
   rest_in_what_is_left ;;
 57)
   # s44: the operands kernel's phases (SM cycles a CTA, the probe of the op's forward
-  # variant) on the default, +latev (v waited for before phase 4), +prep2 (2 CTAs an SM,
-  # ~186 registers) and +pipe2 (persistent, pipelined: where do its cycles go?); then
-  # mode 55 (Nsight Compute on fwd+bwd's kernels)
+  # variant) on the default, +prep2 (2 CTAs an SM, ~186 registers) and +pipe2
+  # (persistent, pipelined: where do its cycles go?), after a fwd+bwd and long-row A/B of
+  # +pipe2; then mode 55 (Nsight Compute on fwd+bwd's kernels)
   probe() { step 90 $1 python -m benchmarks.prep_probe --tokens --bv "" \
     --shape 8,4096,16,2 --json $M/$1.json "${@:2}"
     grep -hE "s\] (prep tok|probe tok)|  probe tokens l2norm=1 readout|Error" $M/$1.log \
       | cut -c1-160; }
+  # first fwd+bwd (its operands pass with X runs the same kernel) and one long row
+  # (intra_cp "auto": the split forward) with the pipelined kernel beside tuned FLA
+  step 150 fb python -m benchmarks.run fwdbwd \
+    --impl cutedsl,cutedsl+pipe2,cutedsl-cpauto,cutedsl-cpauto+pipe2,fla \
+    --shapes "8,4096,16,2;1,65536,16,2" --no-check --deadline 135 --out $M/fb
+  rows $M/fb.log
   probe probe_def
-  probe probe_latev --set kernels.chunk_prep.LATE_V=True
   probe probe_prep2 --set kernels.chunk_prep.CTAS_PER_SM=2
   probe probe_pipe2 --set kernels.chunk_prep.PIPELINED=True
   ncu_backward
