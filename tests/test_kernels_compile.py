@@ -1171,7 +1171,6 @@ def test_operands_staged_stores_compiles(monkeypatch, match, u16):
 
 
 @pytest.mark.parametrize("match,staged", [
-    ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", False),
     ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", True),
     ("gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm inverse readout_rows", False),
     ("gdp_chunk_prep_sm90 bfloat16 K=64 V=64", False),                       # chunk-major
@@ -1193,33 +1192,30 @@ def test_operands_late_v_compiles(monkeypatch, match, staged):
 
 
 @pytest.mark.parametrize("match,staged", [
-    ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", False),
     ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", True),
     ("gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm inverse readout_rows", False),
     ("gdp_chunk_prep_sm90 bfloat16 K=64 V=64", False),                       # chunk-major
 ])
 def test_operands_pipelined_compiles(monkeypatch, match, staged):
     """``chunk_prep.PIPELINED`` (opt-in): the persistent operands kernel (two smem stages
-    of k, q; 2 CTAs an SM) compiles to sm_90a - another object than the default's - also
-    on a given number of CTAs; values other than True / False / an int >= 1 are
-    refused."""
+    of k, q; 2 CTAs an SM) compiles to sm_90a - another object than the default's (the
+    op's forward variant with staged stores too; the backward's with X; chunk-major
+    loads); values other than True / False / an int >= 1 are refused. (An int n compiles
+    the same code on a grid of n.)"""
     from gdp_jax.kernels import chunk_prep
     from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
     monkeypatch.setattr(chunk_prep, "STAGED_STORES", staged)
     (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
-    texts = []
-    for value in (False, True, 5):
-        monkeypatch.setattr(chunk_prep, "PIPELINED", value)
-        jax.clear_caches()
-        texts.append(_lower(v.fn, *v.avals))
-        assert "CuteDSLRT_NvJaxCutlassCall" in texts[-1]
-    # (5 CTAs: the same object here - the variant's one chunk sets the grid either way)
-    assert texts[0] != texts[1]
+    _assert_switch_changes_object(monkeypatch, chunk_prep, "PIPELINED", True, v)
     for bad in (-1, 2.0, "yes"):
         monkeypatch.setattr(chunk_prep, "PIPELINED", bad)
         jax.clear_caches()
         with pytest.raises(ValueError, match="chunk_prep.PIPELINED="):
             jax.eval_shape(v.fn, *v.avals)
+    from gdp_jax.kernels import binding
+    for value, grid in ((True, 2 * binding.SMS), (5, 5)):
+        monkeypatch.setattr(chunk_prep, "PIPELINED", value)
+        assert chunk_prep._ctas() == {"ctas": 2, "pipelined": grid}
 
 
 def test_operands_two_ctas_an_sm_compiles(monkeypatch):
