@@ -1127,6 +1127,25 @@ def test_walk_gmma_compiles(monkeypatch, walk, match):
             jax.eval_shape(lambda *a: v.fn(*a, gmma=True, **bad), *v.avals)
 
 
+def _operands_switch_compiles(monkeypatch, switch, match, bad_values, expected, pins=()):
+    """The operands kernel's variant named ``match`` with ``chunk_prep.<switch>`` True
+    lowers to another object than with it False (``pins``: other switches set first);
+    each of ``bad_values`` is refused by a ValueError naming the switch, the value and
+    ``expected``."""
+    from gdp_jax.kernels import chunk_prep
+    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
+    for name, value in pins:
+        monkeypatch.setattr(chunk_prep, name, value)
+    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
+    _assert_switch_changes_object(monkeypatch, chunk_prep, switch, True, v)
+    for bad in bad_values:
+        monkeypatch.setattr(chunk_prep, switch, bad)
+        jax.clear_caches()
+        with pytest.raises(ValueError,
+                           match=re.escape(f"chunk_prep.{switch}={bad!r}; expected {expected}")):
+            jax.eval_shape(v.fn, *v.avals)
+
+
 @pytest.mark.parametrize("match", [
     "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows",   # the forward's
     "gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm inverse readout_rows",  # bwd
@@ -1137,14 +1156,7 @@ def test_operands_gmma_compiles(monkeypatch, match):
     warpgroup MMAs (K K^T, Q K^T from the smem tiles; w, u with X's parts from registers)
     compiles to sm_90a - another object than the warp-MMA kernel's; a value other than True /
     False is refused."""
-    from gdp_jax.kernels import chunk_prep
-    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
-    _assert_switch_changes_object(monkeypatch, chunk_prep, "GMMA", True, v)
-    monkeypatch.setattr(chunk_prep, "GMMA", "all")
-    jax.clear_caches()
-    with pytest.raises(ValueError, match="chunk_prep.GMMA='all'; expected True or False"):
-        jax.eval_shape(v.fn, *v.avals)
+    _operands_switch_compiles(monkeypatch, "GMMA", match, ["all"], "True or False")
 
 
 @pytest.mark.parametrize("match,u16", [
@@ -1159,15 +1171,8 @@ def test_operands_staged_stores_compiles(monkeypatch, match, u16):
     the direct stores' (the forward's, with u in float32 and bfloat16; the backward's with
     X; the chunk-major kernel's P on all rows); a value other than True / False is
     refused."""
-    from gdp_jax.kernels import chunk_prep
-    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    monkeypatch.setattr(chunk_prep, "U16", u16)
-    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
-    _assert_switch_changes_object(monkeypatch, chunk_prep, "STAGED_STORES", True, v)
-    monkeypatch.setattr(chunk_prep, "STAGED_STORES", "yes")
-    jax.clear_caches()
-    with pytest.raises(ValueError, match="chunk_prep.STAGED_STORES='yes'; expected True"):
-        jax.eval_shape(v.fn, *v.avals)
+    _operands_switch_compiles(monkeypatch, "STAGED_STORES", match, ["yes"], "True or False",
+                              pins=[("U16", u16)])
 
 
 @pytest.mark.parametrize("match,staged", [
@@ -1180,15 +1185,8 @@ def test_operands_late_v_compiles(monkeypatch, match, staged):
     group of its own, waited for before phase 4, compiles to sm_90a - another object than
     the default's (alone and with STAGED_STORES; token-major and chunk-major loads); a
     value other than True / False is refused."""
-    from gdp_jax.kernels import chunk_prep
-    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    monkeypatch.setattr(chunk_prep, "STAGED_STORES", staged)
-    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
-    _assert_switch_changes_object(monkeypatch, chunk_prep, "LATE_V", True, v)
-    monkeypatch.setattr(chunk_prep, "LATE_V", 1.5)
-    jax.clear_caches()
-    with pytest.raises(ValueError, match="chunk_prep.LATE_V=1.5; expected True"):
-        jax.eval_shape(v.fn, *v.avals)
+    _operands_switch_compiles(monkeypatch, "LATE_V", match, [1.5], "True or False",
+                              pins=[("STAGED_STORES", staged)])
 
 
 @pytest.mark.parametrize("match,staged", [
@@ -1200,22 +1198,14 @@ def test_operands_pipelined_compiles(monkeypatch, match, staged):
     """``chunk_prep.PIPELINED`` (opt-in): the persistent operands kernel (two smem stages
     of k, q; 2 CTAs an SM) compiles to sm_90a - another object than the default's (the
     op's forward variant with staged stores too; the backward's with X; chunk-major
-    loads); values other than True / False / an int >= 1 are refused. (An int n compiles
-    the same code on a grid of n.)"""
-    from gdp_jax.kernels import chunk_prep
-    from gdp_jax.kernels.chunk_prep import ChunkPrepKernel
-    monkeypatch.setattr(chunk_prep, "STAGED_STORES", staged)
-    (v,) = [v for v in ChunkPrepKernel.variants() if v.what == match]
-    _assert_switch_changes_object(monkeypatch, chunk_prep, "PIPELINED", True, v)
-    for bad in (-1, 2.0, "yes"):
-        monkeypatch.setattr(chunk_prep, "PIPELINED", bad)
-        jax.clear_caches()
-        with pytest.raises(ValueError, match="chunk_prep.PIPELINED="):
-            jax.eval_shape(v.fn, *v.avals)
-    from gdp_jax.kernels import binding
-    for value, grid in ((True, 2 * binding.SMS), (5, 5)):
+    loads); values other than True / False / an int >= 1 are refused; True takes 2 CTAs
+    an SM on every SM, an int n n CTAs (the same code on a grid of n)."""
+    from gdp_jax.kernels import binding, chunk_prep
+    _operands_switch_compiles(monkeypatch, "PIPELINED", match, [-1, 2.0, "yes"],
+                              "True, False or an int >= 1", pins=[("STAGED_STORES", staged)])
+    for value, ctas in ((True, 2 * binding.SMS), (5, 5)):
         monkeypatch.setattr(chunk_prep, "PIPELINED", value)
-        assert chunk_prep._ctas() == {"ctas": 2, "pipelined": grid}
+        assert chunk_prep._ctas() == {"ctas": 2, "pipelined": ctas}
 
 
 def test_operands_two_ctas_an_sm_compiles(monkeypatch):
