@@ -346,19 +346,23 @@ class ChunkPrepSm90:
         gi = tidx % C
 
         b0, c0, hv0 = _chunk_coords(bid, NC, HV)
+        rows0 = None
+        if cutlass.const_expr(self.tokens):
+            mRows = gmem[6]
+            rows0 = (mRows[b0, c0, 0], mRows[b0, c0, 1], mRows[b0, c0, 2], mRows[b0, c0, 3])
         sK0 = cute.make_tensor(st.sK.data_ptr(), sK_layout)
         sQ0 = cute.make_tensor(st.sQ.data_ptr(), sK_layout)
         self._issue_loads(cpK, cpV, cpK.dest(sK0), cpK.dest(sQ0), tV, sQ0, gmem, b0, c0, hv0,
-                          True, False)
+                          True, False, rows0)
         cute.arch.cp_async_commit_group()
-        self._issue_loads(cpK, cpV, None, None, tV, None, gmem, b0, c0, hv0, False, True)
+        self._issue_loads(cpK, cpV, None, None, tV, None, gmem, b0, c0, hv0, False, True,
+                          rows0)
         cute.arch.cp_async_commit_group()
         g_next = mG[b0, c0, hv0, gi].to(F32)
         beta_next = mBeta[b0, c0, hv0, gi].to(F32)
         if cutlass.const_expr(self.tokens):
             # the row-table entry of the chunk after next, a chunk ahead in registers (its
             # copies are addressed from it: no L2 round trip before they issue)
-            mRows = gmem[6]
             b1, c1, _ = _chunk_coords(cutlass.min(bid + grid, tiles - 1), NC, HV)
             rb, rc, rt, rn = mRows[b1, c1, 0], mRows[b1, c1, 1], mRows[b1, c1, 2], \
                 mRows[b1, c1, 3]
