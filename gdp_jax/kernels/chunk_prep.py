@@ -74,7 +74,7 @@ STAGED_STORES = False
 LATE_V = False
 # Measurement (s44, not yet run): the CTAs an SM the operands kernel's registers are capped
 # for - 3 (the default: ~167 registers a thread, 12 warps an SM) or 2 (the assembler's
-# choice, ~190): do its latency-bound phases run faster per CTA with more registers and
+# choice, 186): do its latency-bound phases run faster per CTA with more registers and
 # fewer neighbours? (What a 2-CTA pipelined kernel would start from.)
 CTAS_PER_SM = 3
 # Opt-in (s44, not yet run on a GPU): the operands kernel persistent and pipelined
@@ -427,8 +427,7 @@ def _ctas() -> dict:
         raise ValueError(f"chunk_prep.CTAS_PER_SM={CTAS_PER_SM!r}; expected 2 or 3")
     if PIPELINED is True:
         return {"ctas": 2, "pipelined": 2 * binding.SMS}
-    if PIPELINED is not False and (isinstance(PIPELINED, bool)
-                                   or not isinstance(PIPELINED, int) or PIPELINED < 1):
+    if PIPELINED is not False and (not isinstance(PIPELINED, int) or PIPELINED < 1):
         raise ValueError(f"chunk_prep.PIPELINED={PIPELINED!r}; expected True, False or an "
                          f"int >= 1 (CTAs)")
     if PIPELINED:
