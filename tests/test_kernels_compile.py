@@ -1177,7 +1177,6 @@ def test_operands_staged_stores_compiles(monkeypatch, match, u16):
 
 @pytest.mark.parametrize("match,staged", [
     ("gdp_chunk_prep_sm90_tokens bfloat16 K=128 V=128 l2norm readout_rows", True),
-    ("gdp_chunk_prep_sm90_tokens float16 K=64 V=128 l2norm inverse readout_rows", False),
     ("gdp_chunk_prep_sm90 bfloat16 K=64 V=64", False),                       # chunk-major
 ])
 def test_operands_late_v_compiles(monkeypatch, match, staged):
