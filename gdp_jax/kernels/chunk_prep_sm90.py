@@ -111,6 +111,17 @@ def _chunk_coords(t, NC, HV):
     return t // (NC * HV), t % NC, (t // NC) % HV
 
 
+def _row_entry(mRows, b, c):
+    """mRows[b, c] = (base, count, tok, n) read into registers."""
+    return mRows[b, c, 0], mRows[b, c, 1], mRows[b, c, 2], mRows[b, c, 3]
+
+
+def _stage_ptrs(st, stage, k_elems, q_elems):
+    """Pointers to smem stage ``stage`` (0 or 1) of the pipelined kernel's k and q / X tiles."""
+    return (st.sK.data_ptr() + cute.assume(stage * k_elems, divby=k_elems),
+            st.sQ.data_ptr() + cute.assume(stage * q_elems, divby=q_elems))
+
+
 def _quad(sM, i, l0):
     """sM[i, l0 .. l0 + 3] of a float32 [C, C] tile (rows PAD apart; ``l0`` a multiple of
     4) as one 16-byte shared load: 4 registers."""
@@ -349,7 +360,7 @@ class ChunkPrepSm90:
         rows0 = None
         if cutlass.const_expr(self.tokens):
             mRows = gmem[6]
-            rows0 = (mRows[b0, c0, 0], mRows[b0, c0, 1], mRows[b0, c0, 2], mRows[b0, c0, 3])
+            rows0 = _row_entry(mRows, b0, c0)
         sK0 = cute.make_tensor(st.sK.data_ptr(), sK_layout)
         sQ0 = cute.make_tensor(st.sQ.data_ptr(), sK_layout)
         self._issue_loads(cpK, cpV, cpK.dest(sK0), cpK.dest(sQ0), tV, sQ0, gmem, b0, c0, hv0,
@@ -364,15 +375,13 @@ class ChunkPrepSm90:
             # the row-table entry of the chunk after next, a chunk ahead in registers (its
             # copies are addressed from it: no L2 round trip before they issue)
             b1, c1, _ = _chunk_coords(cutlass.min(bid + grid, tiles - 1), NC, HV)
-            rb, rc, rt, rn = mRows[b1, c1, 0], mRows[b1, c1, 1], mRows[b1, c1, 2], \
-                mRows[b1, c1, 3]
+            rb, rc, rt, rn = _row_entry(mRows, b1, c1)
         for i in cutlass.range((tiles - bid + grid - 1) // grid, unroll=1):
             t = bid + i * grid
             b, c, hv = _chunk_coords(t, NC, HV)
             stage = i % 2
             marks = [cute.arch.clock()] if cutlass.const_expr(self.probe) else []
-            kptr = st.sK.data_ptr() + cute.assume(stage * k_elems, divby=k_elems)
-            qptr = st.sQ.data_ptr() + cute.assume(stage * q_elems, divby=q_elems)
+            kptr, qptr = _stage_ptrs(st, stage, k_elems, q_elems)
             sK = cute.make_tensor(kptr, sK_layout)
             sQ = cute.make_tensor(qptr, sK_layout)
             tn = t + grid
@@ -381,11 +390,9 @@ class ChunkPrepSm90:
             if cutlass.const_expr(self.tokens):
                 rows = (rb, rc, rt, rn)
                 b2, c2, _ = _chunk_coords(cutlass.min(tn + grid, tiles - 1), NC, HV)
-                rb, rc, rt, rn = mRows[b2, c2, 0], mRows[b2, c2, 1], mRows[b2, c2, 2], \
-                    mRows[b2, c2, 3]
+                rb, rc, rt, rn = _row_entry(mRows, b2, c2)
             if tn < tiles:
-                nk = st.sK.data_ptr() + cute.assume((1 - stage) * k_elems, divby=k_elems)
-                nq = st.sQ.data_ptr() + cute.assume((1 - stage) * q_elems, divby=q_elems)
+                nk, nq = _stage_ptrs(st, 1 - stage, k_elems, q_elems)
                 sQn = cute.make_tensor(nq, sK_layout)
                 self._issue_loads(cpK, cpV, cpK.dest(cute.make_tensor(nk, sK_layout)),
                                   cpK.dest(sQn), tV, sQn, gmem, bn, cn, hvn, True, False,
@@ -657,8 +664,7 @@ class ChunkPrepSm90:
             num_bits_per_copy=128)
         hk = hv // (mV.shape[2] // mK.shape[2])
         if cutlass.const_expr(rows is None):
-            base, count = mRows[b, c, 0], mRows[b, c, 1]
-            tok, n = mRows[b, c, 2], mRows[b, c, 3]
+            base, count, tok, n = _row_entry(mRows, b, c)
         else:
             base, count, tok, n = rows
         zero = F32(0.0).to(ab)
