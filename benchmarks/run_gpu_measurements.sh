@@ -77,6 +77,8 @@
 #   TOTAL=150 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 55  # Nsight Compute on fwd+bwd's
 #                                               # kernels (operands with X, reverse walk,
 #                                               # local gradients)
+#   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 58  # modes 56, 57 in one call:
+#                                               # fwd A/B, same-bits tests, fwd+bwd, long row
 #   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 57  # +pipe2 in fwd+bwd and
 #                                               # a long row beside tuned FLA; the operands
 #                                               # kernel's phase probe: default, +prep2,
@@ -500,6 +502,21 @@ case "${1:-2}" in
   # mode 54, then mode 4's rest group with what time is left (the next session's first
   # call; mode 55's ncu of the backward moved to mode 57)
   stg_ab
+  rest_in_what_is_left ;;
+58)
+  # s45: modes 56 and 57 cut to one call (device starts were scarce): the forward A/B of
+  # the operands-kernel opt-ins beside tuned FLA at the main shapes, the same-bits GPU tests
+  # of LATE_V and PIPELINED, fwd+bwd and one long row with +pipe2, then the rest group
+  step 150 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+pipe2,cutedsl+pipe2+stg,cutedsl+latev,cutedsl+prep2,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 140 --out $M/fwd
+  rows $M/fwd.log
+  step 130 t_stg $P tests/test_cutedsl_gpu.py -k "late_v or pipelined_same"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230
+  step 110 fb python -m benchmarks.run fwdbwd \
+    --impl cutedsl,cutedsl+pipe2,cutedsl-cpauto,cutedsl-cpauto+pipe2,fla \
+    --shapes "8,4096,16,2;1,65536,16,2" --no-check --deadline 100 --out $M/fb
+  rows $M/fb.log
   rest_in_what_is_left ;;
 57)
   # s44: the operands kernel's phases (SM cycles a CTA, the probe of the op's forward
