@@ -79,6 +79,7 @@
 #                                               # local gradients)
 #   TOTAL=540 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 58  # modes 56, 57 in one call:
 #                                               # fwd A/B, same-bits tests, fwd+bwd, long row
+#   TOTAL=220 NO_BUILD=1 bash benchmarks/run_gpu_measurements.sh 59  # mode 58 cut: +pipe2 fwd A/B, its test
 #   TOTAL=570 BUILD_ONLY=bfloat16 bash benchmarks/run_gpu_measurements.sh 57  # +pipe2 in fwd+bwd and
 #                                               # a long row beside tuned FLA; the operands
 #                                               # kernel's phase probe: default, +prep2,
@@ -518,6 +519,14 @@ case "${1:-2}" in
     --shapes "8,4096,16,2;1,65536,16,2" --no-check --deadline 100 --out $M/fb
   rows $M/fb.log
   rest_in_what_is_left ;;
+59)
+  # mode 58 cut to ~220 s (no prebuild): the pipelined operands kernel's forward A/B beside
+  # tuned FLA at two main shapes, then its same-bits GPU test
+  step 120 fwd python -m benchmarks.run fwd --impl cutedsl,cutedsl+pipe2,cutedsl+pipe2+stg,fla \
+    --shapes "8,4096,16,2;8,4096,16,1" --deadline 110 --out $M/fwd
+  rows $M/fwd.log
+  step 90 t_stg $P tests/test_cutedsl_gpu.py -k "pipelined_same"
+  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230 ;;
 57)
   # s44: the operands kernel's phases (SM cycles a CTA, the probe of the op's forward
   # variant) on the default, +prep2 (2 CTAs an SM, ~186 registers) and +pipe2
