@@ -508,9 +508,9 @@ case "${1:-2}" in
   # s45: modes 56 and 57 cut to one call (device starts were scarce): the forward A/B of
   # the operands-kernel opt-ins beside tuned FLA at the main shapes, the same-bits GPU tests
   # of LATE_V and PIPELINED, fwd+bwd and one long row with +pipe2, then the rest group
-  step 150 fwd python -m benchmarks.run fwd \
-    --impl cutedsl,cutedsl+pipe2,cutedsl+pipe2+stg,cutedsl+latev,cutedsl+prep2,fla \
-    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 140 --out $M/fwd
+  step 175 fwd python -m benchmarks.run fwd \
+    --impl cutedsl,cutedsl+pipe2,cutedsl+pipe2+stg,cutedsl+pipe2+stg+u16f,cutedsl+latev,cutedsl+prep2,fla \
+    --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 165 --out $M/fwd
   rows $M/fwd.log
   step 130 t_stg $P tests/test_cutedsl_gpu.py -k "late_v or pipelined_same"
   grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230

@@ -438,18 +438,34 @@ class ChunkPrepSm90:
         if tidx < C:
             i = tidx
             s = F32(0.0)                          # seg_ij, j from i down to 0
-            for jj in cutlass.range(i + 1, unroll=1):
-                j = i - jj
-                sA[i, j] = cute.math.exp(s, fastmath=True)
-                s = s + sg[j]
+            if cutlass.const_expr(self.pipelined):
+                # no loads to hide these loops behind: 8 entries at a time without
+                # branches, so their g loads and exps overlap (fully unrolled, +14
+                # registers). Past the row's first entry (jj > i) the store goes to padding
+                # column C, which nothing reads, and s gains an exact 0: the same sums,
+                # the same bits
+                for jj in cutlass.range(C, unroll=8):
+                    sA[i, cutlass.select_(jj <= i, i - jj, C)] = cute.math.exp(
+                        s, fastmath=True)
+                    s = s + _pick(jj <= i, sg[cutlass.select_(jj <= i, i - jj, 0)],
+                                  F32(0.0))
+            else:
+                for jj in cutlass.range(i + 1, unroll=1):
+                    j = i - jj
+                    sA[i, j] = cute.math.exp(s, fastmath=True)
+                    s = s + sg[j]
             sgam[i] = cute.math.exp(s, fastmath=True)            # s = G_i
             if i == C - 1:
                 mDecay[b, c, hv] = cute.math.exp(s, fastmath=True)
         else:
             i = tidx - C
             t = F32(0.0)                          # G_last - G_i = g_{i+1} + ... + g_{C-1}
-            for jj in cutlass.range(C - 1 - i, unroll=1):
-                t = t + sg[C - 1 - jj]
+            if cutlass.const_expr(self.pipelined):
+                for jj in cutlass.range(C - 1, unroll=7):
+                    t = t + _pick(C - 1 - jj > i, sg[C - 1 - jj], F32(0.0))
+            else:
+                for jj in cutlass.range(C - 1 - i, unroll=1):
+                    t = t + sg[C - 1 - jj]
             send[i] = cute.math.exp(t, fastmath=True)
         # all groups (late_v: but v's; pipelined: but v's and the next chunk's k, q)
         cute.arch.cp_async_wait_group(2 if self.pipelined else (1 if self.late_v else 0))
