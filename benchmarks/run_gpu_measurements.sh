@@ -170,6 +170,9 @@ layers_and_trace() {
     --set kernels.pipeline.SAVE_OPERANDS=True
   tail -8 $M/layers.log; head -12 $M/trace.log | cut -c1-160
 }
+# the same-bits GPU tests' log (t_stg): failures, summaries, the compared bits
+same_bits_summary() { grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log \
+  | tail -14 | cut -c1-230; }
 stg_ab() {
   # s43: the operands kernel's P, w (and a 16-bit u) through shared memory in 16-byte row
   # pieces (chunk_prep.STAGED_STORES, +stg); s44: its v tile waited for only before the
@@ -184,7 +187,7 @@ stg_ab() {
     --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 175 --out $M/fwd
   rows $M/fwd.log
   step 160 t_stg $P tests/test_cutedsl_gpu.py -k "staged_stores or late_v or pipelined_same"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230
+  same_bits_summary
   # (the pipelined kernel: where a 2-CTA kernel's issue slots and bandwidth stand)
   step 60 ncu ncu --clock-control none --target-processes all -k regex:"ChunkPrep" \
     --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -513,7 +516,7 @@ case "${1:-2}" in
     --shapes "8,4096,16,2;8,4096,16,1;2,16384,16,2;8,4096,16,3" --deadline 165 --out $M/fwd
   rows $M/fwd.log
   step 130 t_stg $P tests/test_cutedsl_gpu.py -k "late_v or pipelined_same"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230
+  same_bits_summary
   step 110 fb python -m benchmarks.run fwdbwd \
     --impl cutedsl,cutedsl+pipe2,cutedsl-cpauto,cutedsl-cpauto+pipe2,fla \
     --shapes "8,4096,16,2;1,65536,16,2" --no-check --deadline 100 --out $M/fb
@@ -526,7 +529,7 @@ case "${1:-2}" in
     --shapes "8,4096,16,2;8,4096,16,1" --deadline 110 --out $M/fwd
   rows $M/fwd.log
   step 90 t_stg $P tests/test_cutedsl_gpu.py -k "pipelined_same"
-  grep -hE "^(FAILED|ERROR)|passed|failed|the same bits|Error" $M/t_stg.log | tail -14 | cut -c1-230 ;;
+  same_bits_summary ;;
 57)
   # s44: the operands kernel's phases (SM cycles a CTA, the probe of the op's forward
   # variant) on the default, +prep2 (2 CTAs an SM, ~186 registers) and +pipe2
